@@ -1,0 +1,152 @@
+"""Async and sync clients for `rerank.v1.Reranker`.
+
+Both take the same arguments and return the same typed values. Failed calls raise the
+exceptions in `errors`; a degraded answer (scorer trouble on the server) is not an error:
+check `answer.reranked` and `answer.summary.degraded_code`.
+
+For a server behind a headless Kubernetes Service, pass `load_balancing="round_robin"` and
+a `dns:///` target so calls spread over every pod (docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from . import errors
+from .pb import rerank_pb2 as pb
+from .pb import rerank_pb2_grpc as pb_grpc
+from .types import CandidateLike, RerankAnswer, Result, Summary, build_request
+
+
+def channel_options(load_balancing: str | None = None,
+                    max_message_bytes: int = 16 * 1024 * 1024) -> list[tuple[str, Any]]:
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    if load_balancing:
+        config = {"loadBalancingConfig": [{load_balancing: {}}]}
+        options.append(("grpc.service_config", json.dumps(config)))
+    return options
+
+
+class AsyncRerankClient:
+    """grpc.aio client; create and use it inside one running event loop."""
+
+    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 load_balancing: str | None = None) -> None:
+        options = channel_options(load_balancing)
+        self._channel = (grpc.aio.secure_channel(target, credentials, options=options)
+                         if credentials else grpc.aio.insecure_channel(target, options=options))
+        self._stub = pb_grpc.RerankerStub(self._channel)
+
+    async def __aenter__(self) -> AsyncRerankClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def rerank(self, query: str, candidates: Iterable[CandidateLike], *,
+                     timeout: float | None = None, **options: Any) -> RerankAnswer:
+        """Rerank `candidates` for `query`. `options`: top_k, instruction, request_id,
+        blend_strategy, max_candidates, max_chunk_chars, timeout_ms, return_text."""
+        request = build_request(query, candidates, **options)
+        try:
+            response = await self._stub.Rerank(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from None
+        return RerankAnswer.from_pb(response)
+
+    async def stream(self, query: str, candidates: Iterable[CandidateLike], *,
+                     timeout: float | None = None, **options: Any,
+                     ) -> AsyncIterator[Result | Summary]:
+        """Results in final order as each becomes certain, then the `Summary`."""
+        request = build_request(query, candidates, **options)
+        call = self._stub.RerankStream(request, timeout=timeout)
+        try:
+            async for message in call:
+                if message.HasField("result"):
+                    yield Result.from_pb(message.result)
+                else:
+                    yield Summary.from_pb(message.summary)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def rerank_many(self, queries: Mapping[str, tuple[str, Sequence[CandidateLike]]], *,
+                          timeout: float | None = None, **options: Any,
+                          ) -> AsyncIterator[tuple[str, RerankAnswer | errors.RerankError]]:
+        """Many queries over one `RerankBatch` stream, keyed by request id.
+
+        Yields `(request_id, answer)` as each completes, in completion order; a request
+        the server rejected yields its `RerankError` instead of an answer.
+        """
+        requests = [build_request(q, c, request_id=rid, **options)
+                    for rid, (q, c) in queries.items()]
+        call = self._stub.RerankBatch(iter(requests), timeout=timeout)
+        try:
+            async for response in call:
+                if response.HasField("error"):
+                    code = grpc.StatusCode.UNKNOWN
+                    for status in grpc.StatusCode:
+                        if status.value[0] == response.error.code:
+                            code = status
+                    yield response.request_id, errors.from_code(code, response.error.message)
+                else:
+                    yield response.request_id, RerankAnswer.from_pb(response)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from None
+
+
+class RerankClient:
+    """Blocking client over a plain grpc channel; usable from any thread."""
+
+    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 load_balancing: str | None = None) -> None:
+        options = channel_options(load_balancing)
+        self._channel = (grpc.secure_channel(target, credentials, options=options)
+                         if credentials else grpc.insecure_channel(target, options=options))
+        self._stub = pb_grpc.RerankerStub(self._channel)
+
+    def __enter__(self) -> RerankClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def rerank(self, query: str, candidates: Iterable[CandidateLike], *,
+               timeout: float | None = None, **options: Any) -> RerankAnswer:
+        """As `AsyncRerankClient.rerank`."""
+        request = build_request(query, candidates, **options)
+        try:
+            response = self._stub.Rerank(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from None
+        return RerankAnswer.from_pb(response)
+
+    def stream(self, query: str, candidates: Iterable[CandidateLike], *,
+               timeout: float | None = None, **options: Any) -> Iterator[Result | Summary]:
+        """As `AsyncRerankClient.stream`."""
+        request = build_request(query, candidates, **options)
+        call = self._stub.RerankStream(request, timeout=timeout)
+        try:
+            for message in call:
+                if message.HasField("result"):
+                    yield Result.from_pb(message.result)
+                else:
+                    yield Summary.from_pb(message.summary)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from None
+        finally:
+            call.cancel()

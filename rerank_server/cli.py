@@ -1,0 +1,30 @@
+"""`rerank-server`: run the server (the default), or one of its subcommands."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from . import logs, settings
+from .errors import ConfigError
+from .loops import loop_factory
+from .server import serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = settings.build_parser()
+        config = settings.load(args, parser=parser)
+    except ConfigError as exc:
+        print(f"rerank-server: error: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(config.log_level, config.log_format)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Incremental final ordering: which results are certain while scoring is still running.
+
+The final order is: the scored set (the best `max_candidates` by retrieval rank) sorted by
+(blended score descending, retrieval rank, index), then every other candidate in
+retrieval order. While pairs are outstanding, the best resolved candidate can be released
+once no outstanding candidate could still beat it, that is once its score is above every
+outstanding candidate's upper bound (`blending.upper_bound`), or equal to it with the
+better retrieval position. `RerankStream` sends results at exactly those moments; `Rerank`
+uses the same engine and simply waits for the end, so both give the same order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from . import blending
+from .domain import BlendStrategy, Candidate
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A candidate whose final position is known."""
+
+    candidate: Candidate
+    score: float
+    reranker_score: float | None
+
+
+def _key(score: float, c: Candidate) -> tuple[float, int, int]:
+    return (-score, c.retrieval_rank, c.index)
+
+
+class IncrementalRanking:
+    """Releases candidates in final order as their pair outcomes arrive."""
+
+    def __init__(self, strategy: BlendStrategy, scored: list[Candidate],
+                 tail: list[Candidate]) -> None:
+        self._strategy = strategy
+        self._tail = tail
+        # Outstanding candidates by their upper bound, best first; stale entries are
+        # skipped lazily once their candidate resolves.
+        self._pending: dict[int, Candidate] = {c.index: c for c in scored}
+        self._bounds = [(_key(blending.upper_bound(strategy, c.retrieval_rank), c), c.index)
+                        for c in scored]
+        heapq.heapify(self._bounds)
+        self._resolved: list[tuple[tuple[float, int, int], int, Placed]] = []
+        self._tail_released = False
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def resolve(self, candidate_index: int, reranker_score: float | None) -> None:
+        """Record a pair's outcome: its score, or `None` when it failed."""
+        c = self._pending.pop(candidate_index)
+        score = blending.blend(self._strategy, c.retrieval_rank, reranker_score)
+        heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, reranker_score)))
+
+    def fail_outstanding(self) -> list[int]:
+        """Resolve every outstanding pair as failed (deadline, backend gone); their indexes."""
+        indexes = sorted(self._pending)
+        for i in indexes:
+            self.resolve(i, None)
+        return indexes
+
+    def release(self) -> list[Placed]:
+        """Candidates whose position is now certain, in final order (each only once)."""
+        out: list[Placed] = []
+        while self._resolved:
+            while self._bounds and self._bounds[0][1] not in self._pending:
+                heapq.heappop(self._bounds)
+            # Keys sort ascending, so "a beats b" is key(a) < key(b).
+            if self._bounds and self._bounds[0][0] < self._resolved[0][0]:
+                break
+            out.append(heapq.heappop(self._resolved)[2])
+        if not self._pending and not self._resolved and not self._tail_released:
+            self._tail_released = True
+            out.extend(Placed(c, 0.0, None) for c in self._tail)
+        return out

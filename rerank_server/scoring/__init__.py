@@ -1,0 +1,1 @@
+"""Scoring backends: turn (query, document) pairs into relevance scores on 0..1."""

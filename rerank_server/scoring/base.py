@@ -1,0 +1,81 @@
+"""The interface every scoring backend implements, and the outcome of one pair."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from ..domain import DegradedCode
+
+
+class Failure(StrEnum):
+    """Why a pair got no score; each maps to a degraded reason."""
+
+    UNAVAILABLE = "unavailable"
+    TIMEOUT = "timeout"
+    HTTP_ERROR = "http_error"
+    MALFORMED = "malformed"
+
+    @property
+    def degraded_code(self) -> DegradedCode:
+        return _DEGRADED[self]
+
+
+_DEGRADED = {
+    Failure.UNAVAILABLE: DegradedCode.BACKEND_UNAVAILABLE,
+    Failure.TIMEOUT: DegradedCode.TIMEOUT,
+    Failure.HTTP_ERROR: DegradedCode.BACKEND_ERROR,
+    Failure.MALFORMED: DegradedCode.MALFORMED_RESPONSE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PairOutcome:
+    """The result for pair `pair`: a score on 0..1, or a failure with a short detail.
+
+    `detail` names what went wrong (an exception type, an HTTP status); it never holds
+    query or document text.
+    """
+
+    pair: int
+    score: float | None
+    failure: Failure | None = None
+    detail: str = ""
+
+    @classmethod
+    def failed(cls, pair: int, failure: Failure, detail: str) -> PairOutcome:
+        return cls(pair, None, failure, detail)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """Pairs to score: one query against `documents` (already chunked and titled)."""
+
+    query: str
+    instruction: str
+    documents: Sequence[str]
+
+
+Emit = Callable[[PairOutcome], None]
+
+
+class Scorer(Protocol):
+    """A scoring backend.
+
+    `score` reports each pair's outcome through `emit` as soon as it is known, and
+    returns when every pair is reported. It is cancelled when the request's time budget
+    runs out; pairs not yet reported then count as timed out. It must not raise for
+    backend trouble: that is a failed pair.
+    """
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+    async def score(self, request: ScoreRequest, emit: Emit) -> None: ...
+
+    async def aclose(self) -> None: ...

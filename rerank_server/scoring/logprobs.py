@@ -1,0 +1,73 @@
+"""P(yes) from the top logprobs of a yes/no answer token.
+
+The score is the softmax over the "yes" and "no" logprobs, i.e.
+P(yes) = e^yes / (e^yes + e^no). Tokens match without regard to case or surrounding
+whitespace ("Yes", " yes", "YES"); several variants of one answer are pooled with
+log-sum-exp. When only one answer appears in the top logprobs the other gets the floor
+logprob -10 (as in Qwen3-Reranker's own logprob recipe). When neither appears the pair
+has no score: no invented constant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+FLOOR_LOGPROB = -10.0
+MIN_LOGPROB = -1e4
+
+
+class MalformedLogprobs(ValueError):
+    """The backend's answer has no usable logprobs."""
+
+
+def _logsumexp(values: list[float]) -> float:
+    top = max(values)
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+def p_yes(top_logprobs: Iterable[tuple[str, float]]) -> float | None:
+    """P(yes) from (token, logprob) pairs, or None when neither answer is present."""
+    yes: list[float] = []
+    no: list[float] = []
+    for token, logprob in top_logprobs:
+        word = token.strip().lower()
+        if word == "yes":
+            yes.append(logprob)
+        elif word == "no":
+            no.append(logprob)
+    if not yes and not no:
+        return None
+    ly = _logsumexp(yes) if yes else FLOOR_LOGPROB
+    ln = _logsumexp(no) if no else FLOOR_LOGPROB
+    # Softmax of two values = sigmoid of their difference, in a form that cannot overflow.
+    d = ly - ln
+    if d >= 0:
+        return 1.0 / (1.0 + math.exp(-d))
+    e = math.exp(d)
+    return e / (1.0 + e)
+
+
+def chat_top_logprobs(body: Any) -> list[tuple[str, float]]:
+    """(token, logprob) pairs of the first generated token of an OpenAI chat response.
+
+    Shape: `choices[0].logprobs.content[0].top_logprobs[] = {token, logprob, ...}`.
+    Raises MalformedLogprobs when the shape is not there.
+    """
+    try:
+        content = body["choices"][0]["logprobs"]["content"]
+        entries = content[0]["top_logprobs"]
+        return [_entry(e) for e in entries]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise MalformedLogprobs(f"no top_logprobs in chat response ({type(exc).__name__})") from None
+
+
+def _entry(entry: Mapping[str, Any]) -> tuple[str, float]:
+    token, logprob = entry["token"], entry["logprob"]
+    if not isinstance(token, str) or not isinstance(logprob, int | float) or isinstance(logprob, bool):
+        raise TypeError("bad top_logprobs entry")
+    if math.isnan(logprob):
+        raise TypeError("NaN logprob")
+    # -inf (probability 0) would turn the softmax into NaN; any value this low is 0 anyway.
+    return token, max(float(logprob), MIN_LOGPROB)

@@ -1,0 +1,164 @@
+"""The gRPC servicer: `rerank.v1.Reranker` over the pipeline.
+
+Status codes are decided in one place (`_status_for`): INVALID_ARGUMENT for requests that
+break a rule, INTERNAL only for the unexpected. Load shedding (RESOURCE_EXHAUSTED) and
+draining (UNAVAILABLE) are done by grpc itself (`maximum_concurrent_rpcs`, `server.stop`).
+Backend trouble is never a status: it is a degraded answer.
+
+Each RPC writes one canonical log line (event `rpc`) with ids, counts, outcome and
+timings, and never the query or document text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+
+from . import convert
+from .domain import RankedCandidate, RerankQuery, RerankSummary
+from .errors import InvalidRequest
+from .pb import rerank_pb2 as pb
+from .pb import rerank_pb2_grpc as pb_grpc
+from .pipeline import Reranker
+from .validation import validate
+
+log = structlog.get_logger("rerank_server.rpc")
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else float(remaining)
+
+
+class RerankService(pb_grpc.RerankerServicer):
+    def __init__(self, reranker: Reranker) -> None:
+        self._reranker = reranker
+
+    def _query(self, request: pb.RerankRequest) -> RerankQuery:
+        query = convert.query_from_pb(request)
+        validate(query, self._reranker.settings)
+        return query
+
+    async def _collect(self, query: RerankQuery, deadline: float | None,
+                       ) -> tuple[list[RankedCandidate], RerankSummary]:
+        results: list[RankedCandidate] = []
+        async for item in self._reranker.run(query, deadline):
+            if isinstance(item, RerankSummary):
+                return results, item
+            results.append(item)
+        raise RuntimeError("pipeline ended without a summary")
+
+    async def Rerank(self, request: pb.RerankRequest,
+                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
+        started = time.perf_counter()
+        try:
+            query = self._query(request)
+            results, summary = await self._collect(query, _deadline(context))
+        except Exception as exc:
+            await self._abort(context, "Rerank", request.request_id, started, exc)
+            raise  # unreachable: abort raises
+        _log_summary("Rerank", summary, len(results))
+        return convert.response_to_pb(results, summary)
+
+    async def RerankStream(self, request: pb.RerankRequest,
+                           context: grpc.aio.ServicerContext[Any, Any],
+                           ) -> AsyncIterator[pb.RerankStreamMessage]:
+        started = time.perf_counter()
+        sent = 0
+        try:
+            query = self._query(request)
+            first_ms: float | None = None
+            async for item in self._reranker.run(query, _deadline(context)):
+                if isinstance(item, RerankSummary):
+                    _log_summary("RerankStream", item, sent, first_result_ms=first_ms)
+                    yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
+                    return
+                if first_ms is None:
+                    first_ms = (time.perf_counter() - started) * 1000
+                sent += 1
+                yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
+        except Exception as exc:
+            await self._abort(context, "RerankStream", request.request_id, started, exc)
+
+    async def RerankBatch(self, request_iterator: AsyncIterable[pb.RerankRequest],
+                          context: grpc.aio.ServicerContext[Any, Any],
+                          ) -> AsyncIterator[pb.RerankResponse]:
+        """Runs up to `batch_concurrency` requests at once; answers as each completes."""
+        done: asyncio.Queue[pb.RerankResponse | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(self._reranker.settings.batch_concurrency)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.RerankRequest) -> None:
+            started = time.perf_counter()
+            try:
+                query = self._query(request)
+                results, summary = await self._collect(query, _deadline(context))
+                _log_summary("RerankBatch", summary, len(results))
+                await done.put(convert.response_to_pb(results, summary))
+            except Exception as exc:
+                code, message = _status_for(exc)
+                _log_failure("RerankBatch", request.request_id, started, code, exc)
+                await done.put(pb.RerankResponse(
+                    request_id=request.request_id,
+                    error=pb.RequestError(code=code.value[0], message=message)))
+            finally:
+                slots.release()
+
+        async def feed() -> None:
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.create_task(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks)
+            finally:
+                await done.put(None)
+
+        feeder = asyncio.create_task(feed())
+        try:
+            while (response := await done.get()) is not None:
+                yield response
+            await feeder  # surfaces a broken request stream
+        finally:
+            for task in (feeder, *tasks):
+                task.cancel()
+
+    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str,
+                     request_id: str, started: float, exc: Exception) -> None:
+        code, message = _status_for(exc)
+        _log_failure(rpc, request_id, started, code, exc)
+        await context.abort(code, message)
+
+
+def _log_summary(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> None:
+    log.info("rpc", rpc=rpc, status="OK", request_id=s.request_id, candidates=s.candidates,
+             submitted=s.submitted, scored=s.scored, failed=s.failed, returned=returned,
+             reranked=s.reranked, degraded=s.degraded.code.value if s.degraded else None,
+             degraded_detail=s.degraded.message if s.degraded else None,
+             blend=s.blend.value, backend=s.backend, total_ms=round(s.total_ms, 2),
+             scoring_ms=round(s.scoring_ms, 2), **extra)
+
+
+def _log_failure(rpc: str, request_id: str, started: float, code: grpc.StatusCode,
+                 exc: Exception) -> None:
+    elapsed = round((time.perf_counter() - started) * 1000, 2)
+    if code is grpc.StatusCode.INTERNAL:
+        # The traceback names our code, not user text; the message may not, so drop it.
+        log.error("rpc", rpc=rpc, status=code.name, request_id=request_id,
+                  error=type(exc).__name__, total_ms=elapsed, exc_info=exc)
+    else:
+        log.info("rpc", rpc=rpc, status=code.name, request_id=request_id, error=str(exc),
+                 total_ms=elapsed)

@@ -1,0 +1,217 @@
+"""Server settings: each one defined once, giving a command-line flag and a `RERANK_*` variable.
+
+A field of `Settings` named `max_candidates` is the flag `--max-candidates` and the
+environment variable `RERANK_MAX_CANDIDATES`. Precedence: flag, then variable, then the
+default. Values are checked with messages that name both spellings, never with `assert`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from pathlib import Path
+from typing import Any
+
+from .domain import BlendStrategy
+from .errors import ConfigError
+
+ENV_PREFIX = "RERANK_"
+DEFAULT_INSTRUCTION = "Given a query, retrieve relevant passages that answer the query"
+
+
+class LogFormat(StrEnum):
+    AUTO = "auto"
+    JSON = "json"
+    CONSOLE = "console"
+
+
+def _opt(help: str, *, minimum: float | None = None, maximum: float | None = None,
+         group: str = "server") -> dict[str, Any]:
+    return {"help": help, "minimum": minimum, "maximum": maximum, "group": group}
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rerank-server"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # --- listening
+    host: str = field(default="127.0.0.1", metadata=_opt(
+        "Address to listen on. Loopback by default; 0.0.0.0 exposes the server."))
+    port: int = field(default=50051, metadata=_opt(
+        "gRPC port (0 picks a free one).", minimum=0, maximum=65535))
+    reflection: bool = field(default=True, metadata=_opt("Serve gRPC server reflection."))
+    grace_period_s: float = field(default=10.0, metadata=_opt(
+        "On SIGTERM/SIGINT, how long in-flight calls may run before they are cancelled.",
+        minimum=0))
+    max_concurrent_rpcs: int = field(default=256, metadata=_opt(
+        "RPCs handled at once; more are refused with RESOURCE_EXHAUSTED.", minimum=1))
+    max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_opt(
+        "Largest request or response message in bytes.", minimum=1024))
+    batch_concurrency: int = field(default=8, metadata=_opt(
+        "Requests of one RerankBatch stream processed at once.", minimum=1))
+
+    # --- backend
+    backend: str = field(default="chat", metadata=_opt(
+        "Scoring backend kind. `chat`: llama-server /v1/chat/completions with yes/no logprobs.",
+        group="backend"))
+    backend_url: str = field(default="http://127.0.0.1:8080", metadata=_opt(
+        "Base URL of the model server.", group="backend"))
+    model: str = field(default="", metadata=_opt(
+        "Model name sent to the backend and reported in responses (empty: as the backend "
+        "reports it).", group="backend"))
+    concurrency: int = field(default=4, metadata=_opt(
+        "Scoring requests in flight to the backend at once; keep at or below its slot "
+        "count (llama-server -np).", minimum=1, group="backend"))
+    backend_timeout_ms: int = field(default=30_000, metadata=_opt(
+        "Timeout of one HTTP call to the backend.", minimum=1, group="backend"))
+    assistant_prefill: bool = field(default=True, metadata=_opt(
+        "Send Qwen3-Reranker's empty think block as an assistant prefill.", group="backend"))
+
+    # --- ranking defaults (a request may override the ones marked so in the proto)
+    blend_strategy: BlendStrategy = field(default=BlendStrategy.POSITION_AWARE, metadata=_opt(
+        "Default blend of reranker score and retrieval rank.", group="ranking"))
+    instruction: str = field(default=DEFAULT_INSTRUCTION, metadata=_opt(
+        "Default task instruction given to the scorer.", group="ranking"))
+    timeout_ms: int = field(default=10_000, metadata=_opt(
+        "Default time budget per request; the gRPC deadline shortens it.", minimum=1,
+        group="ranking"))
+    max_candidates: int = field(default=40, metadata=_opt(
+        "Candidates scored per request (best retrieval ranks first); the rest follow in "
+        "retrieval order.", minimum=1, group="ranking"))
+    min_candidates: int = field(default=3, metadata=_opt(
+        "With fewer candidates, answer in retrieval order without scoring.", minimum=0,
+        group="ranking"))
+    max_chunk_chars: int = field(default=2000, metadata=_opt(
+        "Documents longer than this are cut to their best-matching window.", minimum=100,
+        group="ranking"))
+    disabled: bool = field(default=False, metadata=_opt(
+        "Answer every request in retrieval order without scoring.", group="ranking"))
+
+    # --- input limits
+    max_request_candidates: int = field(default=100, metadata=_opt(
+        "Most candidates one request may carry.", minimum=1, group="limits"))
+    max_query_chars: int = field(default=4096, metadata=_opt(
+        "Longest query or instruction, in characters.", minimum=1, group="limits"))
+    max_document_chars: int = field(default=32_768, metadata=_opt(
+        "Longest candidate text or title, in characters.", minimum=1, group="limits"))
+    max_id_chars: int = field(default=512, metadata=_opt(
+        "Longest candidate id or request id, in characters.", minimum=1, group="limits"))
+
+    # --- logging
+    log_level: str = field(default="info", metadata=_opt(
+        "Log level: debug, info, warning, error.", group="logging"))
+    log_format: LogFormat = field(default=LogFormat.AUTO, metadata=_opt(
+        "json, console, or auto (JSON unless stdout is a terminal).", group="logging"))
+
+    # --- managed llama-server (docs/configuration.md, "Managed mode")
+    cache_dir: Path = field(default_factory=_default_cache_dir, metadata=_opt(
+        "Where prepared assets (llama-server build, models) are kept.", group="managed"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            lo, hi = f.metadata.get("minimum"), f.metadata.get("maximum")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+                raise ConfigError(f"{flag_name(f.name)} / {env_name(f.name)}: must be "
+                                  f"{bounds}, got {value}")
+        if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
+            raise ConfigError(f"--log-level / {env_name('log_level')}: unknown level "
+                              f"{self.log_level!r}")
+        if not self.backend_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--backend-url / {env_name('backend_url')}: must start with "
+                              f"http:// or https://, got {self.backend_url!r}")
+        if self.backend not in BACKEND_KINDS:
+            raise ConfigError(f"--backend / {env_name('backend')}: unknown backend "
+                              f"{self.backend!r}; choose from {', '.join(BACKEND_KINDS)}")
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+BACKEND_KINDS = ("chat",)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return type(default)
+
+
+def _convert(kind: type, raw: str, source: str) -> Any:
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered in {"1", "true", "yes", "on"}:
+                return True
+            if lowered in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(raw)
+        if issubclass(kind, Enum):
+            return kind(raw.strip().lower())
+        if kind is Path:
+            return Path(raw).expanduser()
+        return kind(raw)
+    except ValueError:
+        choices = ""
+        if issubclass(kind, Enum):
+            choices = f"; choose from {', '.join(m.value for m in kind)}"
+        raise ConfigError(f"{source}: cannot read {raw!r} as {kind.__name__}{choices}") from None
+
+
+def build_parser(prog: str = "rerank-server",
+                 environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser for every setting; defaults shown are those in force (variables applied)."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Asynchronous gRPC reranking service. Every flag can also be set "
+                    f"through the environment variable named beside it ({ENV_PREFIX}*).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(Settings):
+        meta = f.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(
+            meta["group"], parser.add_argument_group(meta["group"]))
+        kind = _field_type(f)
+        env = env_name(f.name)
+        default = _convert(kind, environ[env], env) if env in environ else (
+            f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
+        help_text = f"{meta['help']} [env {env}]"
+        if kind is bool:
+            group.add_argument(flag_name(f.name), dest=f.name, default=default, help=help_text,
+                               action=argparse.BooleanOptionalAction)
+            continue
+        choices = [m.value for m in kind] if issubclass(kind, Enum) else None
+        group.add_argument(
+            flag_name(f.name), dest=f.name, default=default, help=help_text,
+            choices=choices, metavar=f.name.upper() if choices is None else None,
+            type=lambda raw, kind=kind, name=f.name: _convert(kind, raw, flag_name(name)))
+    return parser
+
+
+def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+         parser: argparse.ArgumentParser | None = None) -> Settings:
+    """Settings from flags and `RERANK_*` variables; raises ConfigError on a bad value."""
+    parser = parser or build_parser(environ=environ)
+    namespace = parser.parse_args(argv)
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(Settings)}
+    return Settings(**values)

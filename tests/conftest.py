@@ -1,0 +1,55 @@
+"""Shared fixtures: a fake llama-server on loopback, and a real in-process gRPC server."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from rerank_client import AsyncRerankClient
+
+from rerank_server import logs
+from rerank_server.server import RunningServer, build_server
+from rerank_server.settings import LogFormat, Settings
+
+from .fakes.llama import FakeLlamaServer
+
+logs.configure("debug", LogFormat.JSON)
+
+
+@pytest.fixture
+def fake_llama() -> Iterator[FakeLlamaServer]:
+    fake = FakeLlamaServer().start()
+    yield fake
+    fake.stop()
+
+
+StartServer = Callable[..., Awaitable[RunningServer]]
+
+
+@pytest.fixture
+async def start_server(fake_llama: FakeLlamaServer) -> AsyncIterator[StartServer]:
+    """Start a real server on 127.0.0.1:0 (against the fake unless told otherwise)."""
+    started: list[RunningServer] = []
+
+    async def start(**overrides: Any) -> RunningServer:
+        base = Settings(port=0, backend_url=fake_llama.url, grace_period_s=1.0)
+        running = await build_server(dataclasses.replace(base, **overrides))
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        await running.stop(grace=0)
+
+
+@pytest.fixture
+async def server(start_server: StartServer) -> RunningServer:
+    return await start_server()
+
+
+@pytest.fixture
+async def client(server: RunningServer) -> AsyncIterator[AsyncRerankClient]:
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as c:
+        yield c

@@ -1,0 +1,171 @@
+"""A fake llama-server: a real HTTP server on 127.0.0.1 answering in llama-server's JSON.
+
+It serves `/health` and `/v1/chat/completions` with the exact response shape of
+llama-server (choices[0].logprobs.content[0].top_logprobs[] of {id, token, bytes,
+logprob}). Scores, latency and failures are configurable per test, and it records what it
+received, how many calls were in flight at once, and how many finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+_DOCUMENT = re.compile(r"<Document>: (.*)\Z", re.DOTALL)
+
+# Modes: how the fake answers chat requests.
+OK = "ok"
+HTTP_500 = "http_500"
+NOT_JSON = "not_json"
+NO_LOGPROBS = "no_logprobs"
+NO_YES_NO = "no_yes_no"
+ONLY_YES = "only_yes"
+DROP_CONNECTION = "drop_connection"
+
+
+@dataclass
+class FakeLlamaServer:
+    """Configure before or during a test; all fields are read per request."""
+
+    # p(yes) for a document: the first (marker, p) whose marker occurs in the document.
+    scores: dict[str, float] = field(default_factory=dict)
+    default_score: float = 0.5
+    latency_s: float = 0.0
+    # Per-document latency; overrides latency_s when it returns a value.
+    latency_for: Callable[[str], float | None] = lambda _doc: None
+    mode: str = OK
+    # Documents containing one of these markers fail with `mode_for_marked`.
+    failing_markers: tuple[str, ...] = ()
+    mode_for_marked: str = HTTP_500
+    model: str = "fake-reranker.gguf"
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    completed: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def documents(self) -> list[str]:
+        """Documents the fake was asked to score, in arrival order."""
+        with self._lock:
+            return [document_of(r) for r in self.requests]
+
+    def start(self) -> FakeLlamaServer:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._send(200, {"status": "ok"})
+                elif self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": fake.model}]})
+                else:
+                    self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length))
+                if self.path != "/v1/chat/completions":
+                    self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
+                    return
+                fake._handle_chat(self, body)
+
+            def _send(self, status: int, payload: Any, raw: bytes | None = None) -> None:
+                data = raw if raw is not None else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _handle_chat(self, handler: Any, body: dict[str, Any]) -> None:
+        doc = document_of(body)
+        with self._lock:
+            self.requests.append(body)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            delay = self.latency_for(doc)
+            time.sleep(self.latency_s if delay is None else delay)
+            mode = self.mode
+            if any(m in doc for m in self.failing_markers):
+                mode = self.mode_for_marked
+            if mode == DROP_CONNECTION:
+                handler.close_connection = True
+                handler.connection.shutdown(2)
+                return
+            if mode == HTTP_500:
+                handler._send(500, {"error": {"code": 500, "message": "Internal Server Error",
+                                              "type": "server_error"}})
+                return
+            if mode == NOT_JSON:
+                handler._send(200, None, raw=b"<html>oops</html>")
+                return
+            handler._send(200, self._chat_response(doc, mode))
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.completed += 1
+
+    def _chat_response(self, doc: str, mode: str) -> dict[str, Any]:
+        p = next((s for marker, s in self.scores.items() if marker in doc), self.default_score)
+        p = min(max(p, 1e-6), 1 - 1e-6)
+        top = [("yes", math.log(p)), ("no", math.log(1 - p)), ("The", -12.0), (" Yes", -13.0)]
+        if mode == NO_YES_NO:
+            top = [("The", -0.5), ("Here", -1.5)]
+        elif mode == ONLY_YES:
+            top = [("yes", math.log(p)), ("The", -3.0)]
+        top.sort(key=lambda t: -t[1])
+        entries = [{"id": i, "token": t, "bytes": list(t.encode()), "logprob": lp}
+                   for i, (t, lp) in enumerate(top)]
+        choice: dict[str, Any] = {
+            "finish_reason": "length", "index": 0,
+            "message": {"role": "assistant", "content": top[0][0]},
+        }
+        if mode != NO_LOGPROBS:
+            choice["logprobs"] = {"content": [{**entries[0], "top_logprobs": entries}]}
+        return {
+            "choices": [choice],
+            "created": int(time.time()),
+            "model": self.model,
+            "system_fingerprint": "b0-fake",
+            "object": "chat.completion",
+            "usage": {"completion_tokens": 1, "prompt_tokens": 50, "total_tokens": 51},
+            "id": "chatcmpl-fake",
+        }
+
+
+def document_of(body: dict[str, Any]) -> str:
+    """The document part of the user turn of a chat request."""
+    user = next(m["content"] for m in body["messages"] if m["role"] == "user")
+    match = _DOCUMENT.search(user)
+    return match.group(1) if match else ""

@@ -1,0 +1,120 @@
+"""Backend trouble degrades an answer, never fails it: retrieval order plus the reason."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from rerank_client import AsyncRerankClient, Candidate
+
+from ..conftest import StartServer
+from ..fakes import llama
+from ..fakes.llama import FakeLlamaServer
+
+# Retrieval order is a, b, c, d, e (input order).
+DOCS = [Candidate(id=x, text=f"document {x}") for x in "abcde"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _rerank(start_server: StartServer, **settings: object) -> object:
+    server = await start_server(**settings)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        return await client.rerank("q", DOCS, blend_strategy="rerank_only")
+
+
+def _assert_retrieval_order(answer: object, code: str) -> None:
+    assert [r.id for r in answer.results] == list("abcde")  # type: ignore[attr-defined]
+    assert not answer.reranked  # type: ignore[attr-defined]
+    assert answer.summary.degraded_code == code  # type: ignore[attr-defined]
+    assert all(r.reranker_score is None for r in answer.results)  # type: ignore[attr-defined]
+
+
+async def test_stopped_backend_answers_in_retrieval_order(start_server: StartServer) -> None:
+    answer = await _rerank(start_server, backend_url=f"http://127.0.0.1:{_closed_port()}")
+    _assert_retrieval_order(answer, "backend_unavailable")
+    assert "all 5 pairs failed" in answer.summary.degraded_message  # type: ignore[attr-defined]
+    assert answer.summary.failed == 5  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("mode", "code"), [
+    (llama.HTTP_500, "backend_error"),
+    (llama.NOT_JSON, "malformed_response"),
+    (llama.NO_LOGPROBS, "malformed_response"),
+    (llama.NO_YES_NO, "malformed_response"),
+    (llama.DROP_CONNECTION, "backend_unavailable"),
+])
+async def test_every_pair_failing_degrades_with_reason(
+        start_server: StartServer, fake_llama: FakeLlamaServer, mode: str, code: str) -> None:
+    fake_llama.mode = mode
+    _assert_retrieval_order(await _rerank(start_server), code)
+
+
+async def test_timeout_degrades_with_timeout_reason(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.latency_s = 1.0
+    answer = await _rerank(start_server, timeout_ms=200)
+    _assert_retrieval_order(answer, "timeout")
+    assert answer.summary.total_ms < 900  # type: ignore[attr-defined]
+
+
+async def test_some_pairs_failing_ranks_the_scored_ones(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.scores = {"document c": 0.9, "document e": 0.8, "document a": 0.1}
+    fake_llama.failing_markers = ("document b", "document d")
+    answer = await _rerank(start_server)
+    assert answer.reranked  # type: ignore[attr-defined]
+    assert answer.summary.degraded_code == "partial"  # type: ignore[attr-defined]
+    assert (answer.summary.scored, answer.summary.failed) == (3, 2)  # type: ignore[attr-defined]
+    ids = [r.id for r in answer.results]  # type: ignore[attr-defined]
+    assert ids.index("c") < ids.index("e")
+    # Failed pairs keep their retrieval order relative to each other.
+    assert ids.index("b") < ids.index("d")
+
+
+async def test_only_yes_token_uses_floor_for_no(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.mode = llama.ONLY_YES
+    fake_llama.default_score = 0.5
+    answer = await _rerank(start_server)
+    assert answer.reranked  # type: ignore[attr-defined]
+    # log(0.5) = -0.69 against the floor -10: P(yes) = 1 / (1 + e^-9.31)
+    assert answer.results[0].reranker_score == pytest.approx(0.99991, abs=1e-4)  # type: ignore[attr-defined]
+
+
+async def test_too_few_candidates_skips_scoring(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    server = await start_server(min_candidates=3)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("q", ["x", "y"])
+    assert [r.id for r in answer.results] == ["0", "1"]
+    assert answer.summary.degraded_code == "too_few_candidates"
+    assert fake_llama.requests == []
+
+
+async def test_disabled_server_skips_scoring(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    answer = await _rerank(start_server, disabled=True)
+    _assert_retrieval_order(answer, "disabled")
+    assert fake_llama.requests == []
+
+
+async def test_grpc_deadline_shortens_budget_and_still_answers(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    """A caller deadline shorter than scoring gets a degraded answer in time, not an error."""
+    fake_llama.latency_s = 2.0
+    answer = await client.rerank("q", DOCS, timeout=0.5)
+    assert not answer.reranked
+    assert answer.summary.degraded_code == "timeout"
+
+
+async def test_request_timeout_option_applies(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.latency_s = 1.0
+    answer = await client.rerank("q", DOCS, timeout_ms=150)
+    assert answer.summary.degraded_code == "timeout"
+    assert answer.summary.total_ms < 900
