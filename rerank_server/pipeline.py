@@ -75,8 +75,10 @@ class Reranker:
 
         max_chunk = query.max_chunk_chars or s.max_chunk_chars
         chunks = select_chunks(query.query, [c.text for c in scored_set], max_chunk)
-        documents = [prompt.document_text(chunk, c.title) for chunk, c in zip(chunks, scored_set)]
-        texts = {c.index: doc for c, doc in zip(scored_set, documents)} if query.return_text else {}
+        documents = [prompt.document_text(chunk, c.title)
+                     for chunk, c in zip(chunks, scored_set, strict=True)]
+        texts = ({c.index: doc for c, doc in zip(scored_set, documents, strict=True)}
+                 if query.return_text else {})
         request = ScoreRequest(query.query, query.instruction or s.instruction, documents)
 
         failures: Counter[Failure] = Counter()

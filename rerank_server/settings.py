@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
@@ -151,12 +151,17 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def _field_type(f: dataclasses.Field[Any]) -> type:
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    return type(default)
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
-def _convert(kind: type, raw: str, source: str) -> Any:
+def _field_type(f: dataclasses.Field[Any]) -> type[Any]:
+    return type(_default(f))
+
+
+def _convert(kind: type[Any], raw: str, source: str) -> Any:
     try:
         if kind is bool:
             lowered = raw.strip().lower()
@@ -177,6 +182,16 @@ def _convert(kind: type, raw: str, source: str) -> Any:
         raise ConfigError(f"{source}: cannot read {raw!r} as {kind.__name__}{choices}") from None
 
 
+def _flag_converter(kind: type[Any], name: str) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        try:
+            return _convert(kind, raw, flag_name(name))
+        except ConfigError as exc:
+            # argparse reports this as a usage error naming the flag, exit code 2.
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
 def build_parser(prog: str = "rerank-server",
                  environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The parser for every setting; defaults shown are those in force (variables applied)."""
@@ -193,8 +208,7 @@ def build_parser(prog: str = "rerank-server",
             meta["group"], parser.add_argument_group(meta["group"]))
         kind = _field_type(f)
         env = env_name(f.name)
-        default = _convert(kind, environ[env], env) if env in environ else (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
+        default = _convert(kind, environ[env], env) if env in environ else _default(f)
         help_text = f"{meta['help']} [env {env}]"
         if kind is bool:
             group.add_argument(flag_name(f.name), dest=f.name, default=default, help=help_text,
@@ -204,7 +218,7 @@ def build_parser(prog: str = "rerank-server",
         group.add_argument(
             flag_name(f.name), dest=f.name, default=default, help=help_text,
             choices=choices, metavar=f.name.upper() if choices is None else None,
-            type=lambda raw, kind=kind, name=f.name: _convert(kind, raw, flag_name(name)))
+            type=_flag_converter(kind, f.name))
     return parser
 
 

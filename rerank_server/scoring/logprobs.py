@@ -60,12 +60,14 @@ def chat_top_logprobs(body: Any) -> list[tuple[str, float]]:
         entries = content[0]["top_logprobs"]
         return [_entry(e) for e in entries]
     except (KeyError, IndexError, TypeError) as exc:
-        raise MalformedLogprobs(f"no top_logprobs in chat response ({type(exc).__name__})") from None
+        raise MalformedLogprobs(
+            f"no top_logprobs in chat response ({type(exc).__name__})") from None
 
 
 def _entry(entry: Mapping[str, Any]) -> tuple[str, float]:
     token, logprob = entry["token"], entry["logprob"]
-    if not isinstance(token, str) or not isinstance(logprob, int | float) or isinstance(logprob, bool):
+    numeric = isinstance(logprob, int | float) and not isinstance(logprob, bool)
+    if not isinstance(token, str) or not numeric:
         raise TypeError("bad top_logprobs entry")
     if math.isnan(logprob):
         raise TypeError("NaN logprob")

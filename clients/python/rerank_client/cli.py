@@ -65,7 +65,8 @@ def _snippet(text: str | None, width: int = 60) -> str:
 def _row(r: Result, texts: Sequence[str]) -> str:
     rr = "-" if r.reranker_score is None else f"{r.reranker_score:.4f}"
     text = texts[r.index] if r.index < len(texts) else ""
-    return f"{r.rank:>4}  {r.id:<12} {r.score:>8.4f} {rr:>8} {r.retrieval_rank:>5}  {_snippet(text)}"
+    return (f"{r.rank:>4}  {r.id:<12} {r.score:>8.4f} {rr:>8} {r.retrieval_rank:>5}  "
+            f"{_snippet(text)}")
 
 
 HEADER = f"{'rank':>4}  {'id':<12} {'score':>8} {'reranker':>8} {'retr':>5}  text"

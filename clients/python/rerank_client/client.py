@@ -17,7 +17,6 @@ from typing import Any
 import grpc
 
 from . import errors
-from .pb import rerank_pb2 as pb
 from .pb import rerank_pb2_grpc as pb_grpc
 from .types import CandidateLike, RerankAnswer, Result, Summary, build_request
 
@@ -29,7 +28,7 @@ def channel_options(load_balancing: str | None = None,
         ("grpc.max_send_message_length", max_message_bytes),
     ]
     if load_balancing:
-        config = {"loadBalancingConfig": [{load_balancing: {}}]}
+        config: dict[str, Any] = {"loadBalancingConfig": [{load_balancing: {}}]}
         options.append(("grpc.service_config", json.dumps(config)))
     return options
 

@@ -127,7 +127,8 @@ def build_request(query: str, candidates: Iterable[CandidateLike], *, top_k: int
         raise ValueError(f"unknown blend strategy {blend_strategy!r}; "
                          f"choose from {', '.join(BLEND_STRATEGIES)}")
     options = pb.RerankOptions(
-        blend_strategy=BLEND_STRATEGIES.get(blend_strategy or "", 0),
+        blend_strategy=BLEND_STRATEGIES.get(blend_strategy or "",
+                                            pb.BLEND_STRATEGY_UNSPECIFIED),
         max_candidates=max_candidates, max_chunk_chars=max_chunk_chars,
         timeout_ms=timeout_ms, return_text=return_text)
     wire = []

@@ -1,0 +1,98 @@
+"""RerankStream (ordered, early results) and RerankBatch (many requests, one stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from rerank_client import AsyncRerankClient, Candidate, InvalidRequestError, Result, Summary
+
+from rerank_server.pb import rerank_pb2 as pb
+from rerank_server.pb import rerank_pb2_grpc as pb_grpc
+from rerank_server.server import RunningServer
+
+from ..fakes.llama import FakeLlamaServer
+
+DOCS = [Candidate(id=f"d{i}", text=f"document {i}") for i in range(8)]
+
+
+async def test_stream_matches_unary_order(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.scores = {f"document {i}": s for i, s in
+                         enumerate([0.2, 0.9, 0.4, 0.95, 0.1, 0.6, 0.3, 0.7])}
+    unary = await client.rerank("q", DOCS)
+    items = [x async for x in client.stream("q", DOCS)]
+    results = [x for x in items if isinstance(x, Result)]
+    assert isinstance(items[-1], Summary) and items[-1].reranked
+    assert [r.id for r in results] == [r.id for r in unary.results]
+    assert [r.rank for r in results] == list(range(1, 9))
+
+
+async def test_stream_sends_first_result_before_scoring_ends(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    """Rank 1's position is certain as soon as it beats every unscored bound."""
+    fake_llama.scores = {"document 0": 0.99}
+    # d0 answers at once; the others take long.
+    fake_llama.latency_for = lambda doc: 0.0 if doc == "document 0" else 1.0
+    started = time.perf_counter()
+    first_at: float | None = None
+    count = 0
+    async for item in client.stream("q", DOCS[:4]):
+        if isinstance(item, Result):
+            if first_at is None:
+                first_at = time.perf_counter() - started
+                assert item.id == "d0"
+            count += 1
+    total = time.perf_counter() - started
+    assert count == 4
+    assert first_at is not None and first_at < 0.5 < total
+
+
+async def test_stream_respects_top_k(client: AsyncRerankClient) -> None:
+    items = [x async for x in client.stream("q", DOCS, top_k=3)]
+    assert [x.rank for x in items if isinstance(x, Result)] == [1, 2, 3]
+    assert isinstance(items[-1], Summary) and items[-1].candidates == 8
+
+
+async def test_stream_invalid_request_is_invalid_argument(client: AsyncRerankClient) -> None:
+    try:
+        _ = [x async for x in client.stream("", DOCS)]
+    except InvalidRequestError as exc:
+        assert exc.message.startswith("query: ")
+    else:
+        raise AssertionError("expected InvalidRequestError")
+
+
+async def test_batch_answers_each_request_matched_by_id(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.latency_for = lambda doc: 0.4 if "slow" in doc else 0.0
+    queries = {
+        "slow": ("q1", ["slow a", "slow b", "slow c"]),
+        "fast": ("q2", ["fast a", "fast b", "fast c"]),
+        "bad": ("", ["x", "y", "z"]),
+    }
+    order: list[str] = []
+    answers = {}
+    async for request_id, answer in client.rerank_many(queries):
+        order.append(request_id)
+        answers[request_id] = answer
+    assert set(answers) == {"slow", "fast", "bad"}
+    assert order.index("fast") < order.index("slow")  # completion order, not request order
+    assert isinstance(answers["bad"], InvalidRequestError)
+    assert answers["bad"].message.startswith("query: ")
+    assert answers["slow"].reranked and answers["fast"].reranked  # type: ignore[union-attr]
+
+
+async def test_batch_of_many_requests_over_one_stream(server: RunningServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.RerankerStub(channel)
+
+        async def requests():  # type: ignore[no-untyped-def]
+            for i in range(20):
+                yield pb.RerankRequest(request_id=f"r{i}", query="q", candidates=[
+                    pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+                await asyncio.sleep(0)
+
+        ids = [r.request_id async for r in stub.RerankBatch(requests())]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(20))

@@ -1,0 +1,75 @@
+"""P(yes) from top logprobs: both tokens, one missing, none, variants, malformed shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rerank_server.scoring.logprobs import (
+    FLOOR_LOGPROB,
+    MalformedLogprobs,
+    chat_top_logprobs,
+    p_yes,
+)
+
+
+def test_softmax_of_yes_and_no() -> None:
+    assert p_yes([("yes", math.log(0.3)), ("no", math.log(0.6))]) == pytest.approx(1 / 3)
+
+
+def test_case_and_whitespace_variants_are_pooled() -> None:
+    p = p_yes([(" Yes", math.log(0.2)), ("yes", math.log(0.2)), ("NO ", math.log(0.4))])
+    assert p == pytest.approx(0.5)
+
+
+def test_missing_no_gets_floor() -> None:
+    expected = 1 / (1 + math.exp(FLOOR_LOGPROB - math.log(0.4)))
+    assert p_yes([("yes", math.log(0.4)), ("The", -0.1)]) == pytest.approx(expected)
+
+
+def test_missing_yes_gets_floor() -> None:
+    assert p_yes([("no", -0.01)]) == pytest.approx(1 / (1 + math.exp(-0.01 - FLOOR_LOGPROB)))
+
+
+def test_neither_token_is_unscored_not_a_constant() -> None:
+    assert p_yes([("The", -0.1), ("Here", -2.0)]) is None
+    assert p_yes([]) is None
+
+
+def test_extreme_logprobs_do_not_overflow() -> None:
+    assert p_yes([("yes", -5000.0), ("no", 0.0)]) == pytest.approx(0.0)
+    assert p_yes([("yes", 0.0), ("no", -5000.0)]) == pytest.approx(1.0)
+
+
+def _chat(top: object) -> dict[str, object]:
+    return {"choices": [{"logprobs": {"content": [{"token": "x", "logprob": 0,
+                                                  "top_logprobs": top}]}}]}
+
+
+def test_chat_shape_parsed() -> None:
+    body = _chat([{"id": 1, "token": "yes", "bytes": [], "logprob": -0.5}])
+    assert chat_top_logprobs(body) == [("yes", -0.5)]
+
+
+def test_negative_infinity_is_clamped() -> None:
+    pairs = chat_top_logprobs(_chat([{"token": "no", "logprob": float("-inf")},
+                                     {"token": "yes", "logprob": -1.0}]))
+    assert p_yes(pairs) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"choices": []},
+    {"choices": [{"message": {"content": "yes"}}]},
+    {"choices": [{"logprobs": None}]},
+    {"choices": [{"logprobs": {"content": []}}]},
+    _chat([{"token": 5, "logprob": -1}]),
+    _chat([{"token": "yes", "logprob": "high"}]),
+    _chat([{"token": "yes", "logprob": float("nan")}]),
+    _chat([{"token": "yes"}]),
+    "not a dict",
+])
+def test_malformed_shapes_raise(body: object) -> None:
+    with pytest.raises(MalformedLogprobs):
+        chat_top_logprobs(body)

@@ -1,0 +1,63 @@
+"""The incremental ordering: releases are always the final order, and only when certain."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rerank_server.blending import blend
+from rerank_server.domain import BlendStrategy, Candidate
+from rerank_server.ordering import IncrementalRanking
+
+
+def _cands(n: int) -> list[Candidate]:
+    return [Candidate(id=str(i), text="", index=i, retrieval_rank=i + 1) for i in range(n)]
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=0, max_size=25),
+       st.sampled_from(list(BlendStrategy)), st.randoms(use_true_random=False),
+       st.integers(0, 5))
+def test_released_order_equals_full_sort(scores: list[float | None], strategy: BlendStrategy,
+                                         rnd: random.Random, tail_len: int) -> None:
+    cands = _cands(len(scores) + tail_len)
+    scored, tail = cands[: len(scores)], cands[len(scores):]
+    ranking = IncrementalRanking(strategy, scored, tail)
+    released = []
+    order = list(range(len(scores)))
+    rnd.shuffle(order)
+    for i in order:
+        ranking.resolve(i, scores[i])
+        released += ranking.release()
+    released += ranking.release()
+    expected = sorted(scored, key=lambda c: (-blend(strategy, c.retrieval_rank, scores[c.index]),
+                                             c.retrieval_rank, c.index))
+    assert [p.candidate for p in released] == expected + tail
+
+
+def test_nothing_released_while_a_better_candidate_may_come() -> None:
+    ranking = IncrementalRanking(BlendStrategy.RERANK_ONLY, _cands(3), [])
+    ranking.resolve(2, 0.9)
+    assert ranking.release() == []  # 0 and 1 could still score above 0.9
+    ranking.resolve(0, 0.95)
+    assert ranking.release() == []  # 1 could still score 1.0 and beat 0
+    ranking = IncrementalRanking(BlendStrategy.RERANK_ONLY, _cands(3), [])
+    ranking.resolve(2, 0.9)
+    ranking.resolve(0, 1.0)  # ties 1's best case and wins on retrieval rank
+    assert [p.candidate.id for p in ranking.release()] == ["0"]  # 1 could still beat 2
+    ranking.resolve(1, 0.1)
+    assert [p.candidate.id for p in ranking.release()] == ["2", "1"]
+
+
+def test_decisive_first_answer_is_released_immediately() -> None:
+    ranking = IncrementalRanking(BlendStrategy.POSITION_AWARE, _cands(5), [])
+    ranking.resolve(0, 0.0)  # rank 1 scores >= 0.75; no other can exceed 0.75
+    assert [p.candidate.id for p in ranking.release()] == ["0"]
+
+
+def test_fail_outstanding_releases_everything() -> None:
+    ranking = IncrementalRanking(BlendStrategy.LINEAR, _cands(4), _cands(6)[4:])
+    ranking.resolve(3, 1.0)
+    assert ranking.fail_outstanding() == [0, 1, 2]
+    assert len(ranking.release()) == 6

@@ -1,0 +1,49 @@
+"""One definition per setting: flags, RERANK_* variables, precedence and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from rerank_server.domain import BlendStrategy
+from rerank_server.errors import ConfigError
+from rerank_server.settings import Settings, build_parser, load
+
+
+def test_defaults_are_safe() -> None:
+    s = load([], environ={})
+    assert (s.host, s.port) == ("127.0.0.1", 50051)
+    assert s.backend_url == "http://127.0.0.1:8080"
+    assert s.blend_strategy is BlendStrategy.POSITION_AWARE
+    assert (s.max_candidates, s.max_request_candidates, s.min_candidates) == (40, 100, 3)
+    assert (s.max_chunk_chars, s.concurrency) == (2000, 4)
+
+
+def test_environment_then_flag_precedence() -> None:
+    env = {"RERANK_PORT": "6000", "RERANK_BLEND_STRATEGY": "linear", "RERANK_REFLECTION": "off"}
+    s = load([], environ=env)
+    assert (s.port, s.blend_strategy, s.reflection) == (6000, BlendStrategy.LINEAR, False)
+    s = load(["--port", "7000", "--reflection"], environ=env)
+    assert (s.port, s.reflection) == (7000, True)
+
+
+def test_every_setting_has_flag_and_env_in_help() -> None:
+    text = build_parser(environ={}).format_help()
+    import dataclasses
+    for f in dataclasses.fields(Settings):
+        assert "--" + f.name.replace("_", "-") in text
+        assert "RERANK_" + f.name.upper() in text
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"RERANK_PORT": "abc"}, "RERANK_PORT"),
+    ({"RERANK_PORT": "70000"}, "--port / RERANK_PORT"),
+    ({"RERANK_CONCURRENCY": "0"}, "--concurrency / RERANK_CONCURRENCY"),
+    ({"RERANK_BLEND_STRATEGY": "magic"}, "position_aware"),
+    ({"RERANK_BACKEND_URL": "localhost:8080"}, "--backend-url"),
+    ({"RERANK_BACKEND": "nope"}, "--backend"),
+    ({"RERANK_LOG_LEVEL": "loud"}, "--log-level"),
+    ({"RERANK_DISABLED": "maybe"}, "RERANK_DISABLED"),
+])
+def test_bad_values_name_the_setting(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("/", ".")):
+        load([], environ=env)
