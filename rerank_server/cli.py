@@ -1,4 +1,8 @@
-"""`rerank-server`: run the server (the default), or one of its subcommands."""
+"""`rerank-server`: run the server (the default), or a subcommand.
+
+    rerank-server [FLAGS]            serve (see --help for every setting)
+    rerank-server prepare [FLAGS]    build/fetch the managed mode's assets into the cache
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from .server import serve
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["prepare"]:
+        from . import assets
+        return assets.main(args[1:])
     try:
         parser = settings.build_parser()
         config = settings.load(args, parser=parser)

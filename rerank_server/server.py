@@ -6,14 +6,17 @@ fixtures alike.
 
 Shutdown order on SIGTERM/SIGINT (as uvicorn's `capture_signals`/`handle_exit`): health
 goes NOT_SERVING so load balancers stop sending, the server stops taking new calls and
-gives in-flight ones `grace_period_s`, then the backend clients close.
+gives in-flight ones `grace_period_s`, then the backend clients close and a managed
+llama-server is stopped last.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +24,9 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import __version__
+from . import __version__, assets
+from .backend_health import BackendMonitor
+from .managed import ManagedLlamaServer, default_log_path, split_args
 from .pb import rerank_pb2 as pb
 from .pb import rerank_pb2_grpc as pb_grpc
 from .pipeline import Reranker
@@ -62,6 +67,8 @@ class RunningServer:
     health: health.aio.HealthServicer
     reranker: Reranker
     settings: Settings
+    monitor: BackendMonitor
+    managed: ManagedLlamaServer | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -76,15 +83,62 @@ class RunningServer:
         self._stopped.set()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.settings.grace_period_s if grace is None else grace)
+        await self.monitor.stop()
         await self.reranker.scorer.aclose()
+        if self.managed is not None:
+            await self.managed.stop()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
         await self.server.wait_for_termination()
 
 
+async def start_managed(settings: Settings) -> tuple[Settings, ManagedLlamaServer]:
+    """Prepare assets, start llama-server, and point the settings at it."""
+    cache = settings.cache_dir
+    binary, model = await asyncio.to_thread(
+        _resolve_assets, cache, settings.llama_server, settings.model_path)
+    managed = ManagedLlamaServer(
+        binary, model, slots=settings.llama_slots or settings.concurrency,
+        ctx_per_slot=settings.llama_ctx_per_slot, extra_args=split_args(settings.llama_args),
+        log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s)
+    await managed.start()
+    changes: dict[str, object] = {"backend_url": managed.url}
+    if not settings.model_path and settings.assistant_prefill:
+        # The stand-in chat model does not know Qwen3-Reranker's think block: with it, no
+        # yes/no token reaches its top logprobs and every pair would fail.
+        changes["assistant_prefill"] = False
+        log.info("assistant_prefill_off", reason="stand-in model")
+    return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
+
+
+def _resolve_assets(cache: Path, llama_server: str, model_path: str) -> tuple[Path, Path]:
+    binary = assets.resolve_llama_server(Path(llama_server) if llama_server else None, cache,
+                                         build=True)
+    model = assets.resolve_model(Path(model_path) if model_path else None, cache,
+                                 fetch_missing=True)
+    return binary, model
+
+
 async def build_server(settings: Settings, scorer: Scorer | None = None) -> RunningServer:
-    """Create, bind and start the server; the port is the bound one (settings.port may be 0)."""
+    """Create, bind and start the server; the port is the bound one (settings.port may be 0).
+
+    In managed mode this first starts llama-server (building or fetching assets that are
+    missing), which can take minutes the first time.
+    """
+    managed = None
+    if settings.managed:
+        settings, managed = await start_managed(settings)
+    try:
+        return await _build(settings, scorer, managed)
+    except BaseException:
+        if managed is not None:
+            await managed.stop()
+        raise
+
+
+async def _build(settings: Settings, scorer: Scorer | None,
+                 managed: ManagedLlamaServer | None) -> RunningServer:
     reranker = Reranker(settings, scorer or build_scorer(settings))
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -106,14 +160,19 @@ async def build_server(settings: Settings, scorer: Scorer | None = None) -> Runn
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, health_servicer, reranker, settings)
+    monitor = BackendMonitor(reranker.scorer, settings.backend_url, settings.instruction,
+                             health_servicer, SERVICE_NAME, settings.health_interval_s,
+                             run_probe=settings.probe)
+    monitor.start()
+    return RunningServer(server, port, health_servicer, reranker, settings, monitor, managed)
 
 
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order."""
     running = await build_server(settings)
-    log.info("serving", address=running.address, backend=settings.backend,
-             backend_url=settings.backend_url, version=__version__)
+    log.info("serving", address=running.address, backend=running.settings.backend,
+             backend_url=running.settings.backend_url, managed=settings.managed,
+             version=__version__)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -110,9 +110,36 @@ class Settings:
     log_format: LogFormat = field(default=LogFormat.AUTO, metadata=_opt(
         "json, console, or auto (JSON unless stdout is a terminal).", group="logging"))
 
+    health_interval_s: float = field(default=5.0, metadata=_opt(
+        "How often the backend's /health is polled; a backend coming up is probed.",
+        minimum=0.1, group="backend"))
+    probe: bool = field(default=True, metadata=_opt(
+        "Score a relevant and an irrelevant pair whenever the backend comes up, and warn "
+        "when the model cannot tell them apart.", group="backend"))
+
     # --- managed llama-server (docs/configuration.md, "Managed mode")
+    managed: bool = field(default=False, metadata=_opt(
+        "Start and supervise a local llama-server (ignores --backend-url).", group="managed"))
+    llama_server: str = field(default="", metadata=_opt(
+        "llama-server binary for managed mode (empty: on PATH, else built into the cache).",
+        group="managed"))
+    model_path: str = field(default="", metadata=_opt(
+        "GGUF model for managed mode (empty: the SmolLM2-135M stand-in from the cache).",
+        group="managed"))
+    llama_slots: int = field(default=0, metadata=_opt(
+        "llama-server parallel slots (-np); 0 means --concurrency.", minimum=0,
+        group="managed"))
+    llama_ctx_per_slot: int = field(default=2048, metadata=_opt(
+        "Context tokens per slot (-c is slots x this).", minimum=256, group="managed"))
+    llama_args: str = field(default="", metadata=_opt(
+        "Extra llama-server arguments, shell-quoted (e.g. \"-t 4 --mlock\").",
+        group="managed"))
+    llama_ready_timeout_s: float = field(default=120.0, metadata=_opt(
+        "How long to wait for a (re)started llama-server to load its model.", minimum=1,
+        group="managed"))
     cache_dir: Path = field(default_factory=_default_cache_dir, metadata=_opt(
-        "Where prepared assets (llama-server build, models) are kept.", group="managed"))
+        "Where prepared assets (llama-server build, models, logs) are kept.",
+        group="managed"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -34,7 +34,8 @@ async def start_server(fake_llama: FakeLlamaServer) -> AsyncIterator[StartServer
     started: list[RunningServer] = []
 
     async def start(**overrides: Any) -> RunningServer:
-        base = Settings(port=0, backend_url=fake_llama.url, grace_period_s=1.0)
+        # No probe: it would add two scored pairs to what the fake records.
+        base = Settings(port=0, backend_url=fake_llama.url, grace_period_s=1.0, probe=False)
         running = await build_server(dataclasses.replace(base, **overrides))
         started.append(running)
         return running

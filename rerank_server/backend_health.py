@@ -1,0 +1,151 @@
+"""Backend health: a `/health` poll, and a sanity probe each time the backend comes up.
+
+The probe scores one clearly relevant and one clearly irrelevant pair. Its outcome goes
+to the gRPC health service under two names, while the main service stays SERVING (a
+degraded answer is still an answer):
+
+- `rerank.v1.Reranker/backend`: SERVING while the backend answers and yields scores.
+- `rerank.v1.Reranker/backend/discriminates`: SERVING when the probe's relevant pair
+  scored clearly above the irrelevant one. A model that cannot tell them apart, or gives
+  degenerate scores (a GGUF without its classification head gives values like 1e-28),
+  is NOT_SERVING here and logged as a warning.
+
+State changes are logged once per change, not per poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+import structlog
+from grpc_health.v1 import health, health_pb2
+
+from .scoring.base import PairOutcome, Scorer, ScoreRequest
+
+log = structlog.get_logger(__name__)
+
+PROBE_QUERY = "What is the capital of France?"
+PROBE_RELEVANT = "Paris is the capital and most populous city of France."
+PROBE_IRRELEVANT = ("Photosynthesis lets green plants turn sunlight, water and carbon dioxide "
+                    "into sugar.")
+MIN_SEPARATION = 0.05
+DEGENERATE_BELOW = 1e-6
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    relevant: float | None
+    irrelevant: float | None
+
+    @property
+    def scored(self) -> bool:
+        return self.relevant is not None and self.irrelevant is not None
+
+    @property
+    def degenerate(self) -> bool:
+        if self.relevant is None or self.irrelevant is None:
+            return False
+        return max(self.relevant, self.irrelevant) < DEGENERATE_BELOW or \
+            min(self.relevant, self.irrelevant) > 1 - DEGENERATE_BELOW
+
+    @property
+    def discriminates(self) -> bool:
+        if self.relevant is None or self.irrelevant is None or self.degenerate:
+            return False
+        return self.relevant - self.irrelevant >= MIN_SEPARATION
+
+
+async def probe(scorer: Scorer, instruction: str, timeout_s: float = 30.0) -> ProbeResult:
+    scores: dict[int, float | None] = {0: None, 1: None}
+
+    def emit(outcome: PairOutcome) -> None:
+        scores[outcome.pair] = outcome.score
+
+    request = ScoreRequest(PROBE_QUERY, instruction, [PROBE_RELEVANT, PROBE_IRRELEVANT])
+    try:
+        async with asyncio.timeout(timeout_s):
+            await scorer.score(request, emit)
+    except TimeoutError:
+        pass
+    return ProbeResult(scores[0], scores[1])
+
+
+class BackendMonitor:
+    """Polls the backend's `/health` and probes it whenever it (re)appears."""
+
+    def __init__(self, scorer: Scorer, base_url: str, instruction: str,
+                 health_servicer: health.aio.HealthServicer, service_name: str,
+                 interval_s: float = 5.0, run_probe: bool = True) -> None:
+        self._scorer = scorer
+        self._url = base_url.rstrip("/") + "/health"
+        self._instruction = instruction
+        self._health = health_servicer
+        self.backend_name = f"{service_name}/backend"
+        self.quality_name = f"{service_name}/backend/discriminates"
+        self._interval_s = interval_s
+        self._run_probe = run_probe
+        self._up: bool | None = None
+        self.last_probe: ProbeResult | None = None
+        self.probed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                await self.check(client)
+                await asyncio.sleep(self._interval_s)
+
+    async def check(self, client: httpx.AsyncClient) -> None:
+        try:
+            up = (await client.get(self._url)).status_code == 200
+        except httpx.HTTPError:
+            up = False
+        if up == self._up:
+            return
+        self._up = up
+        if not up:
+            log.warning("backend_down", url=self._url)
+            await self._set(NOT_SERVING, NOT_SERVING)
+            return
+        log.info("backend_up", url=self._url)
+        if not self._run_probe:
+            await self._set(SERVING, SERVING)
+            return
+        result = await probe(self._scorer, self._instruction)
+        self.last_probe = result
+        self._report(result)
+        await self._set(SERVING if result.scored else NOT_SERVING,
+                        SERVING if result.discriminates else NOT_SERVING)
+        self.probed.set()
+
+    def _report(self, r: ProbeResult) -> None:
+        fields = {"relevant": r.relevant, "irrelevant": r.irrelevant,
+                  "backend": self._scorer.kind, "model": self._scorer.model}
+        if not r.scored:
+            log.warning("backend_probe_unscored", **fields)
+        elif r.degenerate:
+            log.warning("backend_probe_degenerate", hint="scores near 0 or 1 for both pairs: "
+                        "a GGUF without its classification head?", **fields)
+        elif not r.discriminates:
+            log.warning("backend_probe_indistinct", hint="the model cannot tell a relevant "
+                        "from an irrelevant passage; its reranking adds noise", **fields)
+        else:
+            log.info("backend_probe_ok", **fields)
+
+    async def _set(self, backend: health_pb2.HealthCheckResponse.ServingStatus.ValueType,
+                   quality: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        await self._health.set(self.backend_name, backend)
+        await self._health.set(self.quality_name, quality)

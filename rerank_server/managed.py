@@ -1,0 +1,161 @@
+"""Managed mode: start, supervise and stop a local llama-server.
+
+The child listens on a free loopback port that stays the same across restarts, so the
+scorer's URL never changes. If it exits, it is restarted with exponential back-off
+(0.5 s doubling to 30 s, reset once it has stayed up for a minute); meanwhile requests
+degrade with `backend_unavailable`. The child runs in its own session so a terminal's
+Ctrl-C reaches only us (we stop it in order), and on Linux it is sent SIGTERM if we die
+without stopping it (PR_SET_PDEATHSIG), so no llama-server outlives the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import structlog
+
+log = structlog.get_logger(__name__)
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform == "linux":
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ManagedLlamaServer:
+    """One supervised llama-server process."""
+
+    def __init__(self, binary: Path, model: Path, *, slots: int, ctx_per_slot: int,
+                 extra_args: Sequence[str] = (), log_path: Path | None = None,
+                 ready_timeout_s: float = 120.0) -> None:
+        self.binary = binary
+        self.model = model
+        self.port = free_port()
+        self.slots = slots
+        self.ctx_per_slot = ctx_per_slot
+        self.extra_args = list(extra_args)
+        self.log_path = log_path
+        self.ready_timeout_s = ready_timeout_s
+        self.restarts = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc and self._proc.returncode is None else None
+
+    def command(self) -> list[str]:
+        return [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
+                "--port", str(self.port), "-np", str(self.slots),
+                "-c", str(self.slots * self.ctx_per_slot), "--no-webui", *self.extra_args]
+
+    async def start(self) -> None:
+        """Launch and wait until /health answers 200; raises RuntimeError if it never does."""
+        await self._launch()
+        if not await self.wait_ready(self.ready_timeout_s):
+            await self.stop()
+            raise RuntimeError(f"llama-server did not become ready within "
+                               f"{self.ready_timeout_s:.0f} s; see {self.log_path}")
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _launch(self) -> None:
+        stdout = self.log_path.open("ab") if self.log_path else None
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.command(), stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout or asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        finally:
+            if stdout:
+                stdout.close()
+        log.info("llama_server_started", pid=self._proc.pid, port=self.port,
+                 model=self.model.name, slots=self.slots, restarts=self.restarts)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self._proc is None or self._proc.returncode is not None:
+                    return False
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(self.url + "/health")).status_code == 200:
+                        return True
+                await asyncio.sleep(0.2)
+        return False
+
+    async def _supervise(self) -> None:
+        backoff = BACKOFF_START_S
+        while not self._stopping:
+            assert self._proc is not None
+            started = time.monotonic()
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            if time.monotonic() - started > STABLE_AFTER_S:
+                backoff = BACKOFF_START_S
+            log.warning("llama_server_exited", exit_code=code, restart_in_s=backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            if self._stopping:
+                return
+            self.restarts += 1
+            await self._launch()
+            if await self.wait_ready(self.ready_timeout_s):
+                log.info("llama_server_ready", pid=self.pid, restarts=self.restarts)
+
+    async def stop(self) -> None:
+        """Stop supervising, then SIGTERM the child (SIGKILL after STOP_TIMEOUT_S)."""
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        log.info("llama_server_stopped", exit_code=proc.returncode)
+
+
+def split_args(raw: str) -> list[str]:
+    return shlex.split(raw) if raw.strip() else []
+
+
+def default_log_path(cache_dir: Path) -> Path:
+    path = cache_dir / "logs" / f"llama-server-{os.getpid()}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
