@@ -1,0 +1,48 @@
+# The two commands a new machine needs:  `make run`  and  `make test`.
+# Everything else here is what those two are made of.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# Extra flags for `make run`, e.g. make run ARGS="--port 6000 --log-format console"
+ARGS   ?=
+
+.PHONY: install assets run test lint proto proto-check check clean
+
+$(STAMP): pyproject.toml clients/python/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e clients/python -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# llama-server built from the pinned llama.cpp source + the stand-in model, into the cache
+# (~/.cache/rerank-server, or RERANK_CACHE_DIR). Minutes the first time, instant after.
+assets: install
+	$(BIN)/rerank-server prepare
+
+run: assets
+	@echo
+	@echo "Starting rerank-server on 127.0.0.1:50051 with a managed llama-server."
+	@echo "In another terminal, try:"
+	@echo "  $(BIN)/rerank-client 'what do cats eat?' 'Cats are obligate carnivores that eat meat.' 'The stock market fell.' 'Kittens need milk.'"
+	@echo
+	$(BIN)/rerank-server --managed $(ARGS)
+
+test: assets
+	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python scripts/gen_protos.py --check
+
+proto: install
+	$(BIN)/python scripts/gen_protos.py
+
+check: lint test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
