@@ -63,7 +63,8 @@ class ChatScorer:
             except MalformedLogprobs as exc:
                 return PairOutcome.failed(i, Failure.MALFORMED, str(exc))
             if isinstance(body, dict) and isinstance(body.get("model"), str):
-                self._reported_model = body["model"]
+                # llama-server reports the model's file path; callers need only its name.
+                self._reported_model = body["model"].rsplit("/", 1)[-1]
             if score is None:
                 return PairOutcome.failed(i, Failure.MALFORMED, "no yes/no token in top logprobs")
             return PairOutcome(i, score)

@@ -1,0 +1,37 @@
+"""Logs: one canonical line per RPC, and never the query or document text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rerank_client import AsyncRerankClient, InvalidRequestError
+
+from ..fakes.llama import HTTP_500, FakeLlamaServer
+
+CANARY = "CANARY-7f3a"
+
+
+def _events(out: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+async def test_canonical_line_has_counts_and_no_text(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    docs = [f"{CANARY} document {i}" for i in range(4)]
+    await client.rerank(f"{CANARY} query", docs, request_id="rid-1",
+                        instruction=f"{CANARY} instruction")
+    fake_llama.mode = HTTP_500
+    await client.rerank(f"{CANARY} query", docs, request_id="rid-2")
+    with pytest.raises(InvalidRequestError):
+        await client.rerank(f"{CANARY} query", [*docs, docs[0] * 20_000], request_id="rid-3")
+    out = capsys.readouterr().out
+    assert CANARY not in out
+    rpc_lines = [e for e in _events(out) if e["event"] == "rpc"]
+    by_id = {e["request_id"]: e for e in rpc_lines}
+    assert by_id["rid-1"]["status"] == "OK" and by_id["rid-1"]["scored"] == 4
+    assert by_id["rid-1"]["method"] == "/rerank.v1.Reranker/Rerank"
+    assert by_id["rid-2"]["reranked"] is False and by_id["rid-2"]["degraded"] == "backend_error"
+    assert by_id["rid-3"]["status"] == "INVALID_ARGUMENT"
+    assert all(isinstance(e["total_ms"], float) for e in rpc_lines)

@@ -1,0 +1,105 @@
+"""The installed commands as a user runs them: `rerank-server` under SIGTERM, `rerank-client`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from rerank_client import AsyncRerankClient
+from rerank_client.cli import main as client_main
+
+from rerank_server.managed import free_port
+from rerank_server.server import RunningServer
+
+from ..fakes.llama import FakeLlamaServer
+
+
+async def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.1)
+    raise AssertionError("server did not start listening")
+
+
+async def test_sigterm_drains_in_flight_call_and_exits_zero(fake_llama: FakeLlamaServer) -> None:
+    fake_llama.latency_s = 0.8
+    port = free_port()
+    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
+           "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": "5", "RERANK_LOG_FORMAT": "json"}
+    # Popen returns at once; the test awaits everything that waits on the process.
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        await _wait_listening(port, proc)
+        async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+            call = asyncio.create_task(client.rerank("q", ["a", "b", "c"]))
+            await asyncio.sleep(0.3)  # the call is now waiting on the backend
+            proc.send_signal(signal.SIGTERM)
+            answer = await call
+        assert answer.reranked, "in-flight call was not allowed to finish"
+        assert await asyncio.to_thread(proc.wait, 15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.stdout.read().decode() if proc.stdout else ""
+    events = [json.loads(line)["event"] for line in output.splitlines() if line.startswith("{")]
+    assert events.index("shutting_down") < events.index("stopped")
+
+
+def test_rerank_server_help_lists_settings() -> None:
+    out = subprocess.run([sys.executable, "-m", "rerank_server", "--help"], check=True,
+                         capture_output=True, text=True).stdout
+    assert "--backend-url" in out and "RERANK_BACKEND_URL" in out and "--managed" in out
+
+
+def test_bad_setting_exits_2_with_message() -> None:
+    proc = subprocess.run([sys.executable, "-m", "rerank_server"], capture_output=True,
+                          text=True, env={**os.environ, "RERANK_CONCURRENCY": "0"})
+    assert proc.returncode == 2
+    assert "--concurrency / RERANK_CONCURRENCY" in proc.stderr
+
+
+async def test_rerank_client_cli_prints_ranked_table(
+        server: RunningServer, fake_llama: FakeLlamaServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    fake_llama.scores = {"meat": 0.9, "stock": 0.05}
+    argv = ["--target", f"127.0.0.1:{server.port}", "--blend", "rerank_only",
+            "what do cats eat?", "The stock market fell.", "Cats eat meat.", "Kittens nap."]
+    assert await asyncio.to_thread(client_main, argv) == 0
+    # The in-process server logs JSON to the same stdout; the table starts at its header.
+    out = capsys.readouterr().out.splitlines()
+    lines = out[next(i for i, line in enumerate(out) if line.split()[:2] == ["rank", "id"]):]
+    assert lines[1].split()[:2] == ["1", "1"] and "Cats eat meat." in lines[1]
+    assert lines[-1].startswith("reranked by chat")
+
+
+async def test_rerank_client_cli_json_from_file(
+        server: RunningServer, tmp_path: pytest.TempPathFactory,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.jsonl"  # type: ignore[operator]
+    path.write_text('{"id": "x", "text": "one"}\n"two"\n{"id": "z", "text": "three"}\n')
+    argv = ["--target", f"127.0.0.1:{server.port}", "--json", "--file", str(path), "q"]
+    assert await asyncio.to_thread(client_main, argv) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{\n"):])
+    assert sorted(r["id"] for r in data["results"]) == ["1", "x", "z"]
+    assert data["summary"]["reranked"] is True
+
+
+async def test_rerank_client_cli_reports_invalid_request(
+        server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--target", f"127.0.0.1:{server.port}", " ", "doc"]
+    assert await asyncio.to_thread(client_main, argv) == 1
+    assert "INVALID_ARGUMENT: query: must not be empty" in capsys.readouterr().err
