@@ -514,7 +514,7 @@ class RerankSummary(_message.Message):
     @_builtins.property
     def degraded(self) -> Global___DegradedReason:
         """Set when something went wrong; with `reranked = false` the results are in retrieval
-        order, with `reranked = true` (code PARTIAL or TIMEOUT) only some pairs were scored.
+        order; with `reranked = true` (code PARTIAL) only some pairs were scored.
         """
 
     @_builtins.property
