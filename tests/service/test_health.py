@@ -1,0 +1,68 @@
+"""grpc.health.v1 and reflection: main service, backend sub-services, draining."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from rerank_server.server import build_server
+from rerank_server.settings import Settings
+
+from ..fakes.llama import FakeLlamaServer
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _status(channel: grpc.aio.Channel, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+async def test_health_backend_probe_and_draining(fake_llama: FakeLlamaServer) -> None:
+    fake_llama.scores = {"Paris": 0.95, "Photosynthesis": 0.02}
+    settings = Settings(port=0, backend_url=fake_llama.url, health_interval_s=0.1)
+    server = await build_server(settings)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        await server.monitor.probed.wait()
+        assert await _status(channel, "") == SERVING
+        assert await _status(channel, "rerank.v1.Reranker") == SERVING
+        assert await _status(channel, "rerank.v1.Reranker/backend") == SERVING
+        assert await _status(channel, "rerank.v1.Reranker/backend/discriminates") == SERVING
+        await server.health.enter_graceful_shutdown()
+        assert await _status(channel, "rerank.v1.Reranker") == NOT_SERVING
+    await server.stop(grace=0)
+
+
+async def test_indistinct_model_is_flagged_but_main_service_serves(
+        fake_llama: FakeLlamaServer) -> None:
+    fake_llama.default_score = 0.5  # same score for every document
+    settings = Settings(port=0, backend_url=fake_llama.url, health_interval_s=0.1)
+    server = await build_server(settings)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        await server.monitor.probed.wait()
+        assert await _status(channel, "rerank.v1.Reranker") == SERVING
+        assert await _status(channel, "rerank.v1.Reranker/backend") == SERVING
+        assert await _status(channel, "rerank.v1.Reranker/backend/discriminates") == NOT_SERVING
+    await server.stop(grace=0)
+
+
+async def test_reflection_lists_services_and_can_be_turned_off(
+        fake_llama: FakeLlamaServer) -> None:
+    base = Settings(port=0, backend_url=fake_llama.url, probe=False)
+    for enabled in (True, False):
+        server = await build_server(dataclasses.replace(base, reflection=enabled))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            call = stub.ServerReflectionInfo(iter([
+                reflection_pb2.ServerReflectionRequest(list_services="")]))
+            try:
+                names = [s.name async for r in call for s in r.list_services_response.service]
+            except grpc.aio.AioRpcError as exc:
+                assert not enabled and exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            else:
+                assert enabled and "rerank.v1.Reranker" in names
+        await server.stop(grace=0)
