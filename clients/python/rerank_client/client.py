@@ -5,7 +5,7 @@ exceptions in `errors`; a degraded answer (scorer trouble on the server) is not 
 check `answer.reranked` and `answer.summary.degraded_code`.
 
 For a server behind a headless Kubernetes Service, pass `load_balancing="round_robin"` and
-a `dns:///` target so calls spread over every pod (docs/deploy.md).
+a `dns:///` target so calls spread over every pod instead of sticking to the first one.
 """
 
 from __future__ import annotations
