@@ -16,9 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rerank_server import assets
+from rerank_server import assets, settings
 from rerank_server.managed import free_port
-from rerank_server.settings import Settings
 
 SLOTS = 4
 
@@ -32,7 +31,7 @@ class RealLlama:
 
 
 def _assets() -> tuple[Path, Path]:
-    cache = Settings().cache_dir
+    cache = settings.load([]).cache_dir  # honours RERANK_CACHE_DIR, as `make assets` does
     explicit = os.environ.get("RERANK_LLAMA_SERVER")
     try:
         binary = assets.resolve_llama_server(Path(explicit) if explicit else None, cache,
