@@ -88,10 +88,6 @@ class RunningServer:
         if self.managed is not None:
             await self.managed.stop()
 
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-        await self.server.wait_for_termination()
-
 
 async def start_managed(settings: Settings) -> tuple[Settings, ManagedLlamaServer]:
     """Prepare assets, start llama-server, and point the settings at it."""

@@ -82,9 +82,6 @@ class HttpBackend:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BackendCallError(Failure.MALFORMED, "response is not JSON") from None
 
-    async def get(self, path: str) -> httpx.Response:
-        return await self._client.get(self.base_url + path)
-
     async def aclose(self) -> None:
         """Wait for calls left running by cancelled requests, then close the pool."""
         if self._background:
