@@ -18,7 +18,7 @@ import grpc
 
 from . import errors
 from .pb import rerank_pb2_grpc as pb_grpc
-from .types import CandidateLike, RerankAnswer, Result, Summary, build_request
+from .types import CandidateLike, RerankAnswer, Result, Summary, build_request, stream_item
 
 
 def channel_options(load_balancing: str | None = None,
@@ -71,10 +71,7 @@ class AsyncRerankClient:
         call = self._stub.RerankStream(request, timeout=timeout)
         try:
             async for message in call:
-                if message.HasField("result"):
-                    yield Result.from_pb(message.result)
-                else:
-                    yield Summary.from_pb(message.summary)
+                yield stream_item(message)
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         finally:
@@ -94,11 +91,7 @@ class AsyncRerankClient:
         try:
             async for response in call:
                 if response.HasField("error"):
-                    code = grpc.StatusCode.UNKNOWN
-                    for status in grpc.StatusCode:
-                        if status.value[0] == response.error.code:
-                            code = status
-                    yield response.request_id, errors.from_code(code, response.error.message)
+                    yield response.request_id, errors.from_batch_error(response.error)
                 else:
                     yield response.request_id, RerankAnswer.from_pb(response)
         except grpc.RpcError as exc:
@@ -141,10 +134,7 @@ class RerankClient:
         call = self._stub.RerankStream(request, timeout=timeout)
         try:
             for message in call:
-                if message.HasField("result"):
-                    yield Result.from_pb(message.result)
-                else:
-                    yield Summary.from_pb(message.summary)
+                yield stream_item(message)
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         finally:

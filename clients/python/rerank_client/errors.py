@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from .pb import rerank_pb2 as pb
+
 
 class RerankError(Exception):
     """A call failed. `code` is the gRPC status name, e.g. "INTERNAL"."""
@@ -36,6 +38,15 @@ _BY_CODE: dict[grpc.StatusCode, type[RerankError]] = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
+
+
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def from_batch_error(error: pb.RequestError) -> RerankError:
+    """The exception for a request that `RerankBatch` rejected (its `error` field)."""
+    code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+    return from_code(code, error.message)
 
 
 def from_code(code: grpc.StatusCode, message: str) -> RerankError:

@@ -139,3 +139,10 @@ def build_request(query: str, candidates: Iterable[CandidateLike], *, top_k: int
                                  retrieval_rank=c.retrieval_rank, metadata=dict(c.metadata)))
     return pb.RerankRequest(request_id=request_id, query=query, candidates=wire, top_k=top_k,
                             instruction=instruction, options=options)
+
+
+def stream_item(message: pb.RerankStreamMessage) -> Result | Summary:
+    """One `RerankStream` message as the client's type: a result, or the closing summary."""
+    if message.HasField("result"):
+        return Result.from_pb(message.result)
+    return Summary.from_pb(message.summary)
