@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Extra flags for `make run`, e.g. make run ARGS="--port 6000 --log-format console"
 ARGS   ?=
 
-.PHONY: install assets run test lint proto proto-check check clean
+.PHONY: install assets run test lint proto docs check clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,9 +38,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/python scripts/gen_config_doc.py --check
 
 proto: install
 	$(BIN)/python scripts/gen_protos.py
+
+# The settings tables in docs/configuration.md, from rerank_server/settings.py.
+docs: install
+	$(BIN)/python scripts/gen_config_doc.py
 
 check: lint test
 

@@ -22,7 +22,9 @@ import httpx
 import structlog
 from grpc_health.v1 import health, health_pb2
 
+from .metrics import Metrics
 from .scoring.base import PairOutcome, Scorer, ScoreRequest
+from .scoring.http import instance_of
 
 log = structlog.get_logger(__name__)
 
@@ -80,8 +82,11 @@ class BackendMonitor:
 
     def __init__(self, scorer: Scorer, base_url: str, instruction: str,
                  health_servicer: health.aio.HealthServicer, service_name: str,
-                 interval_s: float = 5.0, run_probe: bool = True) -> None:
+                 interval_s: float = 5.0, run_probe: bool = True,
+                 metrics: Metrics | None = None) -> None:
         self._scorer = scorer
+        self._metrics = metrics or Metrics.noop()
+        self._instance = instance_of(scorer.kind, base_url)
         self._url = base_url.rstrip("/") + "/health"
         self._instruction = instruction
         self._health = health_servicer
@@ -113,6 +118,7 @@ class BackendMonitor:
             up = (await client.get(self._url)).status_code == 200
         except httpx.HTTPError:
             up = False
+        self._metrics.backend_up.set(int(up), self._instance.attributes)
         if up == self._up:
             return
         self._up = up

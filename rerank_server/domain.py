@@ -94,3 +94,5 @@ class RerankSummary:
     failed: int
     total_ms: float
     scoring_ms: float
+    # Failed pairs by failure kind ("timeout": 3), for metrics and logs.
+    failures: Mapping[str, int] = field(default_factory=dict)

@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import structlog
 
+from .metrics import Metrics
+
 log = structlog.get_logger(__name__)
 
 BACKOFF_START_S = 0.5
@@ -50,7 +52,7 @@ class ManagedLlamaServer:
 
     def __init__(self, binary: Path, model: Path, *, slots: int, ctx_per_slot: int,
                  extra_args: Sequence[str] = (), log_path: Path | None = None,
-                 ready_timeout_s: float = 120.0) -> None:
+                 ready_timeout_s: float = 120.0, metrics: Metrics | None = None) -> None:
         self.binary = binary
         self.model = model
         self.port = free_port()
@@ -60,6 +62,7 @@ class ManagedLlamaServer:
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0
+        self._metrics = metrics or Metrics.noop()
         self._proc: asyncio.subprocess.Process | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
@@ -127,6 +130,7 @@ class ManagedLlamaServer:
             if self._stopping:
                 return
             self.restarts += 1
+            self._metrics.llama_restarts.add(1)
             await self._launch()
             if await self.wait_ready(self.ready_timeout_s):
                 log.info("llama_server_ready", pid=self.pid, restarts=self.restarts)

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import structlog
+from opentelemetry import trace
 
 from . import prompt
 from .chunking import select_chunks
@@ -28,6 +29,7 @@ from .domain import (
 from .ordering import IncrementalRanking, Placed
 from .scoring.base import Failure, PairOutcome, Scorer, ScoreRequest
 from .settings import Settings
+from .telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 
@@ -39,9 +41,11 @@ DEADLINE_RESERVE_MAX_S = 0.05
 class Reranker:
     """Runs requests through the pipeline against one scorer."""
 
-    def __init__(self, settings: Settings, scorer: Scorer) -> None:
+    def __init__(self, settings: Settings, scorer: Scorer,
+                 telemetry: Telemetry | None = None) -> None:
         self.settings = settings
         self.scorer = scorer
+        self.telemetry = telemetry or Telemetry.disabled()
 
     def budget_s(self, query: RerankQuery, deadline_remaining_s: float | None) -> float:
         """Seconds the scorer may use: the smallest of server default, request, deadline."""
@@ -57,14 +61,21 @@ class Reranker:
                   ) -> AsyncIterator[RankedCandidate | RerankSummary]:
         started = time.perf_counter()
         s = self.settings
+        tracer = self.telemetry.tracer
         strategy = query.blend or s.blend_strategy
-        by_rank = sorted(query.candidates, key=lambda c: (c.retrieval_rank, c.index))
-        cap = query.max_candidates or s.max_candidates
-        scored_set, tail = by_rank[:cap], by_rank[cap:]
-        ranking = IncrementalRanking(strategy, scored_set, tail)
+        with tracer.start_as_current_span("rerank.shape") as span:
+            by_rank = sorted(query.candidates, key=lambda c: (c.retrieval_rank, c.index))
+            cap = query.max_candidates or s.max_candidates
+            scored_set, tail = by_rank[:cap], by_rank[cap:]
+            ranking = IncrementalRanking(strategy, scored_set, tail)
+            skip = self._skip_reason(query)
+            span.set_attributes({"rerank.candidates": len(query.candidates),
+                                 "rerank.submitted": 0 if skip else len(scored_set),
+                                 "rerank.blend": strategy.value})
+            if skip is not None:
+                span.set_attribute("rerank.skipped", skip.code.value)
         emitter = _Emitter(query.top_k)
 
-        skip = self._skip_reason(query)
         if skip is not None:
             ranking.fail_outstanding()
             for item in emitter.take(ranking.release(), {}):
@@ -74,9 +85,14 @@ class Reranker:
             return
 
         max_chunk = query.max_chunk_chars or s.max_chunk_chars
-        chunks = select_chunks(query.query, [c.text for c in scored_set], max_chunk)
-        documents = [prompt.document_text(chunk, c.title)
-                     for chunk, c in zip(chunks, scored_set, strict=True)]
+        with tracer.start_as_current_span("rerank.chunk") as span:
+            chunks = select_chunks(query.query, [c.text for c in scored_set], max_chunk)
+            documents = [prompt.document_text(chunk, c.title)
+                         for chunk, c in zip(chunks, scored_set, strict=True)]
+            span.set_attributes({
+                "rerank.max_chunk_chars": max_chunk,
+                "rerank.chunked": sum(len(chunk) < len(c.text)
+                                      for chunk, c in zip(chunks, scored_set, strict=True))})
         texts = ({c.index: doc for c, doc in zip(scored_set, documents, strict=True)}
                  if query.return_text else {})
         request = ScoreRequest(query.query, query.instruction or s.instruction, documents)
@@ -85,7 +101,12 @@ class Reranker:
         scored = 0
         scoring_started = time.perf_counter()
         outcomes: asyncio.Queue[PairOutcome] = asyncio.Queue()
-        task = asyncio.create_task(self.scorer.score(request, outcomes.put_nowait))
+        # Not a `with` block: the span must not stay current across the yields below. The
+        # scorer task copies the context at creation, so backend calls become its children.
+        score_span = tracer.start_span("rerank.score", attributes={
+            "rerank.backend": self.scorer.kind, "rerank.pairs": len(documents)})
+        with trace.use_span(score_span, end_on_exit=False):
+            task = asyncio.create_task(self.scorer.score(request, outcomes.put_nowait))
         try:
             async with asyncio.timeout(self.budget_s(query, deadline_remaining_s)):
                 while ranking.outstanding:
@@ -109,9 +130,17 @@ class Reranker:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            score_span.set_attributes({"rerank.model": self.scorer.model,
+                                       "rerank.scored": scored,
+                                       "rerank.failed": sum(failures.values())})
+            score_span.end()
         scoring_s = time.perf_counter() - scoring_started
 
-        for item in emitter.take(ranking.release(), texts):
+        # Results whose place was certain were blended and sent during scoring already.
+        with tracer.start_as_current_span("rerank.blend") as span:
+            final = emitter.take(ranking.release(), texts)
+            span.set_attribute("rerank.released_after_scoring", len(final))
+        for item in final:
             yield item
         degraded = _degraded(len(scored_set), scored, failures)
         yield self._summary(query, strategy, started, degraded, submitted=len(scored_set),
@@ -134,7 +163,8 @@ class Reranker:
             backend=self.scorer.kind, model=self.scorer.model, blend=strategy,
             candidates=len(query.candidates), submitted=submitted, scored=scored,
             failed=sum(failures.values()),
-            total_ms=(time.perf_counter() - started) * 1000, scoring_ms=scoring_s * 1000)
+            total_ms=(time.perf_counter() - started) * 1000, scoring_ms=scoring_s * 1000,
+            failures={failure.value: n for failure, n in failures.items()})
 
 
 class _ScorerCrashed(Exception):

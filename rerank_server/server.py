@@ -6,8 +6,8 @@ fixtures alike.
 
 Shutdown order on SIGTERM/SIGINT (as uvicorn's `capture_signals`/`handle_exit`): health
 goes NOT_SERVING so load balancers stop sending, the server stops taking new calls and
-gives in-flight ones `grace_period_s`, then the backend clients close and a managed
-llama-server is stopped last.
+gives in-flight ones `grace_period_s`, then the backend clients close, a managed
+llama-server is stopped, and telemetry is flushed last.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import dataclasses
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import structlog
@@ -26,7 +25,9 @@ from grpc_reflection.v1alpha import reflection
 
 from . import __version__, assets
 from .backend_health import BackendMonitor
+from .interceptors import RpcInterceptor
 from .managed import ManagedLlamaServer, default_log_path, split_args
+from .metrics import Metrics
 from .pb import rerank_pb2 as pb
 from .pb import rerank_pb2_grpc as pb_grpc
 from .pipeline import Reranker
@@ -35,27 +36,34 @@ from .scoring.chat import ChatScorer
 from .scoring.http import HttpBackend
 from .service import RerankService
 from .settings import Settings
+from .telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Reranker"].full_name
 
 
-def build_scorer(settings: Settings) -> Scorer:
+def build_scorer(settings: Settings, telemetry: Telemetry | None = None) -> Scorer:
     """The scorer for `settings.backend` against `settings.backend_url`."""
+    telemetry = telemetry or Telemetry.disabled()
     http = HttpBackend(settings.backend_url, settings.concurrency,
-                       settings.backend_timeout_ms / 1000)
+                       settings.backend_timeout_ms / 1000, kind=settings.backend,
+                       metrics=telemetry.metrics, tracer=telemetry.tracer)
     return ChatScorer(http, model=settings.model, assistant_prefill=settings.assistant_prefill)
 
 
-class _ContextInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Starts each RPC with fresh log context so nothing leaks between calls."""
+def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.ServerInterceptor]:
+    """Tracing outermost (so the log line and metrics see the span), then ours."""
+    ours = RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs)
+    if not telemetry.tracing:
+        return [ours]
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
-    async def intercept_service(self, continuation: Any,
-                                handler_call_details: grpc.HandlerCallDetails) -> Any:
-        structlog.contextvars.clear_contextvars()
-        structlog.contextvars.bind_contextvars(method=handler_call_details.method)
-        return await continuation(handler_call_details)
+    # Health checks every few seconds would bury the traces that matter.
+    tracing = aio_server_interceptor(  # type: ignore[no-untyped-call]
+        tracer_provider=telemetry.tracer_provider,
+        filter_=filters.negate(filters.service_prefix("grpc.")))
+    return [tracing, ours]
 
 
 @dataclass
@@ -68,6 +76,7 @@ class RunningServer:
     reranker: Reranker
     settings: Settings
     monitor: BackendMonitor
+    telemetry: Telemetry
     managed: ManagedLlamaServer | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -87,9 +96,11 @@ class RunningServer:
         await self.reranker.scorer.aclose()
         if self.managed is not None:
             await self.managed.stop()
+        await asyncio.to_thread(self.telemetry.shutdown)
 
 
-async def start_managed(settings: Settings) -> tuple[Settings, ManagedLlamaServer]:
+async def start_managed(settings: Settings, metrics: Metrics | None = None,
+                        ) -> tuple[Settings, ManagedLlamaServer]:
     """Prepare assets, start llama-server, and point the settings at it."""
     cache = settings.cache_dir
     binary, model = await asyncio.to_thread(
@@ -97,7 +108,8 @@ async def start_managed(settings: Settings) -> tuple[Settings, ManagedLlamaServe
     managed = ManagedLlamaServer(
         binary, model, slots=settings.llama_slots or settings.concurrency,
         ctx_per_slot=settings.llama_ctx_per_slot, extra_args=split_args(settings.llama_args),
-        log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s)
+        log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s,
+        metrics=metrics)
     await managed.start()
     changes: dict[str, object] = {"backend_url": managed.url}
     if not settings.model_path and settings.assistant_prefill:
@@ -116,33 +128,36 @@ def _resolve_assets(cache: Path, llama_server: str, model_path: str) -> tuple[Pa
     return binary, model
 
 
-async def build_server(settings: Settings, scorer: Scorer | None = None) -> RunningServer:
+async def build_server(settings: Settings, scorer: Scorer | None = None,
+                       telemetry: Telemetry | None = None) -> RunningServer:
     """Create, bind and start the server; the port is the bound one (settings.port may be 0).
 
     In managed mode this first starts llama-server (building or fetching assets that are
-    missing), which can take minutes the first time.
+    missing), which can take minutes the first time. `telemetry` defaults to what the
+    settings ask for; tests pass their own to read spans.
     """
+    telemetry = telemetry or Telemetry.create(settings)
     managed = None
-    if settings.managed:
-        settings, managed = await start_managed(settings)
     try:
-        return await _build(settings, scorer, managed)
+        if settings.managed:
+            settings, managed = await start_managed(settings, telemetry.metrics)
+        return await _build(settings, scorer, managed, telemetry)
     except BaseException:
         if managed is not None:
             await managed.stop()
+        telemetry.shutdown()
         raise
 
 
 async def _build(settings: Settings, scorer: Scorer | None,
-                 managed: ManagedLlamaServer | None) -> RunningServer:
-    reranker = Reranker(settings, scorer or build_scorer(settings))
+                 managed: ManagedLlamaServer | None, telemetry: Telemetry) -> RunningServer:
+    reranker = Reranker(settings, scorer or build_scorer(settings, telemetry), telemetry)
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[_ContextInterceptor()], options=options,
-                             maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+    server = grpc.aio.server(interceptors=_interceptors(settings, telemetry), options=options)
     pb_grpc.add_RerankerServicer_to_server(RerankService(reranker), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -158,9 +173,10 @@ async def _build(settings: Settings, scorer: Scorer | None,
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     monitor = BackendMonitor(reranker.scorer, settings.backend_url, settings.instruction,
                              health_servicer, SERVICE_NAME, settings.health_interval_s,
-                             run_probe=settings.probe)
+                             run_probe=settings.probe, metrics=telemetry.metrics)
     monitor.start()
-    return RunningServer(server, port, health_servicer, reranker, settings, monitor, managed)
+    return RunningServer(server, port, health_servicer, reranker, settings, monitor, telemetry,
+                         managed)
 
 
 async def serve(settings: Settings) -> None:
@@ -168,6 +184,7 @@ async def serve(settings: Settings) -> None:
     running = await build_server(settings)
     log.info("serving", address=running.address, backend=running.settings.backend,
              backend_url=running.settings.backend_url, managed=settings.managed,
+             metrics_port=running.telemetry.metrics_port, tracing=running.telemetry.tracing,
              version=__version__)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

@@ -46,9 +46,15 @@ class RerankService(pb_grpc.RerankerServicer):
         self._reranker = reranker
 
     def _query(self, request: pb.RerankRequest) -> RerankQuery:
-        query = convert.query_from_pb(request)
-        validate(query, self._reranker.settings)
+        with self._reranker.telemetry.tracer.start_as_current_span("rerank.validate"):
+            query = convert.query_from_pb(request)
+            validate(query, self._reranker.settings)
         return query
+
+    def _finish(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
+        """The canonical log line and the metrics of one answered rerank request."""
+        _log_summary(rpc, summary, returned, **extra)
+        self._reranker.telemetry.metrics.record_rerank(summary)
 
     async def _collect(self, query: RerankQuery, deadline: float | None,
                        ) -> tuple[list[RankedCandidate], RerankSummary]:
@@ -68,7 +74,7 @@ class RerankService(pb_grpc.RerankerServicer):
         except Exception as exc:
             await self._abort(context, "Rerank", request.request_id, started, exc)
             raise  # unreachable: abort raises
-        _log_summary("Rerank", summary, len(results))
+        self._finish("Rerank", summary, len(results))
         return convert.response_to_pb(results, summary)
 
     async def RerankStream(self, request: pb.RerankRequest,
@@ -81,7 +87,7 @@ class RerankService(pb_grpc.RerankerServicer):
             first_ms: float | None = None
             async for item in self._reranker.run(query, _deadline(context)):
                 if isinstance(item, RerankSummary):
-                    _log_summary("RerankStream", item, sent, first_result_ms=first_ms)
+                    self._finish("RerankStream", item, sent, first_result_ms=first_ms)
                     yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
                     return
                 if first_ms is None:
@@ -104,7 +110,7 @@ class RerankService(pb_grpc.RerankerServicer):
             try:
                 query = self._query(request)
                 results, summary = await self._collect(query, _deadline(context))
-                _log_summary("RerankBatch", summary, len(results))
+                self._finish("RerankBatch", summary, len(results))
                 await done.put(convert.response_to_pb(results, summary))
             except Exception as exc:
                 code, message = _status_for(exc)
@@ -148,7 +154,8 @@ def _log_summary(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
              submitted=s.submitted, scored=s.scored, failed=s.failed, returned=returned,
              reranked=s.reranked, degraded=s.degraded.code.value if s.degraded else None,
              degraded_detail=s.degraded.message if s.degraded else None,
-             blend=s.blend.value, backend=s.backend, total_ms=round(s.total_ms, 2),
+             failures=dict(s.failures) or None, blend=s.blend.value, backend=s.backend,
+             total_ms=round(s.total_ms, 2),
              scoring_ms=round(s.scoring_ms, 2), **extra)
 
 

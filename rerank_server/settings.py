@@ -51,7 +51,8 @@ class Settings:
         "On SIGTERM/SIGINT, how long in-flight calls may run before they are cancelled.",
         minimum=0))
     max_concurrent_rpcs: int = field(default=256, metadata=_opt(
-        "RPCs handled at once; more are refused with RESOURCE_EXHAUSTED.", minimum=1))
+        "Reranker RPCs handled at once; more are refused with RESOURCE_EXHAUSTED (health "
+        "checks are never refused).", minimum=1))
     max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_opt(
         "Largest request or response message in bytes.", minimum=1024))
     batch_concurrency: int = field(default=8, metadata=_opt(
@@ -109,6 +110,19 @@ class Settings:
         "Log level: debug, info, warning, error.", group="logging"))
     log_format: LogFormat = field(default=LogFormat.AUTO, metadata=_opt(
         "json, console, or auto (JSON unless stdout is a terminal).", group="logging"))
+
+    # --- metrics and traces (docs/observability.md)
+    metrics: bool = field(default=True, metadata=_opt(
+        "Serve Prometheus metrics over HTTP at /metrics.", group="observability"))
+    metrics_host: str = field(default="", metadata=_opt(
+        "Address of the metrics endpoint (empty: the same as --host).", group="observability"))
+    metrics_port: int = field(default=9464, metadata=_opt(
+        "Port of the metrics endpoint (0 picks a free one).", minimum=0, maximum=65535,
+        group="observability"))
+    otlp_endpoint: str = field(default="", metadata=_opt(
+        "OTLP/gRPC collector for traces and metrics, e.g. http://otel-collector:4317 "
+        "(empty: OTEL_EXPORTER_OTLP_ENDPOINT if set, else no export and no tracing).",
+        group="observability"))
 
     health_interval_s: float = field(default=5.0, metadata=_opt(
         "How often the backend's /health is polled; a backend coming up is probed.",

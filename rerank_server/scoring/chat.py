@@ -61,11 +61,13 @@ class ChatScorer:
             except BackendCallError as exc:
                 return PairOutcome.failed(i, exc.failure, exc.detail)
             except MalformedLogprobs as exc:
+                self._http.record_malformed()
                 return PairOutcome.failed(i, Failure.MALFORMED, str(exc))
             if isinstance(body, dict) and isinstance(body.get("model"), str):
                 # llama-server reports the model's file path; callers need only its name.
                 self._reported_model = body["model"].rsplit("/", 1)[-1]
             if score is None:
+                self._http.record_malformed()
                 return PairOutcome.failed(i, Failure.MALFORMED, "no yes/no token in top logprobs")
             return PairOutcome(i, score)
 

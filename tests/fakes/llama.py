@@ -47,7 +47,11 @@ class FakeLlamaServer:
     model: str = "fake-reranker.gguf"
 
     requests: list[dict[str, Any]] = field(default_factory=list)
+    # The W3C traceparent header of each POST ("" when absent), in arrival order.
+    traceparents: list[str] = field(default_factory=list)
     in_flight: int = 0
+    # Set when a scoring request arrives (tests that need one in progress wait on it).
+    received: threading.Event = field(default_factory=threading.Event)
     max_in_flight: int = 0
     completed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -69,6 +73,9 @@ class FakeLlamaServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body go out as two writes; with Nagle on, delayed ACKs add
+            # 40 ms to every call on a keep-alive connection.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -84,6 +91,8 @@ class FakeLlamaServer:
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length))
+                with fake._lock:
+                    fake.traceparents.append(self.headers.get("traceparent", ""))
                 if self.path != "/v1/chat/completions":
                     self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
                     return
@@ -112,6 +121,7 @@ class FakeLlamaServer:
         with self._lock:
             self.requests.append(body)
             self.in_flight += 1
+            self.received.set()
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             delay = self.latency_for(doc)

@@ -20,6 +20,9 @@ from . import errors
 from .pb import rerank_pb2_grpc as pb_grpc
 from .types import CandidateLike, RerankAnswer, Result, Summary, build_request, stream_item
 
+# Call metadata sent with a request, e.g. [("traceparent", "00-...-01")] to continue a trace.
+Metadata = Sequence[tuple[str, str]]
+
 
 def channel_options(load_balancing: str | None = None,
                     max_message_bytes: int = 16 * 1024 * 1024) -> list[tuple[str, Any]]:
@@ -53,22 +56,25 @@ class AsyncRerankClient:
         await self._channel.close()
 
     async def rerank(self, query: str, candidates: Iterable[CandidateLike], *,
-                     timeout: float | None = None, **options: Any) -> RerankAnswer:
+                     timeout: float | None = None, metadata: Metadata | None = None,
+               **options: Any) -> RerankAnswer:
         """Rerank `candidates` for `query`. `options`: top_k, instruction, request_id,
-        blend_strategy, max_candidates, max_chunk_chars, timeout_ms, return_text."""
+        blend_strategy, max_candidates, max_chunk_chars, timeout_ms, return_text.
+        `metadata` goes out with the call (a W3C `traceparent` continues your trace)."""
         request = build_request(query, candidates, **options)
         try:
-            response = await self._stub.Rerank(request, timeout=timeout)
+            response = await self._stub.Rerank(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
 
     async def stream(self, query: str, candidates: Iterable[CandidateLike], *,
-                     timeout: float | None = None, **options: Any,
+                     timeout: float | None = None, metadata: Metadata | None = None,
+                     **options: Any,
                      ) -> AsyncIterator[Result | Summary]:
         """Results in final order as each becomes certain, then the `Summary`."""
         request = build_request(query, candidates, **options)
-        call = self._stub.RerankStream(request, timeout=timeout)
+        call = self._stub.RerankStream(request, timeout=timeout, metadata=metadata)
         try:
             async for message in call:
                 yield stream_item(message)
@@ -78,7 +84,8 @@ class AsyncRerankClient:
             call.cancel()
 
     async def rerank_many(self, queries: Mapping[str, tuple[str, Sequence[CandidateLike]]], *,
-                          timeout: float | None = None, **options: Any,
+                          timeout: float | None = None, metadata: Metadata | None = None,
+                          **options: Any,
                           ) -> AsyncIterator[tuple[str, RerankAnswer | errors.RerankError]]:
         """Many queries over one `RerankBatch` stream, keyed by request id.
 
@@ -87,7 +94,7 @@ class AsyncRerankClient:
         """
         requests = [build_request(q, c, request_id=rid, **options)
                     for rid, (q, c) in queries.items()]
-        call = self._stub.RerankBatch(iter(requests), timeout=timeout)
+        call = self._stub.RerankBatch(iter(requests), timeout=timeout, metadata=metadata)
         try:
             async for response in call:
                 if response.HasField("error"):
@@ -118,20 +125,22 @@ class RerankClient:
         self._channel.close()
 
     def rerank(self, query: str, candidates: Iterable[CandidateLike], *,
-               timeout: float | None = None, **options: Any) -> RerankAnswer:
+               timeout: float | None = None, metadata: Metadata | None = None,
+               **options: Any) -> RerankAnswer:
         """As `AsyncRerankClient.rerank`."""
         request = build_request(query, candidates, **options)
         try:
-            response = self._stub.Rerank(request, timeout=timeout)
+            response = self._stub.Rerank(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
 
     def stream(self, query: str, candidates: Iterable[CandidateLike], *,
-               timeout: float | None = None, **options: Any) -> Iterator[Result | Summary]:
+               timeout: float | None = None, metadata: Metadata | None = None,
+               **options: Any) -> Iterator[Result | Summary]:
         """As `AsyncRerankClient.stream`."""
         request = build_request(query, candidates, **options)
-        call = self._stub.RerankStream(request, timeout=timeout)
+        call = self._stub.RerankStream(request, timeout=timeout, metadata=metadata)
         try:
             for message in call:
                 yield stream_item(message)

@@ -1,0 +1,137 @@
+"""The server interceptor every RPC passes: fresh log context, load shedding, RPC metrics.
+
+Load shedding is done here rather than by grpc's `maximum_concurrent_rpcs` for two
+reasons: grpc refuses those calls before any interceptor runs, so they could not be
+counted, and it would count health checks too, so a busy server would fail its liveness
+probe and be restarted exactly when it is busiest. Here only `rerank.v1.Reranker` calls
+are limited; health and reflection always get through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from .metrics import RPC_METHOD, RPC_STATUS, RPC_SYSTEM_NAME, Metrics
+
+Behavior = Callable[..., Any]
+
+
+class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Binds log context, sheds load above `max_active` Reranker RPCs, records each call."""
+
+    def __init__(self, metrics: Metrics, limited_service: str, max_active: int) -> None:
+        self._metrics = metrics
+        self._limited_prefix = f"/{limited_service}/"
+        self._max_active = max_active
+        self.active = 0
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
+                                                             Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(method=details.method)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.lstrip("/")
+        limited = details.method.startswith(self._limited_prefix)
+        if handler.response_streaming:
+            wrapped = self._streaming(handler_behavior(handler), method, limited)
+        else:
+            wrapped = self._unary(handler_behavior(handler), method, limited)
+        return replace_behavior(handler, wrapped)
+
+    def _admit(self, method: str, limited: bool) -> bool:
+        if not limited:
+            return True
+        if self.active >= self._max_active:
+            self._metrics.rpc_rejected.add(1, {RPC_METHOD: method})
+            return False
+        self.active += 1
+        self._metrics.rpc_active.add(1, {RPC_METHOD: method})
+        return True
+
+    def _release(self, method: str, limited: bool) -> None:
+        if limited:
+            self.active -= 1
+            self._metrics.rpc_active.add(-1, {RPC_METHOD: method})
+
+    def _record(self, method: str, started: float, code: grpc.StatusCode) -> None:
+        self._metrics.rpc_duration.record(
+            time.perf_counter() - started,
+            {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: code.name})
+
+    @contextlib.asynccontextmanager
+    async def _tracked(self, method: str, limited: bool,
+                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        """Admit the call (or abort it with RESOURCE_EXHAUSTED), then record how it ended."""
+        started = time.perf_counter()
+        if not self._admit(method, limited):
+            self._record(method, started, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server busy: {self._max_active} calls in progress "
+                                "(max_concurrent_rpcs); retry with backoff")
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except BaseException as exc:
+            code = _code_of(exc, context)
+            raise
+        finally:
+            self._release(method, limited)
+            self._record(method, started, code)
+
+    def _unary(self, behavior: Behavior, method: str, limited: bool) -> Behavior:
+        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            async with self._tracked(method, limited, context):
+                return await behavior(request, context)
+        return call
+
+    def _streaming(self, behavior: Behavior, method: str, limited: bool) -> Behavior:
+        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any],
+                       ) -> AsyncIterator[Any]:
+            async with self._tracked(method, limited, context):
+                async for response in behavior(request, context):
+                    yield response
+        return call
+
+
+def _code_of(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any],
+             ) -> grpc.StatusCode:
+    """The status an RPC ended with when its handler raised `exc`."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
+        return code  # set by context.abort
+    return grpc.StatusCode.UNKNOWN
+
+
+def handler_behavior(handler: grpc.RpcMethodHandler) -> Behavior:
+    kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
+    behavior: Behavior = getattr(handler, kind)
+    return behavior
+
+
+def replace_behavior(handler: grpc.RpcMethodHandler, behavior: Behavior,
+                     ) -> grpc.RpcMethodHandler:
+    """`handler` with its behavior replaced, same streaming kind and serializers."""
+    kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
+    factory = getattr(grpc, f"{kind}_rpc_method_handler")
+    return factory(behavior, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+_KINDS = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}

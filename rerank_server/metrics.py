@@ -1,0 +1,134 @@
+"""Every metric the server records, defined in one place (docs/observability.md lists them).
+
+Names follow the OpenTelemetry semantic conventions where one exists (`rpc.server.*`,
+`http.client.*`) and carry a `rerank.` prefix otherwise. Units are declared, so the
+Prometheus exporter appends `_seconds`, `_total` and so on.
+
+The instruments come from whatever `MeterProvider` the server was given: with metrics off
+that is the no-op provider and each record call costs a method call and nothing more.
+Attributes never hold query or document text; their values are small closed sets (method
+names, status codes, reason codes, backend instances from the configuration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
+
+from . import __version__
+from .domain import RerankSummary
+
+# 5 ms .. 15 s: a cached answer takes a few milliseconds, a large batch on a CPU model
+# takes seconds.
+DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0)
+# Retrieval hands over 5..100 candidates in practice; the last buckets catch large caps.
+COUNT_BUCKETS = (5, 10, 20, 30, 50, 75, 100, 250, 1000)
+
+# Attribute keys (semantic conventions where they exist).
+RPC_SYSTEM_NAME = "rpc.system.name"
+RPC_METHOD = "rpc.method"
+RPC_STATUS = "rpc.response.status_code"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+HTTP_METHOD = "http.request.method"
+HTTP_STATUS = "http.response.status_code"
+ERROR_TYPE = "error.type"
+BACKEND = "rerank.backend"
+REASON = "rerank.degraded_reason"
+RERANKED = "rerank.reranked"
+PAIR_OUTCOME = "rerank.pair.outcome"
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """Who a backend call went to, as metric and span attributes."""
+
+    backend: str
+    address: str
+    port: int
+
+    @property
+    def attributes(self) -> dict[str, str | int]:
+        return {BACKEND: self.backend, SERVER_ADDRESS: self.address, SERVER_PORT: self.port}
+
+
+class Metrics:
+    """The server's instruments and the few helpers that record them consistently."""
+
+    def __init__(self, provider: MeterProvider) -> None:
+        meter = provider.get_meter("rerank_server", __version__)
+        # --- RPCs
+        self.rpc_duration = meter.create_histogram(
+            "rpc.server.call.duration", unit="s",
+            description="Duration of gRPC calls handled, by method and status code.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
+        self.rpc_active = meter.create_up_down_counter(
+            "rerank.server.active_rpcs", unit="{rpc}",
+            description="Reranker RPCs in progress (health and reflection excluded).")
+        self.rpc_rejected = meter.create_counter(
+            "rerank.server.rejected_rpcs", unit="{rpc}",
+            description="Reranker RPCs refused with RESOURCE_EXHAUSTED because "
+                        "max_concurrent_rpcs were already in progress.")
+        # --- rerank requests (one per Rerank/RerankStream call and per RerankBatch item)
+        self.requests = meter.create_counter(
+            "rerank.requests", unit="{request}",
+            description="Rerank requests answered, by whether they were reranked and why not.")
+        self.candidates = meter.create_histogram(
+            "rerank.request.candidates", unit="{candidate}",
+            description="Candidates per rerank request, as received.",
+            explicit_bucket_boundaries_advisory=COUNT_BUCKETS)
+        self.pairs_scored = meter.create_histogram(
+            "rerank.request.scored_pairs", unit="{pair}",
+            description="Pairs the scorer scored per rerank request.",
+            explicit_bucket_boundaries_advisory=COUNT_BUCKETS)
+        self.pairs = meter.create_counter(
+            "rerank.pairs", unit="{pair}",
+            description="Query-document pairs by outcome: scored, failed (error.type says "
+                        "how).")
+        self.duration = meter.create_histogram(
+            "rerank.request.duration", unit="s",
+            description="Time from a request's arrival in the pipeline to its summary.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
+        self.scoring_duration = meter.create_histogram(
+            "rerank.scoring.duration", unit="s",
+            description="Time spent waiting for the scorer per rerank request.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
+        # --- backend instances
+        self.http_duration = meter.create_histogram(
+            "http.client.request.duration", unit="s",
+            description="Duration of HTTP calls to scoring backends, by instance and outcome.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
+        self.http_active = meter.create_up_down_counter(
+            "http.client.active_requests", unit="{request}",
+            description="HTTP calls to a scoring backend instance in flight.")
+        self.backend_errors = meter.create_counter(
+            "rerank.backend.errors", unit="{error}",
+            description="Failed backend calls by instance and error.type: timeout, connect, "
+                        "http_status, malformed.")
+        self.backend_up = meter.create_gauge(
+            "rerank.backend.up", unit="1",
+            description="1 while the backend's /health answers 200, else 0.")
+        self.llama_restarts = meter.create_counter(
+            "rerank.llama_server.restarts", unit="{restart}",
+            description="Restarts of the managed llama-server after it exited.")
+
+    @classmethod
+    def noop(cls) -> Metrics:
+        return cls(NoOpMeterProvider())
+
+    def record_rerank(self, summary: RerankSummary) -> None:
+        """Everything one answered rerank request contributes."""
+        reason = summary.degraded.code.value if summary.degraded else "none"
+        self.requests.add(1, {RERANKED: summary.reranked, REASON: reason,
+                              BACKEND: summary.backend})
+        self.candidates.record(summary.candidates)
+        self.pairs_scored.record(summary.scored)
+        if summary.scored:
+            self.pairs.add(summary.scored, {PAIR_OUTCOME: "scored", BACKEND: summary.backend})
+        for failure, n in summary.failures.items():
+            self.pairs.add(n, {PAIR_OUTCOME: "failed", ERROR_TYPE: failure,
+                               BACKEND: summary.backend})
+        self.duration.record(summary.total_ms / 1000)
+        if summary.submitted:
+            self.scoring_duration.record(summary.scoring_ms / 1000)

@@ -1,0 +1,151 @@
+"""Telemetry wiring: meter and tracer providers, the Prometheus endpoint, OTLP export.
+
+Each running server owns its providers (none are installed globally), so two servers in
+one process (the tests) do not mix their numbers, and shutdown flushes exactly what this
+server produced.
+
+- Metrics: recorded always through `Metrics`; read by a Prometheus reader served over
+  HTTP on `metrics_port` (`GET /metrics`) when `metrics` is on, and pushed over OTLP when
+  an endpoint is configured. With neither, the no-op provider is used.
+- Traces: on only when there is somewhere to send them, an OTLP endpoint (from
+  `--otlp-endpoint` or the standard `OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`) or, in tests,
+  a span processor passed in. Otherwise the tracer is the no-op one and the gRPC tracing
+  interceptor is not installed, so tracing costs nothing.
+
+The standard `OTEL_*` variables keep their meaning: `OTEL_SERVICE_NAME` and
+`OTEL_RESOURCE_ATTRIBUTES` name the resource, `OTEL_TRACES_SAMPLER[_ARG]` pick the
+sampler, `OTEL_TRACES_EXPORTER=none` / `OTEL_METRICS_EXPORTER=none` turn OTLP export off
+for one signal, and `OTEL_SDK_DISABLED=true` turns the SDK off altogether.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from prometheus_client import CollectorRegistry, start_http_server
+
+from . import __version__
+from .metrics import Metrics
+from .settings import Settings
+
+log = structlog.get_logger(__name__)
+
+SERVICE = "rerank-server"
+
+
+@dataclass
+class Telemetry:
+    """What the server records telemetry with, and what must be flushed at shutdown."""
+
+    metrics: Metrics
+    tracer: trace.Tracer
+    tracer_provider: TracerProvider | None = None
+    meter_provider: MeterProvider | None = None
+    metrics_server: WSGIServer | None = None
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def tracing(self) -> bool:
+        return self.tracer_provider is not None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_server is None else self.metrics_server.server_port
+
+    @classmethod
+    def disabled(cls) -> Telemetry:
+        return cls(Metrics.noop(), trace.NoOpTracer())
+
+    @classmethod
+    def create(cls, settings: Settings, *, span_processor: SpanProcessor | None = None,
+               environ: Mapping[str, str] | None = None) -> Telemetry:
+        """Providers for `settings`; `span_processor` (tests, benchmarks) gets every span."""
+        environ = os.environ if environ is None else environ
+        resource = _resource(environ)
+        endpoint = settings.otlp_endpoint or ""
+
+        readers: list[MetricReader] = []
+        registry = None
+        if settings.metrics:
+            registry = CollectorRegistry(auto_describe=True)
+            readers.append(PrometheusMetricReader(registry=registry))
+        # The OTLP exporters are imported only when used: they load protos and a gRPC
+        # client nobody needs without a collector.
+        if _otlp_wanted("METRICS", endpoint, environ):
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                OTLPMetricExporter,
+            )
+            readers.append(PeriodicExportingMetricReader(
+                OTLPMetricExporter(endpoint=endpoint or None)))
+        meter_provider = MeterProvider(metric_readers=readers, resource=resource) \
+            if readers else None
+        metrics = Metrics(meter_provider or NoOpMeterProvider())
+
+        tracer_provider = None
+        if span_processor is not None or _otlp_wanted("TRACES", endpoint, environ):
+            tracer_provider = TracerProvider(resource=resource)
+            if span_processor is not None:
+                tracer_provider.add_span_processor(span_processor)
+            else:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+                tracer_provider.add_span_processor(
+                    BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint or None)))
+        tracer = (tracer_provider.get_tracer("rerank_server", __version__)
+                  if tracer_provider is not None else trace.NoOpTracer())
+
+        telemetry = cls(metrics, tracer, tracer_provider, meter_provider)
+        if registry is not None:
+            telemetry._serve_metrics(settings, registry)
+        return telemetry
+
+    def _serve_metrics(self, settings: Settings, registry: CollectorRegistry) -> None:
+        host = settings.metrics_host or settings.host
+        try:
+            server, thread = start_http_server(settings.metrics_port, host, registry=registry)
+        except OSError as exc:
+            self.shutdown()
+            raise OSError(f"cannot serve metrics on {host}:{settings.metrics_port} "
+                          f"(--metrics-port / RERANK_METRICS_PORT): {exc.strerror}") from None
+        self.metrics_server = server
+        self._threads.append(thread)
+
+    def shutdown(self) -> None:
+        """Stop the metrics endpoint and flush what is buffered for export."""
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown()
+
+
+def _resource(environ: Mapping[str, str]) -> Resource:
+    attributes: dict[str, str] = {"service.version": __version__}
+    if "OTEL_SERVICE_NAME" not in environ:
+        attributes["service.name"] = SERVICE
+    return Resource.create(attributes)
+
+
+def _otlp_wanted(signal: str, endpoint: str, environ: Mapping[str, str]) -> bool:
+    """Whether `signal` (TRACES or METRICS) should go out over OTLP."""
+    if environ.get(f"OTEL_{signal}_EXPORTER", "").strip().lower() == "none":
+        return False
+    return bool(endpoint or environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+                or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))

@@ -1,0 +1,220 @@
+"""Observability: the Prometheus endpoint moves as requests are served, load shedding is
+counted, a traced request yields the documented span tree with no text in it, and the
+canonical log line joins the trace."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+from rerank_client import AsyncRerankClient, ServerBusyError
+
+from rerank_server.server import RunningServer, build_server
+from rerank_server.settings import Settings
+from rerank_server.telemetry import Telemetry
+
+from ..conftest import StartServer
+from ..fakes.llama import HTTP_500, FakeLlamaServer
+
+CANARY = "CANARY-91c2"
+RERANK = "rerank.v1.Reranker/Rerank"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(server: RunningServer) -> Samples:
+    """Every sample on /metrics, keyed by (sample name, labels)."""
+    async with httpx.AsyncClient() as http:
+        response = await http.get(f"http://127.0.0.1:{server.telemetry.metrics_port}/metrics")
+    assert response.status_code == 200
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, lbls), v in samples.items() if n == name and wanted <= lbls)
+
+
+def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return total(after, name, **labels) - total(before, name, **labels)
+
+
+async def test_prometheus_counters_and_histograms_move(
+        server: RunningServer, client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    docs = [f"document {i}" for i in range(6)]
+    before = await scrape(server)
+    await client.rerank("q", docs)
+    await client.rerank("q", docs[:4])
+    fake_llama.mode = HTTP_500
+    degraded = await client.rerank("q", docs)
+    assert not degraded.reranked
+    after = await scrape(server)
+
+    assert moved(before, after, "rpc_server_call_duration_seconds_count",
+                 rpc_method=RERANK, rpc_response_status_code="OK") == 3
+    assert moved(before, after, "rerank_requests_total", rerank_reranked="true",
+                 rerank_degraded_reason="none", rerank_backend="chat") == 2
+    assert moved(before, after, "rerank_requests_total", rerank_reranked="false",
+                 rerank_degraded_reason="backend_error") == 1
+    # 6, 4 and 6 candidates: all three land in the "<= 10" bucket, two above 5.
+    assert moved(before, after, "rerank_request_candidates_count") == 3
+    assert moved(before, after, "rerank_request_candidates_sum") == 16
+    assert moved(before, after, "rerank_request_candidates_bucket", le="5") == 1
+    assert moved(before, after, "rerank_request_candidates_bucket", le="10") == 3
+    assert moved(before, after, "rerank_request_scored_pairs_sum") == 10
+    assert moved(before, after, "rerank_pairs_total", rerank_pair_outcome="scored") == 10
+    assert moved(before, after, "rerank_pairs_total", rerank_pair_outcome="failed",
+                 error_type="http_error") == 6
+    assert moved(before, after, "rerank_request_duration_seconds_count") == 3
+    assert moved(before, after, "rerank_scoring_duration_seconds_count") == 3
+
+    port = str(fake_llama.url.rsplit(":", 1)[1])
+    instance = {"server_address": "127.0.0.1", "server_port": port, "rerank_backend": "chat"}
+    assert moved(before, after, "http_client_request_duration_seconds_count",
+                 http_response_status_code="200", **instance) == 10
+    assert moved(before, after, "rerank_backend_errors_total", error_type="http_status",
+                 **instance) == 6
+    assert total(after, "http_client_active_requests", **instance) == 0
+    assert total(after, "rerank_server_active_rpcs") == 0
+
+
+async def test_malformed_backend_answers_are_counted_per_instance(
+        server: RunningServer, client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.mode = "no_logprobs"
+    before = await scrape(server)
+    await client.rerank("q", ["a", "b", "c"])
+    after = await scrape(server)
+    assert moved(before, after, "rerank_backend_errors_total", error_type="malformed") == 3
+    assert moved(before, after, "rerank_requests_total",
+                 rerank_degraded_reason="malformed_response") == 1
+
+
+async def test_metrics_off_serves_nothing(start_server: StartServer) -> None:
+    server = await start_server(metrics=False)
+    assert server.telemetry.metrics_port is None
+
+
+async def test_overload_is_shed_counted_and_health_still_answers(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    server = await start_server(max_concurrent_rpcs=1)
+    fake_llama.latency_s = 0.5
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        before = await scrape(server)
+        slow = asyncio.create_task(client.rerank("q", ["a", "b", "c"]))
+        assert await asyncio.to_thread(fake_llama.received.wait, 5)
+        with pytest.raises(ServerBusyError) as info:
+            await client.rerank("q", ["a", "b", "c"])
+        assert "max_concurrent_rpcs" in info.value.message
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="rerank.v1.Reranker"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert (await slow).reranked
+        after = await scrape(server)
+    assert moved(before, after, "rerank_server_rejected_rpcs_total", rpc_method=RERANK) == 1
+    assert moved(before, after, "rpc_server_call_duration_seconds_count", rpc_method=RERANK,
+                 rpc_response_status_code="RESOURCE_EXHAUSTED") == 1
+
+
+@pytest.fixture
+async def traced(fake_llama: FakeLlamaServer,
+                 ) -> AsyncIterator[tuple[RunningServer, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    settings = Settings(port=0, backend_url=fake_llama.url, probe=False, metrics=False)
+    server = await build_server(settings, telemetry=Telemetry.create(
+        settings, span_processor=SimpleSpanProcessor(exporter), environ={}))
+    yield server, exporter
+    await server.stop(grace=0)
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+def _children(spans: list[ReadableSpan], parent: ReadableSpan) -> list[ReadableSpan]:
+    assert parent.context is not None
+    return [s for s in spans if s.parent is not None and s.parent.span_id == parent.context.span_id]
+
+
+async def test_trace_continues_the_callers_and_has_the_documented_tree(
+        traced: tuple[RunningServer, InMemorySpanExporter], fake_llama: FakeLlamaServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    server, exporter = traced
+    docs = [f"{CANARY} passage {i}" for i in range(4)]
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank(
+            f"{CANARY} query", docs, instruction=f"{CANARY} instruction", request_id="r-1",
+            metadata=[("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01")])
+    assert answer.reranked
+    spans = list(exporter.get_finished_spans())
+
+    (root,) = [s for s in spans if s.name == f"/{RERANK}"]
+    assert root.parent is not None and format(root.parent.span_id, "016x") == PARENT_ID
+    assert all(format(s.context.trace_id, "032x") == TRACE_ID for s in spans if s.context)
+    steps = {s.name: s for s in _children(spans, root)}
+    assert set(steps) == {"rerank.validate", "rerank.shape", "rerank.chunk", "rerank.score",
+                          "rerank.blend"}
+    score = steps["rerank.score"]
+    assert score.attributes is not None
+    assert score.attributes["rerank.backend"] == "chat"
+    assert score.attributes["rerank.scored"] == 4
+    calls = _children(spans, score)
+    assert len(calls) == 4
+    for call in calls:
+        assert call.name == "POST" and call.attributes is not None
+        assert call.attributes["server.address"] == "127.0.0.1"
+        assert call.attributes["http.response.status_code"] == 200
+        assert call.attributes["rerank.pairs"] == 1
+    # The backend received the trace too, each call with its own span as parent.
+    sent = {tp.split("-")[2] for tp in fake_llama.traceparents}
+    assert sent == {format(c.context.span_id, "016x") for c in calls if c.context}
+
+    for s in spans:
+        for key, value in (s.attributes or {}).items():
+            assert CANARY not in str(value), f"{s.name}.{key} carries request text"
+        assert CANARY not in s.name
+
+    rpc_lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("{") and '"event": "rpc"' in line]
+    (line,) = [e for e in rpc_lines if e.get("request_id") == "r-1"]
+    assert line["trace_id"] == TRACE_ID
+    assert root.context is not None and line["span_id"] == format(root.context.span_id, "016x")
+
+
+async def test_health_checks_are_not_traced(
+        traced: tuple[RunningServer, InMemorySpanExporter]) -> None:
+    server, exporter = traced
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert exporter.get_finished_spans() == ()
+
+
+def test_otlp_export_follows_the_standard_variables() -> None:
+    """No endpoint: no tracing. OTEL_EXPORTER_OTLP_ENDPOINT turns it on; *_EXPORTER=none off."""
+    settings = Settings(metrics=False)
+    assert not Telemetry.create(settings, environ={}).tracing
+    on = Telemetry.create(settings, environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
+    assert on.tracing
+    on.shutdown()
+    off = Telemetry.create(settings, environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+                                              "OTEL_TRACES_EXPORTER": "none"})
+    assert not off.tracing
+    explicit = Telemetry.create(dataclasses.replace(settings, otlp_endpoint="http://127.0.0.1:1"),
+                                environ={})
+    assert explicit.tracing
+    explicit.shutdown()
