@@ -97,6 +97,8 @@ class BackendMonitor:
         self._up: bool | None = None
         self.last_probe: ProbeResult | None = None
         self.probed = asyncio.Event()
+        # Set once the backend was first seen up and its model name asked for.
+        self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -126,7 +128,9 @@ class BackendMonitor:
             log.warning("backend_down", url=self._url)
             await self._set(NOT_SERVING, NOT_SERVING)
             return
-        log.info("backend_up", url=self._url)
+        await self._scorer.discover_model()
+        log.info("backend_up", url=self._url, model=self._scorer.model)
+        self.ready.set()
         if not self._run_probe:
             await self._set(SERVING, SERVING)
             return

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from typing import Any
 
 from .domain import (
     BlendStrategy,
     Candidate,
     DegradedCode,
     RankedCandidate,
+    RankedList,
     RerankQuery,
     RerankSummary,
+    ScoreKind,
+    ThresholdMode,
+    ThresholdSpec,
 )
 from .pb import rerank_pb2 as pb
 
@@ -28,24 +34,66 @@ _DEGRADED_TO_PB = {
     DegradedCode.TOO_FEW_CANDIDATES: pb.DEGRADED_REASON_CODE_TOO_FEW_CANDIDATES,
     DegradedCode.DISABLED: pb.DEGRADED_REASON_CODE_DISABLED,
     DegradedCode.PARTIAL: pb.DEGRADED_REASON_CODE_PARTIAL,
+    DegradedCode.WITHIN_TOP_K: pb.DEGRADED_REASON_CODE_WITHIN_TOP_K,
+    DegradedCode.STRONG_SIGNAL: pb.DEGRADED_REASON_CODE_STRONG_SIGNAL,
 }
+_SCORE_KIND = {
+    pb.SCORE_KIND_UNSPECIFIED: ScoreKind.AUTO,
+    pb.SCORE_KIND_LEXICAL: ScoreKind.LEXICAL,
+    pb.SCORE_KIND_SIMILARITY: ScoreKind.SIMILARITY,
+}
+_THRESHOLD_MODE = {
+    pb.Threshold.MODE_FIXED: ThresholdMode.FIXED,
+    pb.Threshold.MODE_ADAPTIVE: ThresholdMode.ADAPTIVE,
+}
+
+
+def _optional(message: Any, name: str) -> Any:
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candidate, ...]:
+    """Domain candidates; `index` counts on from `first_index` over the whole request."""
+    return tuple(
+        Candidate(
+            id=c.id,
+            text=c.text,
+            index=first_index + i,
+            retrieval_rank=c.retrieval_rank if c.HasField("retrieval_rank") else i + 1,
+            title=_optional(c, "title"),
+            retrieval_score=_optional(c, "retrieval_score"),
+            metadata=dict(c.metadata),
+        )
+        for i, c in enumerate(wire)
+    )
+
+
+def _lists(request: pb.RerankRequest) -> tuple[RankedList, ...]:
+    lists = []
+    first = len(request.candidates)
+    for i, lst in enumerate(request.lists):
+        lists.append(RankedList(
+            name=lst.name or f"list{i}", candidates=_candidates(lst.candidates, first),
+            weight=_optional(lst, "weight"), expansion=lst.expansion,
+            score_kind=_SCORE_KIND.get(lst.score_kind, ScoreKind.AUTO)))
+        first += len(lst.candidates)
+    return tuple(lists)
+
+
+def _threshold(options: pb.RerankOptions) -> ThresholdSpec | None:
+    t = options.threshold
+    mode = _THRESHOLD_MODE.get(t.mode) if options.HasField("threshold") else None
+    if mode is None:
+        return None
+    return ThresholdSpec(mode, min_score=_optional(t, "min_score"), start=_optional(t, "start"),
+                         step=_optional(t, "step"), floor=_optional(t, "floor"),
+                         target_fraction=_optional(t, "target_fraction"))
 
 
 def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
     """The domain query; not yet validated (see `validation.validate`)."""
     options = request.options
-    candidates = tuple(
-        Candidate(
-            id=c.id,
-            text=c.text,
-            index=i,
-            retrieval_rank=c.retrieval_rank if c.HasField("retrieval_rank") else i + 1,
-            title=c.title if c.HasField("title") else None,
-            retrieval_score=c.retrieval_score if c.HasField("retrieval_score") else None,
-            metadata=dict(c.metadata),
-        )
-        for i, c in enumerate(request.candidates)
-    )
+    candidates = _candidates(request.candidates, 0)
     return RerankQuery(
         request_id=request.request_id or uuid.uuid4().hex,
         query=request.query,
@@ -57,6 +105,14 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
         timeout_s=options.timeout_ms / 1000 if options.HasField("timeout_ms") else None,
         max_chunk_chars=options.max_chunk_chars if options.HasField("max_chunk_chars") else None,
         return_text=options.return_text,
+        lists=_lists(request),
+        score_kind=_SCORE_KIND.get(options.score_kind, ScoreKind.AUTO),
+        fusion_k=_optional(options, "fusion_k"),
+        dedup_key=options.dedup_key,
+        threshold=_threshold(options),
+        skip_within_top_k=_optional(options, "skip_within_top_k"),
+        strong_signal_skip=_optional(options, "strong_signal_skip"),
+        bypass_cache=options.bypass_cache,
     )
 
 
@@ -65,7 +121,8 @@ def result_to_pb(r: RankedCandidate) -> pb.RankedResult:
     return pb.RankedResult(
         id=c.id, index=c.index, rank=r.rank, score=r.score,
         reranker_score=r.reranker_score, retrieval_score=c.retrieval_score,
-        retrieval_rank=c.retrieval_rank, scored_text=r.scored_text, metadata=c.metadata)
+        retrieval_rank=c.retrieval_rank, scored_text=r.scored_text, metadata=c.metadata,
+        normalized_retrieval_score=c.normalized_score, found_in=c.found_in, cached=r.cached)
 
 
 def _summary_fields(s: RerankSummary) -> dict[str, object]:
@@ -76,9 +133,14 @@ def _summary_fields(s: RerankSummary) -> dict[str, object]:
         "model": s.model,
         "blend_strategy": _BLEND_TO_PB[s.blend],
         "counts": pb.Counts(candidates=s.candidates, submitted=s.submitted, scored=s.scored,
-                            failed=s.failed),
+                            failed=s.failed, cached=s.cached, deduplicated=s.deduplicated,
+                            filtered=s.filtered),
         "timings": pb.Timings(total_ms=s.total_ms, scoring_ms=s.scoring_ms),
     }
+    if s.threshold is not None:
+        t = s.threshold
+        fields["threshold"] = pb.ThresholdReport(threshold=t.threshold, steps=t.steps,
+                                                 passed=t.passed, reached_floor=t.reached_floor)
     if s.degraded is not None:
         fields["degraded"] = pb.DegradedReason(code=_DEGRADED_TO_PB[s.degraded.code],
                                                message=s.degraded.message)

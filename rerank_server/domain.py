@@ -30,6 +30,21 @@ class DegradedCode(StrEnum):
     TOO_FEW_CANDIDATES = "too_few_candidates"
     DISABLED = "disabled"
     PARTIAL = "partial"
+    WITHIN_TOP_K = "within_top_k"
+    STRONG_SIGNAL = "strong_signal"
+
+
+class ScoreKind(StrEnum):
+    """How a list's retrieval scores are brought to 0..1."""
+
+    AUTO = "auto"              # similarity if every score is within 0..1, else lexical
+    LEXICAL = "lexical"        # min-max within the list (BM25 and other unbounded scores)
+    SIMILARITY = "similarity"  # clamped to 0..1 (cosine and other bounded scores)
+
+
+class ThresholdMode(StrEnum):
+    FIXED = "fixed"
+    ADAPTIVE = "adaptive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +58,40 @@ class Candidate:
     title: str | None = None
     retrieval_score: float | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
+    # Set by shaping: the retrieval score on 0..1, and the lists that found the candidate.
+    normalized_score: float | None = None
+    found_in: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RankedList:
+    """One retriever's (or one expanded query's) candidates, best first."""
+
+    name: str
+    candidates: tuple[Candidate, ...]
+    weight: float | None = None
+    expansion: bool = False
+    score_kind: ScoreKind = ScoreKind.AUTO
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdSpec:
+    """A requested threshold; `None` fields take the defaults in `shaping`."""
+
+    mode: ThresholdMode
+    min_score: float | None = None
+    start: float | None = None
+    step: float | None = None
+    floor: float | None = None
+    target_fraction: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdReport:
+    threshold: float
+    steps: int
+    passed: int
+    reached_floor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +108,19 @@ class RerankQuery:
     timeout_s: float | None = None
     max_chunk_chars: int | None = None
     return_text: bool = False
+    lists: tuple[RankedList, ...] = ()
+    score_kind: ScoreKind = ScoreKind.AUTO
+    fusion_k: int | None = None
+    dedup_key: str = ""
+    threshold: ThresholdSpec | None = None
+    skip_within_top_k: bool | None = None
+    strong_signal_skip: bool | None = None
+    bypass_cache: bool = False
+
+    @property
+    def occurrences(self) -> int:
+        """Candidates as received, over `candidates` and every list."""
+        return len(self.candidates) + sum(len(lst.candidates) for lst in self.lists)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +132,7 @@ class RankedCandidate:
     score: float
     reranker_score: float | None
     scored_text: str | None = None
+    cached: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +159,7 @@ class RerankSummary:
     scoring_ms: float
     # Failed pairs by failure kind ("timeout": 3), for metrics and logs.
     failures: Mapping[str, int] = field(default_factory=dict)
+    cached: int = 0
+    deduplicated: int = 0
+    filtered: int = 0
+    threshold: ThresholdReport | None = None

@@ -38,6 +38,8 @@ BACKEND = "rerank.backend"
 REASON = "rerank.degraded_reason"
 RERANKED = "rerank.reranked"
 PAIR_OUTCOME = "rerank.pair.outcome"
+CACHE_RESULT = "rerank.cache.result"
+THRESHOLD_BUCKETS = (0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +86,8 @@ class Metrics:
             explicit_bucket_boundaries_advisory=COUNT_BUCKETS)
         self.pairs = meter.create_counter(
             "rerank.pairs", unit="{pair}",
-            description="Query-document pairs by outcome: scored, failed (error.type says "
-                        "how).")
+            description="Query-document pairs by outcome: scored (by the backend), cached "
+                        "(from the score cache), failed (error.type says how).")
         self.duration = meter.create_histogram(
             "rerank.request.duration", unit="s",
             description="Time from a request's arrival in the pipeline to its summary.",
@@ -94,6 +96,18 @@ class Metrics:
             "rerank.scoring.duration", unit="s",
             description="Time spent waiting for the scorer per rerank request.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
+        self.cache_lookups = meter.create_counter(
+            "rerank.cache.lookups", unit="{pair}",
+            description="Score cache lookups by rerank.cache.result: hit, miss, or bypass "
+                        "(the request asked not to read the cache).")
+        self.threshold = meter.create_histogram(
+            "rerank.threshold.final", unit="1",
+            description="The threshold finally applied, per request that asked for one.",
+            explicit_bucket_boundaries_advisory=THRESHOLD_BUCKETS)
+        self.threshold_steps = meter.create_histogram(
+            "rerank.threshold.steps", unit="{step}",
+            description="How many times the adaptive threshold was lowered per request.",
+            explicit_bucket_boundaries_advisory=(0, 1, 2, 4, 8))
         # --- backend instances
         self.http_duration = meter.create_histogram(
             "http.client.request.duration", unit="s",
@@ -124,8 +138,14 @@ class Metrics:
                               BACKEND: summary.backend})
         self.candidates.record(summary.candidates)
         self.pairs_scored.record(summary.scored)
-        if summary.scored:
-            self.pairs.add(summary.scored, {PAIR_OUTCOME: "scored", BACKEND: summary.backend})
+        if summary.scored - summary.cached:
+            self.pairs.add(summary.scored - summary.cached,
+                           {PAIR_OUTCOME: "scored", BACKEND: summary.backend})
+        if summary.cached:
+            self.pairs.add(summary.cached, {PAIR_OUTCOME: "cached", BACKEND: summary.backend})
+        if summary.threshold is not None:
+            self.threshold.record(summary.threshold.threshold)
+            self.threshold_steps.record(summary.threshold.steps)
         for failure, n in summary.failures.items():
             self.pairs.add(n, {PAIR_OUTCOME: "failed", ERROR_TYPE: failure,
                                BACKEND: summary.backend})

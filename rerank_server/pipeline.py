@@ -9,6 +9,7 @@ scored the answer is the retrieval order with `reranked = False` and the reason.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,15 +21,19 @@ from . import prompt
 from .chunking import select_chunks
 from .domain import (
     BlendStrategy,
+    Candidate,
     Degraded,
     DegradedCode,
     RankedCandidate,
     RerankQuery,
     RerankSummary,
 )
+from .metrics import CACHE_RESULT
 from .ordering import IncrementalRanking, Placed
+from .score_cache import ScoreCache, cache_key
 from .scoring.base import Failure, PairOutcome, Scorer, ScoreRequest
 from .settings import Settings
+from .shaping import Shaped, shape
 from .telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
@@ -42,10 +47,11 @@ class Reranker:
     """Runs requests through the pipeline against one scorer."""
 
     def __init__(self, settings: Settings, scorer: Scorer,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, cache: ScoreCache | None = None) -> None:
         self.settings = settings
         self.scorer = scorer
         self.telemetry = telemetry or Telemetry.disabled()
+        self.cache = cache if cache is not None else ScoreCache(0, 0)  # empty is falsy
 
     def budget_s(self, query: RerankQuery, deadline_remaining_s: float | None) -> float:
         """Seconds the scorer may use: the smallest of server default, request, deadline."""
@@ -64,24 +70,27 @@ class Reranker:
         tracer = self.telemetry.tracer
         strategy = query.blend or s.blend_strategy
         with tracer.start_as_current_span("rerank.shape") as span:
-            by_rank = sorted(query.candidates, key=lambda c: (c.retrieval_rank, c.index))
+            shaped = shape(query, s)
             cap = query.max_candidates or s.max_candidates
-            scored_set, tail = by_rank[:cap], by_rank[cap:]
+            scored_set, tail = list(shaped.candidates[:cap]), list(shaped.candidates[cap:])
             ranking = IncrementalRanking(strategy, scored_set, tail)
-            skip = self._skip_reason(query)
-            span.set_attributes({"rerank.candidates": len(query.candidates),
+            skip = self._skip_reason(query, shaped)
+            span.set_attributes({"rerank.candidates": query.occurrences,
+                                 "rerank.deduplicated": shaped.deduplicated,
+                                 "rerank.filtered": shaped.filtered,
                                  "rerank.submitted": 0 if skip else len(scored_set),
                                  "rerank.blend": strategy.value})
             if skip is not None:
                 span.set_attribute("rerank.skipped", skip.code.value)
+        summary = functools.partial(self._summary, query, shaped, strategy, started)
         emitter = _Emitter(query.top_k)
 
         if skip is not None:
             ranking.fail_outstanding()
-            for item in emitter.take(ranking.release(), {}):
+            for item in emitter.take(ranking.release()):
                 yield item
-            yield self._summary(query, strategy, started, skip, submitted=0, scored=0,
-                                failures=Counter(), scoring_s=0.0)
+            yield summary(skip, submitted=0, scored=0, cached=0, failures=Counter(),
+                          scoring_s=0.0)
             return
 
         max_chunk = query.max_chunk_chars or s.max_chunk_chars
@@ -93,34 +102,90 @@ class Reranker:
                 "rerank.max_chunk_chars": max_chunk,
                 "rerank.chunked": sum(len(chunk) < len(c.text)
                                       for chunk, c in zip(chunks, scored_set, strict=True))})
-        texts = ({c.index: doc for c, doc in zip(scored_set, documents, strict=True)}
-                 if query.return_text else {})
-        request = ScoreRequest(query.query, query.instruction or s.instruction, documents)
+        if query.return_text:
+            emitter.texts = {c.index: doc for c, doc in zip(scored_set, documents, strict=True)}
+        instruction = query.instruction or s.instruction
+
+        # Pairs the cache already knows are resolved before anything is sent.
+        keys = [cache_key(self.scorer.kind, self.scorer.model, instruction, query.query, doc)
+                for doc in documents] if self.cache.enabled else []
+        hits = {} if query.bypass_cache or not keys else await self.cache.get_many(keys)
+        for i, key in enumerate(keys):
+            if key in hits:
+                ranking.resolve(scored_set[i].index, hits[key])
+                emitter.cached.add(scored_set[i].index)
+        if keys:
+            self._count_lookups(len(keys) - len(hits), hits=len(hits), bypass=query.bypass_cache)
+        for item in emitter.take(ranking.release()):
+            yield item
+        pending = [i for i, key in enumerate(keys) if key not in hits] if keys \
+            else list(range(len(documents)))
 
         failures: Counter[Failure] = Counter()
-        scored = 0
+        fresh: dict[int, float] = {}  # position in scored_set -> score
         scoring_started = time.perf_counter()
+        if pending:
+            request = ScoreRequest(query.query, instruction, [documents[i] for i in pending])
+            budget = self.budget_s(query, deadline_remaining_s)
+            async for i, outcome in self._score(request, scored_set, pending, ranking,
+                                                failures, budget):
+                if outcome.failure is None and outcome.score is not None:
+                    fresh[i] = outcome.score
+                for item in emitter.take(ranking.release()):
+                    yield item
+        scoring_s = time.perf_counter() - scoring_started
+        if keys and fresh:
+            # Keyed by the model now known: a backend that reports its model only in its
+            # answers (llama-server without --model) would otherwise store under "".
+            self.cache.put_many({
+                cache_key(self.scorer.kind, self.scorer.model, instruction, query.query,
+                          documents[i]): score for i, score in fresh.items()})
+
+        # Results whose place was certain were blended and sent during scoring already.
+        with tracer.start_as_current_span("rerank.blend") as span:
+            final = emitter.take(ranking.release())
+            span.set_attribute("rerank.released_after_scoring", len(final))
+        for item in final:
+            yield item
+        scored = len(fresh) + len(hits)
+        yield summary(_degraded(len(scored_set), scored, failures), submitted=len(scored_set),
+                      scored=scored, cached=len(hits), failures=failures, scoring_s=scoring_s)
+
+    async def _score(self, request: ScoreRequest, scored_set: list[Candidate],
+                     pending: list[int], ranking: IncrementalRanking,
+                     failures: Counter[Failure], budget_s: float,
+                     ) -> AsyncIterator[tuple[int, PairOutcome]]:
+        """Run the scorer within the budget; yields (position in scored set, outcome).
+
+        Every outcome is resolved in `ranking` before it is yielded; pairs that time out
+        or that a crashed scorer never reported are failed and counted in `failures`.
+        The budget bounds only the waits, never the caller's work between yields: a
+        timeout that fired while the caller wrote a stream message would cancel the RPC.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_s
         outcomes: asyncio.Queue[PairOutcome] = asyncio.Queue()
         # Not a `with` block: the span must not stay current across the yields below. The
         # scorer task copies the context at creation, so backend calls become its children.
-        score_span = tracer.start_span("rerank.score", attributes={
-            "rerank.backend": self.scorer.kind, "rerank.pairs": len(documents)})
-        with trace.use_span(score_span, end_on_exit=False):
+        span = self.telemetry.tracer.start_span("rerank.score", attributes={
+            "rerank.backend": self.scorer.kind, "rerank.pairs": len(pending)})
+        with trace.use_span(span, end_on_exit=False):
             task = asyncio.create_task(self.scorer.score(request, outcomes.put_nowait))
+        scored = 0
         try:
-            async with asyncio.timeout(self.budget_s(query, deadline_remaining_s)):
-                while ranking.outstanding:
-                    outcome = await _next_outcome(outcomes, task)
-                    if outcome is None:  # scorer returned without reporting every pair
-                        failures.update(_fail_rest(ranking, Failure.MALFORMED))
-                        break
-                    ranking.resolve(scored_set[outcome.pair].index, outcome.score)
-                    if outcome.failure is None:
-                        scored += 1
-                    else:
-                        failures[outcome.failure] += 1
-                    for item in emitter.take(ranking.release(), texts):
-                        yield item
+            while ranking.outstanding:
+                outcome = await asyncio.wait_for(_next_outcome(outcomes, task),
+                                                 max(deadline - loop.time(), 0))
+                if outcome is None:  # scorer returned without reporting every pair
+                    failures.update(_fail_rest(ranking, Failure.MALFORMED))
+                    break
+                i = pending[outcome.pair]
+                ranking.resolve(scored_set[i].index, outcome.score)
+                if outcome.failure is None:
+                    scored += 1
+                else:
+                    failures[outcome.failure] += 1
+                yield i, outcome
         except TimeoutError:
             failures.update(_fail_rest(ranking, Failure.TIMEOUT))
         except _ScorerCrashed as crash:
@@ -130,41 +195,53 @@ class Reranker:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-            score_span.set_attributes({"rerank.model": self.scorer.model,
-                                       "rerank.scored": scored,
-                                       "rerank.failed": sum(failures.values())})
-            score_span.end()
-        scoring_s = time.perf_counter() - scoring_started
+            span.set_attributes({"rerank.model": self.scorer.model, "rerank.scored": scored,
+                                 "rerank.failed": sum(failures.values())})
+            span.end()
 
-        # Results whose place was certain were blended and sent during scoring already.
-        with tracer.start_as_current_span("rerank.blend") as span:
-            final = emitter.take(ranking.release(), texts)
-            span.set_attribute("rerank.released_after_scoring", len(final))
-        for item in final:
-            yield item
-        degraded = _degraded(len(scored_set), scored, failures)
-        yield self._summary(query, strategy, started, degraded, submitted=len(scored_set),
-                            scored=scored, failures=failures, scoring_s=scoring_s)
+    def _count_lookups(self, misses: int, *, hits: int, bypass: bool) -> None:
+        lookups = self.telemetry.metrics.cache_lookups
+        if bypass:
+            lookups.add(misses, {CACHE_RESULT: "bypass"})
+            return
+        lookups.add(hits, {CACHE_RESULT: "hit"})
+        lookups.add(misses, {CACHE_RESULT: "miss"})
 
-    def _skip_reason(self, query: RerankQuery) -> Degraded | None:
-        if self.settings.disabled:
+    def _skip_reason(self, query: RerankQuery, shaped: Shaped) -> Degraded | None:
+        s = self.settings
+        if s.disabled:
             return Degraded(DegradedCode.DISABLED, "reranking is disabled on this server")
-        n, least = len(query.candidates), self.settings.min_candidates
-        if n < least:
+        n = len(shaped.candidates)
+        if n < s.min_candidates:
             return Degraded(DegradedCode.TOO_FEW_CANDIDATES,
-                            f"{n} candidates, fewer than min_candidates={least}")
+                            f"{n} candidates, fewer than min_candidates={s.min_candidates}")
+        within = s.skip_within_top_k if query.skip_within_top_k is None \
+            else query.skip_within_top_k
+        if within and query.top_k and n <= query.top_k:
+            return Degraded(DegradedCode.WITHIN_TOP_K,
+                            f"{n} candidates, no more than top_k={query.top_k}")
+        strong = s.strong_signal_skip if query.strong_signal_skip is None \
+            else query.strong_signal_skip
+        if strong and shaped.lexical_top is not None:
+            top, second = shaped.lexical_top
+            if top >= s.strong_signal_min and top - second >= s.strong_signal_gap:
+                return Degraded(DegradedCode.STRONG_SIGNAL,
+                                f"lexical top score {top:.2f} leads the next by "
+                                f"{top - second:.2f}")
         return None
 
-    def _summary(self, query: RerankQuery, strategy: BlendStrategy, started: float,
-                 degraded: Degraded | None, *, submitted: int, scored: int,
-                 failures: Counter[Failure], scoring_s: float) -> RerankSummary:
+    def _summary(self, query: RerankQuery, shaped: Shaped, strategy: BlendStrategy,
+                 started: float, degraded: Degraded | None, *, submitted: int, scored: int,
+                 cached: int, failures: Counter[Failure], scoring_s: float) -> RerankSummary:
         return RerankSummary(
             request_id=query.request_id, reranked=scored > 0, degraded=degraded,
             backend=self.scorer.kind, model=self.scorer.model, blend=strategy,
-            candidates=len(query.candidates), submitted=submitted, scored=scored,
+            candidates=query.occurrences, submitted=submitted, scored=scored,
             failed=sum(failures.values()),
             total_ms=(time.perf_counter() - started) * 1000, scoring_ms=scoring_s * 1000,
-            failures={failure.value: n for failure, n in failures.items()})
+            failures={failure.value: n for failure, n in failures.items()}, cached=cached,
+            deduplicated=shaped.deduplicated, filtered=shaped.filtered,
+            threshold=shaped.threshold)
 
 
 class _ScorerCrashed(Exception):
@@ -213,17 +290,18 @@ class _Emitter:
     def __init__(self, top_k: int) -> None:
         self._top_k = top_k
         self._next_rank = 1
+        self.texts: dict[int, str] = {}  # candidate index -> scored text (return_text)
+        self.cached: set[int] = set()  # candidate indexes scored from the cache
 
-    def take(self, placed: list[Placed], texts: dict[int, str]) -> list[RankedCandidate]:
+    def take(self, placed: list[Placed]) -> list[RankedCandidate]:
         out: list[RankedCandidate] = []
         for p in placed:
             if self._top_k and self._next_rank > self._top_k:
                 break
-            out.append(_ranked(p, self._next_rank, texts.get(p.candidate.index)))
+            index = p.candidate.index
+            out.append(RankedCandidate(
+                candidate=p.candidate, rank=self._next_rank, score=p.score,
+                reranker_score=p.reranker_score, scored_text=self.texts.get(index),
+                cached=index in self.cached))
             self._next_rank += 1
         return out
-
-
-def _ranked(p: Placed, rank: int, text: str | None) -> RankedCandidate:
-    return RankedCandidate(candidate=p.candidate, rank=rank, score=p.score,
-                           reranker_score=p.reranker_score, scored_text=text)

@@ -31,6 +31,7 @@ from .metrics import Metrics
 from .pb import rerank_pb2 as pb
 from .pb import rerank_pb2_grpc as pb_grpc
 from .pipeline import Reranker
+from .score_cache import ScoreCache
 from .scoring.base import Scorer
 from .scoring.chat import ChatScorer
 from .scoring.http import HttpBackend
@@ -94,6 +95,7 @@ class RunningServer:
         await self.server.stop(self.settings.grace_period_s if grace is None else grace)
         await self.monitor.stop()
         await self.reranker.scorer.aclose()
+        await self.reranker.cache.aclose()
         if self.managed is not None:
             await self.managed.stop()
         await asyncio.to_thread(self.telemetry.shutdown)
@@ -118,6 +120,11 @@ async def start_managed(settings: Settings, metrics: Metrics | None = None,
         changes["assistant_prefill"] = False
         log.info("assistant_prefill_off", reason="stand-in model")
     return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
+
+
+def _open_cache(settings: Settings) -> ScoreCache:
+    path = Path(settings.cache_path).expanduser() if settings.cache_path else None
+    return ScoreCache(settings.cache_entries, settings.cache_ttl_s, path)
 
 
 def _resolve_assets(cache: Path, llama_server: str, model_path: str) -> tuple[Path, Path]:
@@ -151,7 +158,8 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
 
 async def _build(settings: Settings, scorer: Scorer | None,
                  managed: ManagedLlamaServer | None, telemetry: Telemetry) -> RunningServer:
-    reranker = Reranker(settings, scorer or build_scorer(settings, telemetry), telemetry)
+    cache = await asyncio.to_thread(_open_cache, settings)  # may open a SQLite file
+    reranker = Reranker(settings, scorer or build_scorer(settings, telemetry), telemetry, cache)
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),

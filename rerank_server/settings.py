@@ -95,6 +95,41 @@ class Settings:
     disabled: bool = field(default=False, metadata=_opt(
         "Answer every request in retrieval order without scoring.", group="ranking"))
 
+    # --- shaping: fusion, skip rules (docs/api.md)
+    fusion_k: int = field(default=60, metadata=_opt(
+        "Reciprocal rank fusion constant k in weight / (k + rank).", minimum=1,
+        group="shaping"))
+    original_list_weight: float = field(default=2.0, metadata=_opt(
+        "Fusion weight of a list from the original query, unless the list sets one.",
+        minimum=0, group="shaping"))
+    expansion_list_weight: float = field(default=1.0, metadata=_opt(
+        "Fusion weight of a list from an expanded query, unless the list sets one.",
+        minimum=0, group="shaping"))
+    max_lists: int = field(default=8, metadata=_opt(
+        "Most ranked lists one request may carry (each up to --max-request-candidates).",
+        minimum=1, group="shaping"))
+    skip_within_top_k: bool = field(default=False, metadata=_opt(
+        "Skip scoring when a request has no more candidates than its top_k.",
+        group="shaping"))
+    strong_signal_skip: bool = field(default=False, metadata=_opt(
+        "Skip scoring when a lexical list has a clear winner (see the next two).",
+        group="shaping"))
+    strong_signal_min: float = field(default=0.85, metadata=_opt(
+        "Strong signal: the lexical list's top normalized score is at least this...",
+        minimum=0, maximum=1, group="shaping"))
+    strong_signal_gap: float = field(default=0.15, metadata=_opt(
+        "...and leads the second by at least this.", minimum=0, maximum=1, group="shaping"))
+
+    # --- score cache (docs/api.md, "Score cache")
+    cache_entries: int = field(default=50_000, metadata=_opt(
+        "Reranker scores kept in memory (least recently used go first); 0 turns the "
+        "cache off.", minimum=0, group="cache"))
+    cache_ttl_s: float = field(default=3600.0, metadata=_opt(
+        "How long a cached score is used.", minimum=0, group="cache"))
+    cache_path: str = field(default="", metadata=_opt(
+        "SQLite file that keeps scores across restarts (empty: memory only).",
+        group="cache"))
+
     # --- input limits
     max_request_candidates: int = field(default=100, metadata=_opt(
         "Most candidates one request may carry.", minimum=1, group="limits"))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rerank/v1/rerank.proto\x12\trerank.v1\"\x8c\x02\n\tCandidate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\x05title\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x0fretrieval_score\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0eretrieval_rank\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x34\n\x08metadata\x18\x06 \x03(\x0b\x32\".rerank.v1.Candidate.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_titleB\x12\n\x10_retrieval_scoreB\x11\n\x0f_retrieval_rank\"\xe0\x01\n\rRerankOptions\x12\x30\n\x0e\x62lend_strategy\x18\x01 \x01(\x0e\x32\x18.rerank.v1.BlendStrategy\x12\x1b\n\x0emax_candidates\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\ntimeout_ms\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fmax_chunk_chars\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x13\n\x0breturn_text\x18\x05 \x01(\x08\x42\x11\n\x0f_max_candidatesB\r\n\x0b_timeout_msB\x12\n\x10_max_chunk_chars\"\xc0\x01\n\rRerankRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12(\n\ncandidates\x18\x03 \x03(\x0b\x32\x14.rerank.v1.Candidate\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x18\n\x0binstruction\x18\x05 \x01(\tH\x00\x88\x01\x01\x12)\n\x07options\x18\x06 \x01(\x0b\x32\x18.rerank.v1.RerankOptionsB\x0e\n\x0c_instruction\"\xd4\x02\n\x0cRankedResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x1b\n\x0ereranker_score\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fretrieval_score\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\x0eretrieval_rank\x18\x07 \x01(\r\x12\x18\n\x0bscored_text\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\x37\n\x08metadata\x18\t \x03(\x0b\x32%.rerank.v1.RankedResult.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_reranker_scoreB\x12\n\x10_retrieval_scoreB\x0e\n\x0c_scored_text\"N\n\x0e\x44\x65gradedReason\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.rerank.v1.DegradedReasonCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"O\n\x06\x43ounts\x12\x12\n\ncandidates\x18\x01 \x01(\r\x12\x11\n\tsubmitted\x18\x02 \x01(\r\x12\x0e\n\x06scored\x18\x03 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\r\"/\n\x07Timings\x12\x10\n\x08total_ms\x18\x01 \x01(\x01\x12\x12\n\nscoring_ms\x18\x02 \x01(\x01\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xfc\x01\n\rRerankSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08reranked\x18\x02 \x01(\x08\x12+\n\x08\x64\x65graded\x18\x03 \x01(\x0b\x32\x19.rerank.v1.DegradedReason\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x30\n\x0e\x62lend_strategy\x18\x06 \x01(\x0e\x32\x18.rerank.v1.BlendStrategy\x12!\n\x06\x63ounts\x18\x07 \x01(\x0b\x32\x11.rerank.v1.Counts\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.rerank.v1.Timings\"\xcf\x02\n\x0eRerankResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.rerank.v1.RankedResult\x12\x10\n\x08reranked\x18\x03 \x01(\x08\x12+\n\x08\x64\x65graded\x18\x04 \x01(\x0b\x32\x19.rerank.v1.DegradedReason\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x30\n\x0e\x62lend_strategy\x18\x07 \x01(\x0e\x32\x18.rerank.v1.BlendStrategy\x12!\n\x06\x63ounts\x18\x08 \x01(\x0b\x32\x11.rerank.v1.Counts\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.rerank.v1.Timings\x12&\n\x05\x65rror\x18\n \x01(\x0b\x32\x17.rerank.v1.RequestError\"x\n\x13RerankStreamMessage\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x17.rerank.v1.RankedResultH\x00\x12+\n\x07summary\x18\x02 \x01(\x0b\x32\x18.rerank.v1.RerankSummaryH\x00\x42\t\n\x07message*\x8d\x01\n\rBlendStrategy\x12\x1e\n\x1a\x42LEND_STRATEGY_UNSPECIFIED\x10\x00\x12!\n\x1d\x42LEND_STRATEGY_POSITION_AWARE\x10\x01\x12\x19\n\x15\x42LEND_STRATEGY_LINEAR\x10\x02\x12\x1e\n\x1a\x42LEND_STRATEGY_RERANK_ONLY\x10\x03*\xd1\x02\n\x12\x44\x65gradedReasonCode\x12$\n DEGRADED_REASON_CODE_UNSPECIFIED\x10\x00\x12,\n(DEGRADED_REASON_CODE_BACKEND_UNAVAILABLE\x10\x01\x12 \n\x1c\x44\x45GRADED_REASON_CODE_TIMEOUT\x10\x02\x12+\n\'DEGRADED_REASON_CODE_MALFORMED_RESPONSE\x10\x03\x12&\n\"DEGRADED_REASON_CODE_BACKEND_ERROR\x10\x04\x12+\n\'DEGRADED_REASON_CODE_TOO_FEW_CANDIDATES\x10\x05\x12!\n\x1d\x44\x45GRADED_REASON_CODE_DISABLED\x10\x06\x12 \n\x1c\x44\x45GRADED_REASON_CODE_PARTIAL\x10\x07\x32\xdd\x01\n\x08Reranker\x12=\n\x06Rerank\x12\x18.rerank.v1.RerankRequest\x1a\x19.rerank.v1.RerankResponse\x12J\n\x0cRerankStream\x12\x18.rerank.v1.RerankRequest\x1a\x1e.rerank.v1.RerankStreamMessage0\x01\x12\x46\n\x0bRerankBatch\x12\x18.rerank.v1.RerankRequest\x1a\x19.rerank.v1.RerankResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rerank/v1/rerank.proto\x12\trerank.v1\"\x8c\x02\n\tCandidate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\x05title\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x0fretrieval_score\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0eretrieval_rank\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x34\n\x08metadata\x18\x06 \x03(\x0b\x32\".rerank.v1.Candidate.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_titleB\x12\n\x10_retrieval_scoreB\x11\n\x0f_retrieval_rank\"\xee\x03\n\rRerankOptions\x12\x30\n\x0e\x62lend_strategy\x18\x01 \x01(\x0e\x32\x18.rerank.v1.BlendStrategy\x12\x1b\n\x0emax_candidates\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\ntimeout_ms\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fmax_chunk_chars\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x13\n\x0breturn_text\x18\x05 \x01(\x08\x12\x15\n\x08\x66usion_k\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x11\n\tdedup_key\x18\x07 \x01(\t\x12\'\n\tthreshold\x18\x08 \x01(\x0b\x32\x14.rerank.v1.Threshold\x12\x1e\n\x11skip_within_top_k\x18\t \x01(\x08H\x04\x88\x01\x01\x12\x1f\n\x12strong_signal_skip\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x14\n\x0c\x62ypass_cache\x18\x0b \x01(\x08\x12(\n\nscore_kind\x18\x0c \x01(\x0e\x32\x14.rerank.v1.ScoreKindB\x11\n\x0f_max_candidatesB\r\n\x0b_timeout_msB\x12\n\x10_max_chunk_charsB\x0b\n\t_fusion_kB\x14\n\x12_skip_within_top_kB\x15\n\x13_strong_signal_skip\"\xa5\x02\n\tThreshold\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.rerank.v1.Threshold.Mode\x12\x16\n\tmin_score\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05start\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04step\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05\x66loor\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x1c\n\x0ftarget_fraction\x18\x06 \x01(\x01H\x04\x88\x01\x01\"?\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0e\n\nMODE_FIXED\x10\x01\x12\x11\n\rMODE_ADAPTIVE\x10\x02\x42\x0c\n\n_min_scoreB\x08\n\x06_startB\x07\n\x05_stepB\x08\n\x06_floorB\x12\n\x10_target_fraction\"\xa1\x01\n\nRankedList\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\texpansion\x18\x03 \x01(\x08\x12(\n\nscore_kind\x18\x04 \x01(\x0e\x32\x14.rerank.v1.ScoreKind\x12(\n\ncandidates\x18\x05 \x03(\x0b\x32\x14.rerank.v1.CandidateB\t\n\x07_weight\"\xe6\x01\n\rRerankRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12(\n\ncandidates\x18\x03 \x03(\x0b\x32\x14.rerank.v1.Candidate\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x18\n\x0binstruction\x18\x05 \x01(\tH\x00\x88\x01\x01\x12)\n\x07options\x18\x06 \x01(\x0b\x32\x18.rerank.v1.RerankOptions\x12$\n\x05lists\x18\x07 \x03(\x0b\x32\x15.rerank.v1.RankedListB\x0e\n\x0c_instruction\"\xbe\x03\n\x0cRankedResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x1b\n\x0ereranker_score\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fretrieval_score\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\x0eretrieval_rank\x18\x07 \x01(\r\x12\x18\n\x0bscored_text\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\x37\n\x08metadata\x18\t \x03(\x0b\x32%.rerank.v1.RankedResult.MetadataEntry\x12\'\n\x1anormalized_retrieval_score\x18\n \x01(\x01H\x03\x88\x01\x01\x12\x10\n\x08\x66ound_in\x18\x0b \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x0c \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_reranker_scoreB\x12\n\x10_retrieval_scoreB\x0e\n\x0c_scored_textB\x1d\n\x1b_normalized_retrieval_score\"N\n\x0e\x44\x65gradedReason\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.rerank.v1.DegradedReasonCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x87\x01\n\x06\x43ounts\x12\x12\n\ncandidates\x18\x01 \x01(\r\x12\x11\n\tsubmitted\x18\x02 \x01(\r\x12\x0e\n\x06scored\x18\x03 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x06 \x01(\r\x12\x10\n\x08\x66iltered\x18\x07 \x01(\r\"Z\n\x0fThresholdReport\x12\x11\n\tthreshold\x18\x01 \x01(\x01\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x0e\n\x06passed\x18\x03 \x01(\r\x12\x15\n\rreached_floor\x18\x04 \x01(\x08\"/\n\x07Timings\x12\x10\n\x08total_ms\x18\x01 \x01(\x01\x12\x12\n\nscoring_ms\x18\x02 \x01(\x01\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xab\x02\n\rRerankSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08reranked\x18\x02 \x01(\x08\x12+\n\x08\x64\x65graded\x18\x03 \x01(\x0b\x32\x19.rerank.v1.DegradedReason\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x30\n\x0e\x62lend_strategy\x18\x06 \x01(\x0e\x32\x18.rerank.v1.BlendStrategy\x12!\n\x06\x63ounts\x18\x07 \x01(\x0b\x32\x11.rerank.v1.Counts\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.rerank.v1.Timings\x12-\n\tthreshold\x18\t \x01(\x0b\x32\x1a.rerank.v1.ThresholdReport\"\xfe\x02\n\x0eRerankResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.rerank.v1.RankedResult\x12\x10\n\x08reranked\x18\x03 \x01(\x08\x12+\n\x08\x64\x65graded\x18\x04 \x01(\x0b\x32\x19.rerank.v1.DegradedReason\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x30\n\x0e\x62lend_strategy\x18\x07 \x01(\x0e\x32\x18.rerank.v1.BlendStrategy\x12!\n\x06\x63ounts\x18\x08 \x01(\x0b\x32\x11.rerank.v1.Counts\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.rerank.v1.Timings\x12&\n\x05\x65rror\x18\n \x01(\x0b\x32\x17.rerank.v1.RequestError\x12-\n\tthreshold\x18\x0b \x01(\x0b\x32\x1a.rerank.v1.ThresholdReport\"x\n\x13RerankStreamMessage\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x17.rerank.v1.RankedResultH\x00\x12+\n\x07summary\x18\x02 \x01(\x0b\x32\x18.rerank.v1.RerankSummaryH\x00\x42\t\n\x07message*\x8d\x01\n\rBlendStrategy\x12\x1e\n\x1a\x42LEND_STRATEGY_UNSPECIFIED\x10\x00\x12!\n\x1d\x42LEND_STRATEGY_POSITION_AWARE\x10\x01\x12\x19\n\x15\x42LEND_STRATEGY_LINEAR\x10\x02\x12\x1e\n\x1a\x42LEND_STRATEGY_RERANK_ONLY\x10\x03*Z\n\tScoreKind\x12\x1a\n\x16SCORE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12SCORE_KIND_LEXICAL\x10\x01\x12\x19\n\x15SCORE_KIND_SIMILARITY\x10\x02*\xa0\x03\n\x12\x44\x65gradedReasonCode\x12$\n DEGRADED_REASON_CODE_UNSPECIFIED\x10\x00\x12,\n(DEGRADED_REASON_CODE_BACKEND_UNAVAILABLE\x10\x01\x12 \n\x1c\x44\x45GRADED_REASON_CODE_TIMEOUT\x10\x02\x12+\n\'DEGRADED_REASON_CODE_MALFORMED_RESPONSE\x10\x03\x12&\n\"DEGRADED_REASON_CODE_BACKEND_ERROR\x10\x04\x12+\n\'DEGRADED_REASON_CODE_TOO_FEW_CANDIDATES\x10\x05\x12!\n\x1d\x44\x45GRADED_REASON_CODE_DISABLED\x10\x06\x12 \n\x1c\x44\x45GRADED_REASON_CODE_PARTIAL\x10\x07\x12%\n!DEGRADED_REASON_CODE_WITHIN_TOP_K\x10\x08\x12&\n\"DEGRADED_REASON_CODE_STRONG_SIGNAL\x10\t2\xdd\x01\n\x08Reranker\x12=\n\x06Rerank\x12\x18.rerank.v1.RerankRequest\x1a\x19.rerank.v1.RerankResponse\x12J\n\x0cRerankStream\x12\x18.rerank.v1.RerankRequest\x1a\x1e.rerank.v1.RerankStreamMessage0\x01\x12\x46\n\x0bRerankBatch\x12\x18.rerank.v1.RerankRequest\x1a\x19.rerank.v1.RerankResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,36 +36,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANDIDATE_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_RANKEDRESULT_METADATAENTRY']._loaded_options = None
   _globals['_RANKEDRESULT_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_BLENDSTRATEGY']._serialized_start=2046
-  _globals['_BLENDSTRATEGY']._serialized_end=2187
-  _globals['_DEGRADEDREASONCODE']._serialized_start=2190
-  _globals['_DEGRADEDREASONCODE']._serialized_end=2527
+  _globals['_BLENDSTRATEGY']._serialized_start=3163
+  _globals['_BLENDSTRATEGY']._serialized_end=3304
+  _globals['_SCOREKIND']._serialized_start=3306
+  _globals['_SCOREKIND']._serialized_end=3396
+  _globals['_DEGRADEDREASONCODE']._serialized_start=3399
+  _globals['_DEGRADEDREASONCODE']._serialized_end=3815
   _globals['_CANDIDATE']._serialized_start=38
   _globals['_CANDIDATE']._serialized_end=306
   _globals['_CANDIDATE_METADATAENTRY']._serialized_start=210
   _globals['_CANDIDATE_METADATAENTRY']._serialized_end=257
   _globals['_RERANKOPTIONS']._serialized_start=309
-  _globals['_RERANKOPTIONS']._serialized_end=533
-  _globals['_RERANKREQUEST']._serialized_start=536
-  _globals['_RERANKREQUEST']._serialized_end=728
-  _globals['_RANKEDRESULT']._serialized_start=731
-  _globals['_RANKEDRESULT']._serialized_end=1071
+  _globals['_RERANKOPTIONS']._serialized_end=803
+  _globals['_THRESHOLD']._serialized_start=806
+  _globals['_THRESHOLD']._serialized_end=1099
+  _globals['_THRESHOLD_MODE']._serialized_start=973
+  _globals['_THRESHOLD_MODE']._serialized_end=1036
+  _globals['_RANKEDLIST']._serialized_start=1102
+  _globals['_RANKEDLIST']._serialized_end=1263
+  _globals['_RERANKREQUEST']._serialized_start=1266
+  _globals['_RERANKREQUEST']._serialized_end=1496
+  _globals['_RANKEDRESULT']._serialized_start=1499
+  _globals['_RANKEDRESULT']._serialized_end=1945
   _globals['_RANKEDRESULT_METADATAENTRY']._serialized_start=210
   _globals['_RANKEDRESULT_METADATAENTRY']._serialized_end=257
-  _globals['_DEGRADEDREASON']._serialized_start=1073
-  _globals['_DEGRADEDREASON']._serialized_end=1151
-  _globals['_COUNTS']._serialized_start=1153
-  _globals['_COUNTS']._serialized_end=1232
-  _globals['_TIMINGS']._serialized_start=1234
-  _globals['_TIMINGS']._serialized_end=1281
-  _globals['_REQUESTERROR']._serialized_start=1283
-  _globals['_REQUESTERROR']._serialized_end=1328
-  _globals['_RERANKSUMMARY']._serialized_start=1331
-  _globals['_RERANKSUMMARY']._serialized_end=1583
-  _globals['_RERANKRESPONSE']._serialized_start=1586
-  _globals['_RERANKRESPONSE']._serialized_end=1921
-  _globals['_RERANKSTREAMMESSAGE']._serialized_start=1923
-  _globals['_RERANKSTREAMMESSAGE']._serialized_end=2043
-  _globals['_RERANKER']._serialized_start=2530
-  _globals['_RERANKER']._serialized_end=2751
+  _globals['_DEGRADEDREASON']._serialized_start=1947
+  _globals['_DEGRADEDREASON']._serialized_end=2025
+  _globals['_COUNTS']._serialized_start=2028
+  _globals['_COUNTS']._serialized_end=2163
+  _globals['_THRESHOLDREPORT']._serialized_start=2165
+  _globals['_THRESHOLDREPORT']._serialized_end=2255
+  _globals['_TIMINGS']._serialized_start=2257
+  _globals['_TIMINGS']._serialized_end=2304
+  _globals['_REQUESTERROR']._serialized_start=2306
+  _globals['_REQUESTERROR']._serialized_end=2351
+  _globals['_RERANKSUMMARY']._serialized_start=2354
+  _globals['_RERANKSUMMARY']._serialized_end=2653
+  _globals['_RERANKRESPONSE']._serialized_start=2656
+  _globals['_RERANKRESPONSE']._serialized_end=3038
+  _globals['_RERANKSTREAMMESSAGE']._serialized_start=3040
+  _globals['_RERANKSTREAMMESSAGE']._serialized_end=3160
+  _globals['_RERANKER']._serialized_start=3818
+  _globals['_RERANKER']._serialized_end=4039
 # @@protoc_insertion_point(module_scope)

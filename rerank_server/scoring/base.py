@@ -78,4 +78,12 @@ class Scorer(Protocol):
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None: ...
 
+    async def discover_model(self) -> None:
+        """Learn the model's name from the backend when it was not configured.
+
+        Best effort, called when the backend comes up: the name goes into responses and
+        into score-cache keys, so scores survive a restart only if it is known before the
+        first request. Never raises.
+        """
+
     async def aclose(self) -> None: ...

@@ -33,6 +33,15 @@ class ChatScorer:
     def model(self) -> str:
         return self._configured_model or self._reported_model
 
+    async def discover_model(self) -> None:
+        if self._configured_model:
+            return
+        body = await self._http.get_json("/v1/models")
+        data = body.get("data") if isinstance(body, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict) \
+                and isinstance(data[0].get("id"), str):
+            self._reported_model = _model_name(data[0]["id"])
+
     def payload(self, request: ScoreRequest, document: str) -> dict[str, Any]:
         messages = [
             {"role": "system", "content": prompt.SYSTEM_PROMPT},
@@ -64,8 +73,7 @@ class ChatScorer:
                 self._http.record_malformed()
                 return PairOutcome.failed(i, Failure.MALFORMED, str(exc))
             if isinstance(body, dict) and isinstance(body.get("model"), str):
-                # llama-server reports the model's file path; callers need only its name.
-                self._reported_model = body["model"].rsplit("/", 1)[-1]
+                self._reported_model = _model_name(body["model"])
             if score is None:
                 self._http.record_malformed()
                 return PairOutcome.failed(i, Failure.MALFORMED, "no yes/no token in top logprobs")
@@ -75,3 +83,8 @@ class ChatScorer:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def _model_name(reported: str) -> str:
+    """llama-server reports the model's file path; callers need only its name."""
+    return reported.rsplit("/", 1)[-1]

@@ -99,6 +99,14 @@ class HttpBackend:
             for i in range(count):
                 group.create_task(_emit_after(one(i), emit))
 
+    async def get_json(self, path: str) -> Any:
+        """GET `path` outside the scoring slots (metadata, not work); None on any failure."""
+        try:
+            response = await self._client.get(self.base_url + path)
+            return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
     def record_malformed(self) -> None:
         """Count a call whose JSON parsed but did not hold what the scorer needs."""
         self._metrics.backend_errors.add(

@@ -177,7 +177,7 @@ async def test_managed_backend_killed_degrades_then_recovers(real_llama: RealLla
             assert first_pid is not None
             os.kill(first_pid, signal.SIGKILL)
             await asyncio.sleep(0.05)
-            degraded = await client.rerank("cats", DOCS[:4])
+            degraded = await client.rerank("cats", DOCS[:4], bypass_cache=True)
             assert not degraded.reranked
             assert degraded.summary.degraded_code == "backend_unavailable"
             assert [r.index for r in degraded.results] == [0, 1, 2, 3]
@@ -185,7 +185,7 @@ async def test_managed_backend_killed_degrades_then_recovers(real_llama: RealLla
             answer = degraded
             while time.monotonic() < deadline and not answer.reranked:
                 await asyncio.sleep(0.5)
-                answer = await client.rerank("cats", DOCS[:4])
+                answer = await client.rerank("cats", DOCS[:4], bypass_cache=True)
             assert answer.reranked, "managed llama-server did not come back"
             assert managed.restarts >= 1 and managed.pid not in (None, first_pid)
     finally:

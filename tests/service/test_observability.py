@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
-from rerank_client import AsyncRerankClient, ServerBusyError
+from rerank_client import AsyncRerankClient, ServerBusyError, Threshold
 
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
@@ -59,9 +59,9 @@ async def test_prometheus_counters_and_histograms_move(
     docs = [f"document {i}" for i in range(6)]
     before = await scrape(server)
     await client.rerank("q", docs)
-    await client.rerank("q", docs[:4])
+    await client.rerank("q", docs[:4], bypass_cache=True)
     fake_llama.mode = HTTP_500
-    degraded = await client.rerank("q", docs)
+    degraded = await client.rerank("q", docs, bypass_cache=True)
     assert not degraded.reranked
     after = await scrape(server)
 
@@ -91,6 +91,28 @@ async def test_prometheus_counters_and_histograms_move(
                  **instance) == 6
     assert total(after, "http_client_active_requests", **instance) == 0
     assert total(after, "rerank_server_active_rpcs") == 0
+
+
+async def test_cache_hits_and_misses_are_counted(
+        server: RunningServer, client: AsyncRerankClient) -> None:
+    before = await scrape(server)
+    await client.rerank("q", ["a", "b", "c"])
+    await client.rerank("q", ["a", "b", "c", "d"])
+    after = await scrape(server)
+    assert moved(before, after, "rerank_cache_lookups_total", rerank_cache_result="miss") == 4
+    assert moved(before, after, "rerank_cache_lookups_total", rerank_cache_result="hit") == 3
+    assert moved(before, after, "rerank_pairs_total", rerank_pair_outcome="cached") == 3
+    assert moved(before, after, "rerank_pairs_total", rerank_pair_outcome="scored") == 4
+
+
+async def test_threshold_is_recorded(server: RunningServer, client: AsyncRerankClient) -> None:
+    before = await scrape(server)
+    docs = [{"text": f"d{i}", "retrieval_score": s} for i, s in enumerate([0.9, 0.72, 0.1])]
+    await client.rerank("q", docs, top_k=2, threshold=Threshold.adaptive())
+    after = await scrape(server)
+    assert moved(before, after, "rerank_threshold_final_count") == 1
+    assert moved(before, after, "rerank_threshold_final_sum") == pytest.approx(0.70)
+    assert moved(before, after, "rerank_threshold_steps_sum") == 1
 
 
 async def test_malformed_backend_answers_are_counted_per_instance(

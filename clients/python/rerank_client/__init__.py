@@ -8,7 +8,16 @@ from .errors import (
     ServerBusyError,
     UnavailableError,
 )
-from .types import Candidate, CandidateLike, RerankAnswer, Result, Summary
+from .types import (
+    Candidate,
+    CandidateLike,
+    RankedList,
+    RerankAnswer,
+    Result,
+    Summary,
+    Threshold,
+    ThresholdReport,
+)
 
 __all__ = [
     "AsyncRerankClient",
@@ -16,12 +25,15 @@ __all__ = [
     "CandidateLike",
     "DeadlineExceededError",
     "InvalidRequestError",
+    "RankedList",
     "RerankAnswer",
     "RerankClient",
     "RerankError",
     "Result",
     "ServerBusyError",
     "Summary",
+    "Threshold",
+    "ThresholdReport",
     "UnavailableError",
     "channel_options",
 ]

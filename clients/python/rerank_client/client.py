@@ -55,7 +55,7 @@ class AsyncRerankClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def rerank(self, query: str, candidates: Iterable[CandidateLike], *,
+    async def rerank(self, query: str, candidates: Iterable[CandidateLike] = (), *,
                      timeout: float | None = None, metadata: Metadata | None = None,
                **options: Any) -> RerankAnswer:
         """Rerank `candidates` for `query`. `options`: top_k, instruction, request_id,
@@ -68,7 +68,7 @@ class AsyncRerankClient:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
 
-    async def stream(self, query: str, candidates: Iterable[CandidateLike], *,
+    async def stream(self, query: str, candidates: Iterable[CandidateLike] = (), *,
                      timeout: float | None = None, metadata: Metadata | None = None,
                      **options: Any,
                      ) -> AsyncIterator[Result | Summary]:
@@ -124,7 +124,7 @@ class RerankClient:
     def close(self) -> None:
         self._channel.close()
 
-    def rerank(self, query: str, candidates: Iterable[CandidateLike], *,
+    def rerank(self, query: str, candidates: Iterable[CandidateLike] = (), *,
                timeout: float | None = None, metadata: Metadata | None = None,
                **options: Any) -> RerankAnswer:
         """As `AsyncRerankClient.rerank`."""
@@ -135,7 +135,7 @@ class RerankClient:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
 
-    def stream(self, query: str, candidates: Iterable[CandidateLike], *,
+    def stream(self, query: str, candidates: Iterable[CandidateLike] = (), *,
                timeout: float | None = None, metadata: Metadata | None = None,
                **options: Any) -> Iterator[Result | Summary]:
         """As `AsyncRerankClient.stream`."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .pb import rerank_pb2 as pb
 
@@ -15,6 +15,7 @@ BLEND_STRATEGIES = {
 }
 _BLEND_NAMES = {v: k for k, v in BLEND_STRATEGIES.items()}
 _DEGRADED_PREFIX = "DEGRADED_REASON_CODE_"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,67 @@ class Candidate:
 
 CandidateLike = Candidate | str | Mapping[str, Any]
 
+SCORE_KINDS = {
+    "auto": pb.SCORE_KIND_UNSPECIFIED,
+    "lexical": pb.SCORE_KIND_LEXICAL,
+    "similarity": pb.SCORE_KIND_SIMILARITY,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RankedList:
+    """One retriever's candidates, best first, to be fused with the request's other lists.
+
+    `weight` defaults on the server to 2.0 (original query) or 1.0 (`expansion=True`).
+    `score_kind`: "lexical" (min-max, e.g. BM25), "similarity" (clamped), or "auto".
+    """
+
+    name: str
+    candidates: Iterable[CandidateLike]
+    weight: float | None = None
+    expansion: bool = False
+    score_kind: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Threshold:
+    """A filter on the normalized retrieval score: `Threshold.fixed(0.6)` or
+    `Threshold.adaptive(start=..., step=..., floor=..., target_fraction=...)`."""
+
+    mode: str
+    min_score: float | None = None
+    start: float | None = None
+    step: float | None = None
+    floor: float | None = None
+    target_fraction: float | None = None
+
+    @classmethod
+    def fixed(cls, min_score: float | None = None) -> Threshold:
+        return cls("fixed", min_score=min_score)
+
+    @classmethod
+    def adaptive(cls, *, start: float | None = None, step: float | None = None,
+                 floor: float | None = None, target_fraction: float | None = None,
+                 ) -> Threshold:
+        return cls("adaptive", start=start, step=step, floor=floor,
+                   target_fraction=target_fraction)
+
+    def to_pb(self) -> pb.Threshold:
+        modes = {"fixed": pb.Threshold.MODE_FIXED, "adaptive": pb.Threshold.MODE_ADAPTIVE}
+        if self.mode not in modes:
+            raise ValueError(f"unknown threshold mode {self.mode!r}; choose fixed or adaptive")
+        return pb.Threshold(mode=modes[self.mode], min_score=self.min_score, start=self.start,
+                            step=self.step, floor=self.floor,
+                            target_fraction=self.target_fraction)
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdReport:
+    threshold: float
+    steps: int
+    passed: int
+    reached_floor: bool
+
 
 @dataclass(frozen=True, slots=True)
 class Result:
@@ -45,6 +107,9 @@ class Result:
     retrieval_rank: int
     scored_text: str | None
     metadata: Mapping[str, str]
+    normalized_retrieval_score: float | None = None
+    found_in: tuple[str, ...] = ()
+    cached: bool = False
 
     @classmethod
     def from_pb(cls, r: pb.RankedResult) -> Result:
@@ -54,7 +119,10 @@ class Result:
             retrieval_score=r.retrieval_score if r.HasField("retrieval_score") else None,
             retrieval_rank=r.retrieval_rank,
             scored_text=r.scored_text if r.HasField("scored_text") else None,
-            metadata=dict(r.metadata))
+            metadata=dict(r.metadata),
+            normalized_retrieval_score=(r.normalized_retrieval_score
+                                        if r.HasField("normalized_retrieval_score") else None),
+            found_in=tuple(r.found_in), cached=r.cached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +142,10 @@ class Summary:
     failed: int
     total_ms: float
     scoring_ms: float
+    cached: int = 0
+    deduplicated: int = 0
+    filtered: int = 0
+    threshold: ThresholdReport | None = None
 
     @classmethod
     def from_pb(cls, s: pb.RerankSummary | pb.RerankResponse) -> Summary:
@@ -87,7 +159,12 @@ class Summary:
             blend_strategy=_BLEND_NAMES.get(s.blend_strategy, "unspecified"),
             candidates=s.counts.candidates, submitted=s.counts.submitted,
             scored=s.counts.scored, failed=s.counts.failed,
-            total_ms=s.timings.total_ms, scoring_ms=s.timings.scoring_ms)
+            total_ms=s.timings.total_ms, scoring_ms=s.timings.scoring_ms,
+            cached=s.counts.cached, deduplicated=s.counts.deduplicated,
+            filtered=s.counts.filtered,
+            threshold=ThresholdReport(s.threshold.threshold, s.threshold.steps,
+                                      s.threshold.passed, s.threshold.reached_floor)
+            if s.HasField("threshold") else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,28 +194,46 @@ def to_candidate(item: CandidateLike, position: int) -> Candidate:
     return Candidate(**data)
 
 
-def build_request(query: str, candidates: Iterable[CandidateLike], *, top_k: int = 0,
-                  instruction: str | None = None, request_id: str = "",
-                  blend_strategy: str | None = None, max_candidates: int | None = None,
-                  max_chunk_chars: int | None = None, timeout_ms: int | None = None,
-                  return_text: bool = False) -> pb.RerankRequest:
-    """The wire request; raises ValueError for an unknown blend strategy name."""
-    if blend_strategy is not None and blend_strategy not in BLEND_STRATEGIES:
-        raise ValueError(f"unknown blend strategy {blend_strategy!r}; "
-                         f"choose from {', '.join(BLEND_STRATEGIES)}")
-    options = pb.RerankOptions(
-        blend_strategy=BLEND_STRATEGIES.get(blend_strategy or "",
-                                            pb.BLEND_STRATEGY_UNSPECIFIED),
-        max_candidates=max_candidates, max_chunk_chars=max_chunk_chars,
-        timeout_ms=timeout_ms, return_text=return_text)
+def _wire(candidates: Iterable[CandidateLike]) -> list[pb.Candidate]:
     wire = []
     for i, item in enumerate(candidates):
         c = to_candidate(item, i)
         wire.append(pb.Candidate(id=c.id, text=c.text, title=c.title,
                                  retrieval_score=c.retrieval_score,
                                  retrieval_rank=c.retrieval_rank, metadata=dict(c.metadata)))
-    return pb.RerankRequest(request_id=request_id, query=query, candidates=wire, top_k=top_k,
-                            instruction=instruction, options=options)
+    return wire
+
+
+def _choice(kind: str, name: str, choices: Mapping[str, T]) -> T:
+    if name not in choices:
+        raise ValueError(f"unknown {kind} {name!r}; choose from {', '.join(choices)}")
+    return choices[name]
+
+
+def build_request(query: str, candidates: Iterable[CandidateLike] = (), *, top_k: int = 0,
+                  instruction: str | None = None, request_id: str = "",
+                  blend_strategy: str | None = None, max_candidates: int | None = None,
+                  max_chunk_chars: int | None = None, timeout_ms: int | None = None,
+                  return_text: bool = False, lists: Iterable[RankedList] = (),
+                  fusion_k: int | None = None, dedup_key: str = "",
+                  threshold: Threshold | None = None, skip_within_top_k: bool | None = None,
+                  strong_signal_skip: bool | None = None, bypass_cache: bool = False,
+                  score_kind: str = "auto") -> pb.RerankRequest:
+    """The wire request; raises ValueError for an unknown strategy, kind or mode name."""
+    options = pb.RerankOptions(
+        blend_strategy=(pb.BLEND_STRATEGY_UNSPECIFIED if blend_strategy is None
+                        else _choice("blend strategy", blend_strategy, BLEND_STRATEGIES)),
+        max_candidates=max_candidates, max_chunk_chars=max_chunk_chars,
+        timeout_ms=timeout_ms, return_text=return_text, fusion_k=fusion_k,
+        dedup_key=dedup_key, threshold=threshold.to_pb() if threshold else None,
+        skip_within_top_k=skip_within_top_k, strong_signal_skip=strong_signal_skip,
+        bypass_cache=bypass_cache, score_kind=_choice("score kind", score_kind, SCORE_KINDS))
+    wire_lists = [pb.RankedList(name=lst.name, weight=lst.weight, expansion=lst.expansion,
+                                score_kind=_choice("score kind", lst.score_kind, SCORE_KINDS),
+                                candidates=_wire(lst.candidates)) for lst in lists]
+    return pb.RerankRequest(request_id=request_id, query=query, candidates=_wire(candidates),
+                            top_k=top_k, instruction=instruction, options=options,
+                            lists=wire_lists)
 
 
 def stream_item(message: pb.RerankStreamMessage) -> Result | Summary:

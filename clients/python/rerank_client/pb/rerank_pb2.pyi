@@ -68,6 +68,30 @@ BLEND_STRATEGY_RERANK_ONLY: BlendStrategy.ValueType  # 3
 """Sort by the reranker score alone; ties keep retrieval order."""
 Global___BlendStrategy: _TypeAlias = BlendStrategy  # noqa: Y015
 
+class _ScoreKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ScoreKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ScoreKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SCORE_KIND_UNSPECIFIED: _ScoreKind.ValueType  # 0
+    """Decide from the scores: all within 0..1 are taken as similarities, otherwise lexical."""
+    SCORE_KIND_LEXICAL: _ScoreKind.ValueType  # 1
+    """Unbounded scores such as BM25: min-max normalized within the list."""
+    SCORE_KIND_SIMILARITY: _ScoreKind.ValueType  # 2
+    """Similarities such as cosine: clamped to 0..1."""
+
+class ScoreKind(_ScoreKind, metaclass=_ScoreKindEnumTypeWrapper):
+    """How a list's retrieval scores are brought to 0..1 for thresholds and skip rules."""
+
+SCORE_KIND_UNSPECIFIED: ScoreKind.ValueType  # 0
+"""Decide from the scores: all within 0..1 are taken as similarities, otherwise lexical."""
+SCORE_KIND_LEXICAL: ScoreKind.ValueType  # 1
+"""Unbounded scores such as BM25: min-max normalized within the list."""
+SCORE_KIND_SIMILARITY: ScoreKind.ValueType  # 2
+"""Similarities such as cosine: clamped to 0..1."""
+Global___ScoreKind: _TypeAlias = ScoreKind  # noqa: Y015
+
 class _DegradedReasonCode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -90,6 +114,10 @@ class _DegradedReasonCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_De
     """Reranking is turned off on the server (`--disabled`)."""
     DEGRADED_REASON_CODE_PARTIAL: _DegradedReasonCode.ValueType  # 7
     """Some pairs were scored and some were not (see `failed`); the scored ones are ranked."""
+    DEGRADED_REASON_CODE_WITHIN_TOP_K: _DegradedReasonCode.ValueType  # 8
+    """Skip rule: no more candidates than `top_k` (`skip_within_top_k`)."""
+    DEGRADED_REASON_CODE_STRONG_SIGNAL: _DegradedReasonCode.ValueType  # 9
+    """Skip rule: a lexical list has a clear winner (`strong_signal_skip`)."""
 
 class DegradedReasonCode(_DegradedReasonCode, metaclass=_DegradedReasonCodeEnumTypeWrapper):
     """Why a response was not (fully) reranked."""
@@ -110,6 +138,10 @@ DEGRADED_REASON_CODE_DISABLED: DegradedReasonCode.ValueType  # 6
 """Reranking is turned off on the server (`--disabled`)."""
 DEGRADED_REASON_CODE_PARTIAL: DegradedReasonCode.ValueType  # 7
 """Some pairs were scored and some were not (see `failed`); the scored ones are ranked."""
+DEGRADED_REASON_CODE_WITHIN_TOP_K: DegradedReasonCode.ValueType  # 8
+"""Skip rule: no more candidates than `top_k` (`skip_within_top_k`)."""
+DEGRADED_REASON_CODE_STRONG_SIGNAL: DegradedReasonCode.ValueType  # 9
+"""Skip rule: a lexical list has a clear winner (`strong_signal_skip`)."""
 Global___DegradedReasonCode: _TypeAlias = DegradedReasonCode  # noqa: Y015
 
 @_typing.final
@@ -202,6 +234,13 @@ class RerankOptions(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_CHARS_FIELD_NUMBER: _builtins.int
     RETURN_TEXT_FIELD_NUMBER: _builtins.int
+    FUSION_K_FIELD_NUMBER: _builtins.int
+    DEDUP_KEY_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    SKIP_WITHIN_TOP_K_FIELD_NUMBER: _builtins.int
+    STRONG_SIGNAL_SKIP_FIELD_NUMBER: _builtins.int
+    BYPASS_CACHE_FIELD_NUMBER: _builtins.int
+    SCORE_KIND_FIELD_NUMBER: _builtins.int
     blend_strategy: Global___BlendStrategy.ValueType
     """Blend strategy; UNSPECIFIED means the server default."""
     max_candidates: _builtins.int
@@ -216,6 +255,32 @@ class RerankOptions(_message.Message):
     """Documents longer than this many characters are cut to their best-matching window."""
     return_text: _builtins.bool
     """When true, each result carries the text that was actually scored (`scored_text`)."""
+    fusion_k: _builtins.int
+    """Reciprocal rank fusion constant k in `weight / (k + rank)` (default 60). Only used
+    when the request carries `lists`.
+    """
+    dedup_key: _builtins.str
+    """Metadata key whose value identifies duplicates beyond `id` (e.g. "url" or
+    "parent_doc"): of candidates sharing a value, the best-ranked one is kept. Candidates
+    without the key are deduplicated by `id` only.
+    """
+    skip_within_top_k: _builtins.bool
+    """Skip scoring when there are no more candidates than `top_k` (server default:
+    `--skip-within-top-k`, off). Saves a round when scoring cannot change which
+    candidates are returned; the order within them then stays the retrieval order.
+    """
+    strong_signal_skip: _builtins.bool
+    """Skip scoring when a lexical list has a clear winner (server default:
+    `--strong-signal-skip`, off); see docs/api.md, "Skip rules".
+    """
+    bypass_cache: _builtins.bool
+    """Do not read the score cache for this request (fresh scores are still stored)."""
+    score_kind: Global___ScoreKind.ValueType
+    """How the `retrieval_score`s of `RerankRequest.candidates` are normalized to 0..1."""
+    @_builtins.property
+    def threshold(self) -> Global___Threshold:
+        """Filter on the normalized retrieval score before scoring. Off unless set."""
+
     def __init__(
         self,
         *,
@@ -224,25 +289,173 @@ class RerankOptions(_message.Message):
         timeout_ms: _builtins.int | None = ...,
         max_chunk_chars: _builtins.int | None = ...,
         return_text: _builtins.bool = ...,
+        fusion_k: _builtins.int | None = ...,
+        dedup_key: _builtins.str = ...,
+        threshold: Global___Threshold | None = ...,
+        skip_within_top_k: _builtins.bool | None = ...,
+        strong_signal_skip: _builtins.bool | None = ...,
+        bypass_cache: _builtins.bool = ...,
+        score_kind: Global___ScoreKind.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_timeout_ms", b"_timeout_ms", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_timeout_ms", b"_timeout_ms", "blend_strategy", b"blend_strategy", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "return_text", b"return_text", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "blend_strategy", b"blend_strategy", "bypass_cache", b"bypass_cache", "dedup_key", b"dedup_key", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "return_text", b"return_text", "score_kind", b"score_kind", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__fusion_k: _TypeAlias = _typing.Literal["fusion_k"]  # noqa: Y015
+    _WhichOneofArgType__fusion_k: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k"]  # noqa: Y015
     _WhichOneofReturnType__max_candidates: _TypeAlias = _typing.Literal["max_candidates"]  # noqa: Y015
     _WhichOneofArgType__max_candidates: _TypeAlias = _typing.Literal["_max_candidates", b"_max_candidates"]  # noqa: Y015
     _WhichOneofReturnType__max_chunk_chars: _TypeAlias = _typing.Literal["max_chunk_chars"]  # noqa: Y015
     _WhichOneofArgType__max_chunk_chars: _TypeAlias = _typing.Literal["_max_chunk_chars", b"_max_chunk_chars"]  # noqa: Y015
+    _WhichOneofReturnType__skip_within_top_k: _TypeAlias = _typing.Literal["skip_within_top_k"]  # noqa: Y015
+    _WhichOneofArgType__skip_within_top_k: _TypeAlias = _typing.Literal["_skip_within_top_k", b"_skip_within_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__strong_signal_skip: _TypeAlias = _typing.Literal["strong_signal_skip"]  # noqa: Y015
+    _WhichOneofArgType__strong_signal_skip: _TypeAlias = _typing.Literal["_strong_signal_skip", b"_strong_signal_skip"]  # noqa: Y015
     _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
     _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fusion_k) -> _WhichOneofReturnType__fusion_k | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_candidates) -> _WhichOneofReturnType__max_candidates | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_chunk_chars) -> _WhichOneofReturnType__max_chunk_chars | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_within_top_k) -> _WhichOneofReturnType__skip_within_top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__strong_signal_skip) -> _WhichOneofReturnType__strong_signal_skip | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
 
 Global___RerankOptions: _TypeAlias = RerankOptions  # noqa: Y015
+
+@_typing.final
+class Threshold(_message.Message):
+    """A filter on the normalized retrieval score (fused score when the request has `lists`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Mode:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[Threshold._Mode.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        MODE_UNSPECIFIED: Threshold._Mode.ValueType  # 0
+        """No filtering."""
+        MODE_FIXED: Threshold._Mode.ValueType  # 1
+        """Keep candidates whose normalized score is at least `min_score`."""
+        MODE_ADAPTIVE: Threshold._Mode.ValueType  # 2
+        """Start at `start` and lower by `step`, no further than `floor`, until at least
+        `target_fraction` of `top_k` candidates pass (of all candidates when `top_k` is 0).
+        """
+
+    class Mode(_Mode, metaclass=_ModeEnumTypeWrapper): ...
+    MODE_UNSPECIFIED: Threshold.Mode.ValueType  # 0
+    """No filtering."""
+    MODE_FIXED: Threshold.Mode.ValueType  # 1
+    """Keep candidates whose normalized score is at least `min_score`."""
+    MODE_ADAPTIVE: Threshold.Mode.ValueType  # 2
+    """Start at `start` and lower by `step`, no further than `floor`, until at least
+    `target_fraction` of `top_k` candidates pass (of all candidates when `top_k` is 0).
+    """
+
+    MODE_FIELD_NUMBER: _builtins.int
+    MIN_SCORE_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    FLOOR_FIELD_NUMBER: _builtins.int
+    TARGET_FRACTION_FIELD_NUMBER: _builtins.int
+    mode: Global___Threshold.Mode.ValueType
+    min_score: _builtins.float
+    """MODE_FIXED: the threshold (default 0.5)."""
+    start: _builtins.float
+    """MODE_ADAPTIVE: first threshold (default 0.75)."""
+    step: _builtins.float
+    """MODE_ADAPTIVE: how much each step lowers it (default 0.05)."""
+    floor: _builtins.float
+    """MODE_ADAPTIVE: the lowest threshold tried (default 0.35)."""
+    target_fraction: _builtins.float
+    """MODE_ADAPTIVE: share of `top_k` that must pass (default 0.8)."""
+    def __init__(
+        self,
+        *,
+        mode: Global___Threshold.Mode.ValueType = ...,
+        min_score: _builtins.float | None = ...,
+        start: _builtins.float | None = ...,
+        step: _builtins.float | None = ...,
+        floor: _builtins.float | None = ...,
+        target_fraction: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_floor", b"_floor", "_min_score", b"_min_score", "_start", b"_start", "_step", b"_step", "_target_fraction", b"_target_fraction", "floor", b"floor", "min_score", b"min_score", "start", b"start", "step", b"step", "target_fraction", b"target_fraction"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_floor", b"_floor", "_min_score", b"_min_score", "_start", b"_start", "_step", b"_step", "_target_fraction", b"_target_fraction", "floor", b"floor", "min_score", b"min_score", "mode", b"mode", "start", b"start", "step", b"step", "target_fraction", b"target_fraction"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__floor: _TypeAlias = _typing.Literal["floor"]  # noqa: Y015
+    _WhichOneofArgType__floor: _TypeAlias = _typing.Literal["_floor", b"_floor"]  # noqa: Y015
+    _WhichOneofReturnType__min_score: _TypeAlias = _typing.Literal["min_score"]  # noqa: Y015
+    _WhichOneofArgType__min_score: _TypeAlias = _typing.Literal["_min_score", b"_min_score"]  # noqa: Y015
+    _WhichOneofReturnType__start: _TypeAlias = _typing.Literal["start"]  # noqa: Y015
+    _WhichOneofArgType__start: _TypeAlias = _typing.Literal["_start", b"_start"]  # noqa: Y015
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    _WhichOneofReturnType__target_fraction: _TypeAlias = _typing.Literal["target_fraction"]  # noqa: Y015
+    _WhichOneofArgType__target_fraction: _TypeAlias = _typing.Literal["_target_fraction", b"_target_fraction"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__floor) -> _WhichOneofReturnType__floor | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_score) -> _WhichOneofReturnType__min_score | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__start) -> _WhichOneofReturnType__start | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__target_fraction) -> _WhichOneofReturnType__target_fraction | None: ...
+
+Global___Threshold: _TypeAlias = Threshold  # noqa: Y015
+
+@_typing.final
+class RankedList(_message.Message):
+    """One ranked list from one retriever, or from one expanded query. Candidates are matched
+    across lists (and with `RerankRequest.candidates`) by `id`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    EXPANSION_FIELD_NUMBER: _builtins.int
+    SCORE_KIND_FIELD_NUMBER: _builtins.int
+    CANDIDATES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The list's name, e.g. "vector" or "bm25"; results name the lists that found them."""
+    weight: _builtins.float
+    """Fusion weight; default 2.0 for original-query lists, 1.0 for expansion lists."""
+    expansion: _builtins.bool
+    """True when the list comes from an expanded or rewritten query, not the original one."""
+    score_kind: Global___ScoreKind.ValueType
+    """How this list's `retrieval_score`s are normalized."""
+    @_builtins.property
+    def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]:
+        """The list's candidates, best first. `retrieval_rank`, when given, overrides position."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        weight: _builtins.float | None = ...,
+        expansion: _builtins.bool = ...,
+        score_kind: Global___ScoreKind.ValueType = ...,
+        candidates: _abc.Iterable[Global___Candidate] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "weight", b"weight"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight", b"_weight", "candidates", b"candidates", "expansion", b"expansion", "name", b"name", "score_kind", b"score_kind", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__weight: _TypeAlias = _typing.Literal["weight"]  # noqa: Y015
+    _WhichOneofArgType__weight: _TypeAlias = _typing.Literal["_weight", b"_weight"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight) -> _WhichOneofReturnType__weight | None: ...
+
+Global___RankedList: _TypeAlias = RankedList  # noqa: Y015
 
 @_typing.final
 class RerankRequest(_message.Message):
@@ -254,6 +467,7 @@ class RerankRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     INSTRUCTION_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
+    LISTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's identifier for the request; echoed back in the response and logged. The
     server generates one when empty. Needed to match responses in `RerankBatch`.
@@ -274,6 +488,13 @@ class RerankRequest(_message.Message):
     def options(self) -> Global___RerankOptions:
         """Per-request overrides of server defaults."""
 
+    @_builtins.property
+    def lists(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankedList]:
+        """Ranked lists to fuse (weighted reciprocal rank fusion), instead of or besides
+        `candidates`. When both are given, `candidates` counts as one more original-query
+        list named "candidates". See docs/api.md, "Several ranked lists".
+        """
+
     def __init__(
         self,
         *,
@@ -283,10 +504,11 @@ class RerankRequest(_message.Message):
         top_k: _builtins.int = ...,
         instruction: _builtins.str | None = ...,
         options: Global___RerankOptions | None = ...,
+        lists: _abc.Iterable[Global___RankedList] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_instruction", b"_instruction", "instruction", b"instruction", "options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instruction", b"_instruction", "candidates", b"candidates", "instruction", b"instruction", "options", b"options", "query", b"query", "request_id", b"request_id", "top_k", b"top_k"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instruction", b"_instruction", "candidates", b"candidates", "instruction", b"instruction", "lists", b"lists", "options", b"options", "query", b"query", "request_id", b"request_id", "top_k", b"top_k"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__instruction: _TypeAlias = _typing.Literal["instruction"]  # noqa: Y015
     _WhichOneofArgType__instruction: _TypeAlias = _typing.Literal["_instruction", b"_instruction"]  # noqa: Y015
@@ -329,10 +551,15 @@ class RankedResult(_message.Message):
     RETRIEVAL_RANK_FIELD_NUMBER: _builtins.int
     SCORED_TEXT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    NORMALIZED_RETRIEVAL_SCORE_FIELD_NUMBER: _builtins.int
+    FOUND_IN_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The candidate's `id`."""
     index: _builtins.int
-    """The candidate's position in the request's `candidates` list (0-based)."""
+    """The kept occurrence's position (0-based) in the request's candidates taken in order:
+    `candidates` first, then each list's candidates, list by list.
+    """
     rank: _builtins.int
     """Final 1-based rank."""
     score: _builtins.float
@@ -344,12 +571,24 @@ class RankedResult(_message.Message):
     retrieval_score: _builtins.float
     """The candidate's `retrieval_score`, echoed."""
     retrieval_rank: _builtins.int
-    """The retrieval rank used for blending (given, or index + 1)."""
+    """The retrieval rank used for blending: given (or index + 1) for a single list, the
+    position in the fused order when the request has `lists`.
+    """
     scored_text: _builtins.str
     """The text that was scored (title plus best chunk); only with `return_text`."""
+    normalized_retrieval_score: _builtins.float
+    """Retrieval score on 0..1: the fused score divided by the best one when the request has
+    `lists`, else the normalized `retrieval_score`. Absent when no score was given.
+    """
+    cached: _builtins.bool
+    """True when the reranker score came from the score cache."""
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The candidate's `metadata`, echoed."""
+
+    @_builtins.property
+    def found_in(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of the lists that found the candidate (with `lists`), in request order."""
 
     def __init__(
         self,
@@ -363,17 +602,24 @@ class RankedResult(_message.Message):
         retrieval_rank: _builtins.int = ...,
         scored_text: _builtins.str | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        normalized_retrieval_score: _builtins.float | None = ...,
+        found_in: _abc.Iterable[_builtins.str] | None = ...,
+        cached: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_reranker_score", b"_reranker_score", "_retrieval_score", b"_retrieval_score", "_scored_text", b"_scored_text", "reranker_score", b"reranker_score", "retrieval_score", b"retrieval_score", "scored_text", b"scored_text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_normalized_retrieval_score", b"_normalized_retrieval_score", "_reranker_score", b"_reranker_score", "_retrieval_score", b"_retrieval_score", "_scored_text", b"_scored_text", "normalized_retrieval_score", b"normalized_retrieval_score", "reranker_score", b"reranker_score", "retrieval_score", b"retrieval_score", "scored_text", b"scored_text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reranker_score", b"_reranker_score", "_retrieval_score", b"_retrieval_score", "_scored_text", b"_scored_text", "id", b"id", "index", b"index", "metadata", b"metadata", "rank", b"rank", "reranker_score", b"reranker_score", "retrieval_rank", b"retrieval_rank", "retrieval_score", b"retrieval_score", "score", b"score", "scored_text", b"scored_text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalized_retrieval_score", b"_normalized_retrieval_score", "_reranker_score", b"_reranker_score", "_retrieval_score", b"_retrieval_score", "_scored_text", b"_scored_text", "cached", b"cached", "found_in", b"found_in", "id", b"id", "index", b"index", "metadata", b"metadata", "normalized_retrieval_score", b"normalized_retrieval_score", "rank", b"rank", "reranker_score", b"reranker_score", "retrieval_rank", b"retrieval_rank", "retrieval_score", b"retrieval_score", "score", b"score", "scored_text", b"scored_text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__normalized_retrieval_score: _TypeAlias = _typing.Literal["normalized_retrieval_score"]  # noqa: Y015
+    _WhichOneofArgType__normalized_retrieval_score: _TypeAlias = _typing.Literal["_normalized_retrieval_score", b"_normalized_retrieval_score"]  # noqa: Y015
     _WhichOneofReturnType__reranker_score: _TypeAlias = _typing.Literal["reranker_score"]  # noqa: Y015
     _WhichOneofArgType__reranker_score: _TypeAlias = _typing.Literal["_reranker_score", b"_reranker_score"]  # noqa: Y015
     _WhichOneofReturnType__retrieval_score: _TypeAlias = _typing.Literal["retrieval_score"]  # noqa: Y015
     _WhichOneofArgType__retrieval_score: _TypeAlias = _typing.Literal["_retrieval_score", b"_retrieval_score"]  # noqa: Y015
     _WhichOneofReturnType__scored_text: _TypeAlias = _typing.Literal["scored_text"]  # noqa: Y015
     _WhichOneofArgType__scored_text: _TypeAlias = _typing.Literal["_scored_text", b"_scored_text"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalized_retrieval_score) -> _WhichOneofReturnType__normalized_retrieval_score | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reranker_score) -> _WhichOneofReturnType__reranker_score | None: ...
     @_typing.overload
@@ -414,6 +660,9 @@ class Counts(_message.Message):
     SUBMITTED_FIELD_NUMBER: _builtins.int
     SCORED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
+    DEDUPLICATED_FIELD_NUMBER: _builtins.int
+    FILTERED_FIELD_NUMBER: _builtins.int
     candidates: _builtins.int
     """Candidates in the request."""
     submitted: _builtins.int
@@ -422,6 +671,12 @@ class Counts(_message.Message):
     """Pairs that got a reranker score."""
     failed: _builtins.int
     """Pairs that were submitted and got no score."""
+    cached: _builtins.int
+    """Of the `scored` pairs, those answered from the score cache."""
+    deduplicated: _builtins.int
+    """Occurrences dropped as duplicates (same `id` in several lists, or same dedup key)."""
+    filtered: _builtins.int
+    """Candidates dropped by the threshold."""
     def __init__(
         self,
         *,
@@ -429,14 +684,51 @@ class Counts(_message.Message):
         submitted: _builtins.int = ...,
         scored: _builtins.int = ...,
         failed: _builtins.int = ...,
+        cached: _builtins.int = ...,
+        deduplicated: _builtins.int = ...,
+        filtered: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "failed", b"failed", "scored", b"scored", "submitted", b"submitted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "candidates", b"candidates", "deduplicated", b"deduplicated", "failed", b"failed", "filtered", b"filtered", "scored", b"scored", "submitted", b"submitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Counts: _TypeAlias = Counts  # noqa: Y015
+
+@_typing.final
+class ThresholdReport(_message.Message):
+    """What the threshold did, when one was asked for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    PASSED_FIELD_NUMBER: _builtins.int
+    REACHED_FLOOR_FIELD_NUMBER: _builtins.int
+    threshold: _builtins.float
+    """The threshold finally applied."""
+    steps: _builtins.int
+    """How many times the adaptive threshold was lowered (0 for a fixed one)."""
+    passed: _builtins.int
+    """Candidates that passed it."""
+    reached_floor: _builtins.bool
+    """The adaptive threshold reached its floor without enough candidates passing."""
+    def __init__(
+        self,
+        *,
+        threshold: _builtins.float = ...,
+        steps: _builtins.int = ...,
+        passed: _builtins.int = ...,
+        reached_floor: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["passed", b"passed", "reached_floor", b"reached_floor", "steps", b"steps", "threshold", b"threshold"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThresholdReport: _TypeAlias = ThresholdReport  # noqa: Y015
 
 @_typing.final
 class Timings(_message.Message):
@@ -502,6 +794,7 @@ class RerankSummary(_message.Message):
     BLEND_STRATEGY_FIELD_NUMBER: _builtins.int
     COUNTS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reranked: _builtins.bool
     """True when reranker scores decided the order of at least the scored candidates."""
@@ -521,6 +814,10 @@ class RerankSummary(_message.Message):
     def counts(self) -> Global___Counts: ...
     @_builtins.property
     def timings(self) -> Global___Timings: ...
+    @_builtins.property
+    def threshold(self) -> Global___ThresholdReport:
+        """Set when the request asked for a threshold."""
+
     def __init__(
         self,
         *,
@@ -532,10 +829,11 @@ class RerankSummary(_message.Message):
         blend_strategy: Global___BlendStrategy.ValueType = ...,
         counts: Global___Counts | None = ...,
         timings: Global___Timings | None = ...,
+        threshold: Global___ThresholdReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -555,6 +853,7 @@ class RerankResponse(_message.Message):
     COUNTS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reranked: _builtins.bool
     """Same fields as in the summary; see `RerankSummary`."""
@@ -577,6 +876,8 @@ class RerankResponse(_message.Message):
         set.
         """
 
+    @_builtins.property
+    def threshold(self) -> Global___ThresholdReport: ...
     def __init__(
         self,
         *,
@@ -590,10 +891,11 @@ class RerankResponse(_message.Message):
         counts: Global___Counts | None = ...,
         timings: Global___Timings | None = ...,
         error: Global___RequestError | None = ...,
+        threshold: Global___ThresholdReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "error", b"error", "timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "error", b"error", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "error", b"error", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "results", b"results", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "error", b"error", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "results", b"results", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

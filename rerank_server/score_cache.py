@@ -1,0 +1,145 @@
+"""The score cache: reranker scores keyed by what determines them, in memory and on disk.
+
+A score depends on the backend kind, the model, the instruction, the query and the exact
+text scored (title plus chosen chunk), so the key is a SHA-256 over those five. Keys are
+digests: the cache holds no text, in memory or on disk.
+
+- Memory: least-recently-used, bounded by `--cache-entries` and by age (`--cache-ttl-s`).
+- Disk (optional, `--cache-path`): SQLite, so scores survive a restart. Lookups that
+  miss in memory go to it; new scores are written in one transaction per request. SQLite
+  calls run in a worker thread so the event loop never waits on the disk.
+
+Only successful scores are stored; a failed pair is tried again next time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+
+def cache_key(backend: str, model: str, instruction: str, query: str, document: str) -> bytes:
+    digest = hashlib.sha256()
+    for part in (backend, model, instruction, query, document):
+        data = part.encode()
+        # Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
+
+
+class ScoreCache:
+    """Memory LRU with expiry, optionally backed by a SQLite file."""
+
+    def __init__(self, max_entries: int, ttl_s: float, path: Path | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._memory: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # score, stored
+        self._disk = _Disk(path, ttl_s, clock) if path is not None else None
+        self._writes: set[asyncio.Future[None]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 or self._disk is not None
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    async def get_many(self, keys: Iterable[bytes]) -> dict[bytes, float]:
+        """The cached scores among `keys` that have not expired."""
+        now = self._clock()
+        found: dict[bytes, float] = {}
+        missing: list[bytes] = []
+        for key in keys:
+            entry = self._memory.get(key)
+            if entry is not None and now - entry[1] < self.ttl_s:
+                self._memory.move_to_end(key)
+                found[key] = entry[0]
+            else:
+                if entry is not None:
+                    del self._memory[key]
+                missing.append(key)
+        if missing and self._disk is not None:
+            from_disk = await asyncio.to_thread(self._disk.get_many, missing)
+            for key, (score, stored) in from_disk.items():
+                found[key] = score
+                self._remember(key, score, stored)
+        return found
+
+    def put_many(self, scores: Mapping[bytes, float]) -> None:
+        """Store `scores`: in memory now, on disk in the background (see `flush`)."""
+        if not scores:
+            return
+        now = self._clock()
+        for key, score in scores.items():
+            self._remember(key, score, now)
+        if self._disk is not None:
+            write = asyncio.ensure_future(asyncio.to_thread(self._disk.put_many, dict(scores),
+                                                            now))
+            self._writes.add(write)
+            write.add_done_callback(self._writes.discard)
+
+    async def flush(self) -> None:
+        """Wait until every score stored so far is on disk."""
+        if self._writes:
+            await asyncio.gather(*self._writes)
+
+    def _remember(self, key: bytes, score: float, stored: float) -> None:
+        if self.max_entries <= 0:
+            return
+        self._memory[key] = (score, stored)
+        self._memory.move_to_end(key)
+        while len(self._memory) > self.max_entries:
+            self._memory.popitem(last=False)
+
+    async def aclose(self) -> None:
+        await self.flush()
+        if self._disk is not None:
+            await asyncio.to_thread(self._disk.close)
+
+
+class _Disk:
+    """The SQLite side; every method runs in a worker thread, one at a time."""
+
+    def __init__(self, path: Path, ttl_s: float, clock: Callable[[], float]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
+                         "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID")
+        self._db.execute("DELETE FROM scores WHERE stored < ?", (clock() - ttl_s,))
+
+    def get_many(self, keys: list[bytes]) -> dict[bytes, tuple[float, float]]:
+        oldest = self._clock() - self._ttl_s
+        found: dict[bytes, tuple[float, float]] = {}
+        with self._lock:
+            for start in range(0, len(keys), 500):  # SQLite caps bound parameters
+                chunk = keys[start:start + 500]
+                marks = ",".join("?" * len(chunk))
+                rows = self._db.execute(
+                    f"SELECT key, score, stored FROM scores WHERE key IN ({marks}) "
+                    "AND stored >= ?", (*chunk, oldest))
+                found.update((key, (score, stored)) for key, score, stored in rows)
+        return found
+
+    def put_many(self, scores: Mapping[bytes, float], stored: float) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR REPLACE INTO scores VALUES (?, ?, ?)",
+                                 [(key, score, stored) for key, score in scores.items()])
+            self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,209 @@
+"""Candidate shaping: normalize, deduplicate, fuse ranked lists, apply a threshold.
+
+The outcome is the retrieval order that blending then protects (docs/api.md, "Several
+ranked lists", "Thresholds", "Skip rules"):
+
+1. Each list's `retrieval_score`s are normalized to 0..1: lexical scores (BM25, 0..5 and
+   beyond) min-max within the list, similarity scores clamped (`ScoreKind`).
+2. Occurrences of one document are merged: same `id` anywhere, or the same value of the
+   caller's dedup key in `metadata`. The best-ranked occurrence is kept (lowest rank,
+   then the earlier list), and it remembers every list that found it.
+3. With several lists, weighted reciprocal rank fusion orders the merged candidates:
+   `sum over lists of weight / (k + rank)`, plus a bonus of 0.05 for rank 1 and 0.02 for
+   ranks 2-3 in a list. The fused score divided by the best one is the normalized
+   retrieval score; positions in the fused order become the retrieval ranks. A single
+   list keeps its own ranks.
+4. A fixed or adaptive threshold on the normalized score drops candidates before any of
+   them reaches the scorer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .domain import (
+    Candidate,
+    RankedList,
+    RerankQuery,
+    ScoreKind,
+    ThresholdMode,
+    ThresholdReport,
+    ThresholdSpec,
+)
+from .settings import Settings
+
+IMPLICIT_LIST = "candidates"
+FIXED_DEFAULT = 0.5
+ADAPTIVE_DEFAULTS = {"start": 0.75, "step": 0.05, "floor": 0.35, "target_fraction": 0.8}
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Shaped:
+    """The candidates in retrieval order, and what shaping did to get there."""
+
+    candidates: tuple[Candidate, ...]
+    deduplicated: int = 0
+    filtered: int = 0
+    threshold: ThresholdReport | None = None
+    # Top two normalized scores of the first lexical list, for the strong-signal rule.
+    lexical_top: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    name: str
+    weight: float
+    kind: ScoreKind  # resolved: never AUTO
+    candidates: tuple[Candidate, ...]  # normalized_score set
+
+
+def normalize(scores: Sequence[float | None], kind: ScoreKind,
+              ) -> tuple[list[float | None], ScoreKind]:
+    """Scores on 0..1 and the kind they were read as; `None` stays `None`."""
+    given = [x for x in scores if x is not None]
+    if kind is ScoreKind.AUTO:
+        kind = ScoreKind.SIMILARITY if all(0.0 <= x <= 1.0 for x in given) else ScoreKind.LEXICAL
+    if not given:
+        return list(scores), kind
+    if kind is ScoreKind.SIMILARITY:
+        return [None if x is None else min(max(x, 0.0), 1.0) for x in scores], kind
+    lo, hi = min(given), max(given)
+    span = hi - lo
+    return [None if x is None else (1.0 if span == 0 else (x - lo) / span)
+            for x in scores], kind
+
+
+def rank_bonus(rank: int) -> float:
+    if rank == 1:
+        return 0.05
+    return 0.02 if rank <= 3 else 0.0
+
+
+def shape(query: RerankQuery, settings: Settings) -> Shaped:
+    sources = _sources(query, settings)
+    fused = bool(query.lists)
+    groups = _groups([c for src in sources for c in src.candidates], query.dedup_key)
+    occurrences = sum(len(src.candidates) for src in sources)
+    source_of = {c.index: src for src in sources for c in src.candidates}
+
+    merged: list[tuple[Candidate, float]] = []
+    for members in groups:
+        best = min(members, key=lambda c: (c.retrieval_rank, c.index))
+        names = tuple(dict.fromkeys(src.name for src in sources
+                                    if any(source_of[m.index] is src for m in members)))
+        score = 0.0
+        if fused:
+            k = query.fusion_k or settings.fusion_k
+            for src in sources:
+                ranks = [m.retrieval_rank for m in members if source_of[m.index] is src]
+                if ranks:
+                    score += src.weight / (k + min(ranks)) + rank_bonus(min(ranks))
+        merged.append((dataclasses.replace(best, found_in=names), score))
+
+    if fused:
+        merged.sort(key=lambda cs: (-cs[1], cs[0].retrieval_rank, cs[0].index))
+        top = merged[0][1] if merged else 1.0
+        ordered = [dataclasses.replace(c, retrieval_rank=i + 1,
+                                       normalized_score=score / top if top > 0 else 0.0)
+                   for i, (c, score) in enumerate(merged)]
+    else:
+        ordered = sorted((c for c, _ in merged), key=lambda c: (c.retrieval_rank, c.index))
+
+    report = None
+    kept = ordered
+    if query.threshold is not None:
+        kept, report = apply_threshold(ordered, query.threshold, query.top_k)
+    return Shaped(tuple(kept), deduplicated=occurrences - len(groups),
+                  filtered=len(ordered) - len(kept), threshold=report,
+                  lexical_top=_lexical_top(sources))
+
+
+def _sources(query: RerankQuery, settings: Settings) -> list[_Source]:
+    lists: list[RankedList] = []
+    if query.candidates or not query.lists:
+        lists.append(RankedList(IMPLICIT_LIST, query.candidates, score_kind=query.score_kind))
+    lists.extend(query.lists)
+    sources = []
+    for lst in lists:
+        scores, kind = normalize([c.retrieval_score for c in lst.candidates], lst.score_kind)
+        weight = lst.weight if lst.weight is not None else (
+            settings.expansion_list_weight if lst.expansion else settings.original_list_weight)
+        candidates = tuple(dataclasses.replace(c, normalized_score=s)
+                           for c, s in zip(lst.candidates, scores, strict=True))
+        sources.append(_Source(lst.name, weight, kind, candidates))
+    return sources
+
+
+def _groups(candidates: list[Candidate], dedup_key: str) -> list[list[Candidate]]:
+    """Occurrences of the same document: linked by `id`, or by `metadata[dedup_key]`."""
+    parent = list(range(len(candidates)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first_by: dict[tuple[str, str], int] = {}
+    for i, c in enumerate(candidates):
+        keys = [("id", c.id)]
+        if dedup_key and dedup_key in c.metadata:
+            keys.append(("key", c.metadata[dedup_key]))
+        for key in keys:
+            j = first_by.setdefault(key, i)
+            parent[find(i)] = find(j)
+    groups: dict[int, list[Candidate]] = {}
+    for i, c in enumerate(candidates):
+        groups.setdefault(find(i), []).append(c)
+    return list(groups.values())
+
+
+def apply_threshold(ordered: list[Candidate], spec: ThresholdSpec, top_k: int,
+                    ) -> tuple[list[Candidate], ThresholdReport]:
+    """Keep the candidates whose normalized score passes; see `Threshold` in the proto."""
+    def passing(t: float) -> list[Candidate]:
+        return [c for c in ordered if (c.normalized_score or 0.0) >= t - _EPS]
+
+    if spec.mode is ThresholdMode.FIXED:
+        t = FIXED_DEFAULT if spec.min_score is None else spec.min_score
+        kept = passing(t)
+        return kept, ThresholdReport(t, 0, len(kept))
+
+    start = _or(spec.start, "start")
+    step = _or(spec.step, "step")
+    floor = _or(spec.floor, "floor")
+    fraction = _or(spec.target_fraction, "target_fraction")
+    need = min(len(ordered), max(1, math.ceil(fraction * (top_k or len(ordered)))))
+    t, steps, reached_floor = start, 0, False
+    while len(passing(t)) < need:
+        lower = round(t - step, 9)
+        if lower < floor - _EPS:
+            reached_floor = True
+            break
+        t, steps = lower, steps + 1
+    kept = passing(t)
+    if not kept and ordered:
+        # At the floor with nothing passing: keep the best found rather than nothing.
+        best = {c.index for c in sorted(ordered, key=lambda c: -(c.normalized_score or 0.0))
+                [:need]}
+        kept = [c for c in ordered if c.index in best]
+    return kept, ThresholdReport(t, steps, len(kept), reached_floor)
+
+
+def _or(value: float | None, name: str) -> float:
+    return ADAPTIVE_DEFAULTS[name] if value is None else value
+
+
+def _lexical_top(sources: list[_Source]) -> tuple[float, float] | None:
+    for src in sources:
+        if src.kind is not ScoreKind.LEXICAL:
+            continue
+        scores = sorted((c.normalized_score for c in src.candidates
+                         if c.normalized_score is not None), reverse=True)
+        if len(scores) >= 2:
+            return scores[0], scores[1]
+    return None

@@ -1,0 +1,43 @@
+"""An in-process scorer for property tests: scores come from a function of the document.
+
+It implements the `Scorer` protocol the way a backend does (outcomes through `emit`,
+failures as failed pairs, never an exception), without sockets, so Hypothesis can run
+hundreds of whole-pipeline examples in seconds. Tests that are about the wire use the
+fake llama-server instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rerank_server.scoring.base import Emit, Failure, PairOutcome, ScoreRequest
+
+
+def hashed_score(document: str) -> float:
+    """A stable pseudo-random score in 0..1."""
+    return int.from_bytes(hashlib.sha256(document.encode()).digest()[:4], "big") / 2**32
+
+
+@dataclass
+class FunctionScorer:
+    score_of: Callable[[str], float] = hashed_score
+    fails: Callable[[str], bool] = lambda _doc: False
+    kind: str = "function"
+    model: str = "hash"
+    seen: list[str] = field(default_factory=list)
+
+    async def score(self, request: ScoreRequest, emit: Emit) -> None:
+        for i, document in enumerate(request.documents):
+            self.seen.append(document)
+            if self.fails(document):
+                emit(PairOutcome.failed(i, Failure.HTTP_ERROR, "HTTP 500"))
+            else:
+                emit(PairOutcome(i, self.score_of(document)))
+
+    async def discover_model(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass

@@ -1,0 +1,111 @@
+"""The score cache end to end: the fake backend receives exactly the pairs not cached."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from rerank_client import AsyncRerankClient
+
+from rerank_server.score_cache import ScoreCache, cache_key
+
+from ..conftest import StartServer
+from ..fakes.llama import FakeLlamaServer
+
+DOCS = ["apples are red", "bananas are yellow", "cherries are dark"]
+
+
+async def test_identical_request_scores_nothing_and_answers_the_same(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.scores = {"bananas": 0.9, "cherries": 0.6}
+    first = await client.rerank("fruit", DOCS)
+    second = await client.rerank("fruit", DOCS)
+    assert len(fake_llama.requests) == 3
+    assert second.summary.cached == 3 and second.summary.scored == 3
+    assert all(r.cached for r in second.results) and not any(r.cached for r in first.results)
+    assert [(r.id, r.score) for r in second.results] == [(r.id, r.score) for r in first.results]
+
+
+async def test_overlapping_request_scores_only_new_pairs(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    await client.rerank("fruit", DOCS)
+    answer = await client.rerank("fruit", [*DOCS[1:], "dates are sweet", "figs are soft"])
+    assert sorted(fake_llama.documents()[3:]) == ["dates are sweet", "figs are soft"]
+    assert len(fake_llama.requests) == 5
+    assert answer.summary.cached == 2 and answer.summary.scored == 4
+
+
+async def test_key_covers_query_instruction_and_text(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    await client.rerank("fruit", DOCS)
+    await client.rerank("other query", DOCS)
+    await client.rerank("fruit", DOCS, instruction="Find recipes")
+    assert len(fake_llama.requests) == 9
+
+
+async def test_bypass_reads_nothing_but_refreshes(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    await client.rerank("fruit", DOCS)
+    bypassed = await client.rerank("fruit", DOCS, bypass_cache=True)
+    assert len(fake_llama.requests) == 6 and bypassed.summary.cached == 0
+    assert (await client.rerank("fruit", DOCS)).summary.cached == 3
+
+
+async def test_entries_expire(start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    server = await start_server(cache_ttl_s=0.3)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        await client.rerank("fruit", DOCS)
+        assert (await client.rerank("fruit", DOCS)).summary.cached == 3
+        await asyncio.sleep(0.4)
+        assert (await client.rerank("fruit", DOCS)).summary.cached == 0
+    assert len(fake_llama.requests) == 6
+
+
+async def test_cache_off_scores_every_time(start_server: StartServer,
+                                           fake_llama: FakeLlamaServer) -> None:
+    server = await start_server(cache_entries=0)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        await client.rerank("fruit", DOCS)
+        await client.rerank("fruit", DOCS)
+    assert len(fake_llama.requests) == 6
+
+
+async def test_failed_pairs_are_not_cached(client: AsyncRerankClient,
+                                           fake_llama: FakeLlamaServer) -> None:
+    fake_llama.failing_markers = ("bananas",)
+    await client.rerank("fruit", DOCS)
+    fake_llama.failing_markers = ()
+    answer = await client.rerank("fruit", DOCS)
+    assert answer.summary.cached == 2 and answer.summary.failed == 0
+    assert fake_llama.documents()[-1] == "bananas are yellow"
+
+
+async def test_sqlite_cache_survives_a_restart(start_server: StartServer,
+                                               fake_llama: FakeLlamaServer,
+                                               tmp_path: Path) -> None:
+    path = tmp_path / "scores.sqlite"
+    first = await start_server(cache_path=str(path))
+    async with AsyncRerankClient(f"127.0.0.1:{first.port}") as client:
+        await client.rerank("fruit", DOCS)
+    await first.stop(grace=0)
+    second = await start_server(cache_path=str(path))
+    await asyncio.wait_for(second.monitor.ready.wait(), 5)  # model name known: keys match
+    async with AsyncRerankClient(f"127.0.0.1:{second.port}") as client:
+        answer = await client.rerank("fruit", DOCS)
+    assert answer.summary.cached == 3
+    assert len(fake_llama.requests) == 3
+    assert b"apples" not in path.read_bytes()  # keys are digests; no text on disk
+
+
+async def test_memory_is_bounded_least_recently_used_first() -> None:
+    cache = ScoreCache(max_entries=2, ttl_s=60)
+    a, b, c = (cache_key("chat", "m", "i", "q", d) for d in "abc")
+    cache.put_many({a: 0.1, b: 0.2})
+    assert await cache.get_many([a]) == {a: 0.1}  # a is now the most recent
+    cache.put_many({c: 0.3})
+    assert await cache.get_many([a, b, c]) == {a: 0.1, c: 0.3}
+    assert len(cache) == 2
+
+
+def test_keys_do_not_collide_across_field_boundaries() -> None:
+    assert cache_key("chat", "m", "i", "ab", "c") != cache_key("chat", "m", "i", "a", "bc")
