@@ -2,6 +2,7 @@
 
     rerank-server [FLAGS]            serve (see --help for every setting)
     rerank-server prepare [FLAGS]    build/fetch the managed mode's assets into the cache
+    rerank-server healthcheck        exit 0 if a running server's health says SERVING
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["prepare"]:
         from . import assets
         return assets.main(args[1:])
+    if args[:1] == ["healthcheck"]:
+        from . import healthcheck
+        return healthcheck.main(args[1:])
     try:
         parser = settings.build_parser()
         config = settings.load(args, parser=parser)

@@ -37,7 +37,8 @@ async def test_sigterm_drains_in_flight_call_and_exits_zero(fake_llama: FakeLlam
     fake_llama.latency_s = 0.8
     port = free_port()
     env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": "5", "RERANK_LOG_FORMAT": "json"}
+           "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": "5", "RERANK_LOG_FORMAT": "json",
+           "RERANK_METRICS_PORT": "0"}
     # Popen returns at once; the test awaits everything that waits on the process.
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -56,6 +57,24 @@ async def test_sigterm_drains_in_flight_call_and_exits_zero(fake_llama: FakeLlam
     output = proc.stdout.read().decode() if proc.stdout else ""
     events = [json.loads(line)["event"] for line in output.splitlines() if line.startswith("{")]
     assert events.index("shutting_down") < events.index("stopped")
+
+
+async def test_healthcheck_command_exits_zero_when_serving_and_one_when_not(
+        server: RunningServer) -> None:
+    """What the container HEALTHCHECK runs: reads RERANK_PORT like the server."""
+    def healthcheck(port: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rerank_server", "healthcheck"],
+                              capture_output=True, text=True,
+                              env={**os.environ, "RERANK_HOST": "0.0.0.0",
+                                   "RERANK_PORT": str(port)})
+
+    ok = await asyncio.to_thread(healthcheck, server.port)
+    assert ok.returncode == 0 and ok.stdout.strip() == "SERVING"
+    await server.health.enter_graceful_shutdown()
+    draining = await asyncio.to_thread(healthcheck, server.port)
+    assert draining.returncode == 1 and "NOT_SERVING" in draining.stderr
+    nobody = await asyncio.to_thread(healthcheck, free_port())
+    assert nobody.returncode == 1 and "UNAVAILABLE" in nobody.stderr
 
 
 def test_rerank_server_help_lists_settings() -> None:
