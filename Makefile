@@ -39,6 +39,7 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/python scripts/gen_config_doc.py --check
+	$(BIN)/python scripts/check_deploy.py
 
 proto: install
 	$(BIN)/python scripts/gen_protos.py
