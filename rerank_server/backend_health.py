@@ -5,12 +5,15 @@ to the gRPC health service under two names, while the main service stays SERVING
 degraded answer is still an answer):
 
 - `rerank.v1.Reranker/backend`: SERVING while the backend answers and yields scores.
+- `rerank.v1.Reranker/backend/HOST:PORT`: one per instance, SERVING while its `/health`
+  answers 200.
 - `rerank.v1.Reranker/backend/discriminates`: SERVING when the probe's relevant pair
   scored clearly above the irrelevant one. A model that cannot tell them apart, or gives
   degenerate scores (a GGUF without its classification head gives values like 1e-28),
   is NOT_SERVING here and logged as a warning.
 
-State changes are logged once per change, not per poll.
+Each poll also returns ejected instances whose back-off is over and whose `/health`
+answers (`scoring/pool.py`). State changes are logged once per change, not per poll.
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import httpx
 import structlog
 from grpc_health.v1 import health, health_pb2
 
 from .metrics import Metrics
 from .scoring.base import PairOutcome, Scorer, ScoreRequest
-from .scoring.http import instance_of
+from .scoring.pool import BackendPool, Endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -78,28 +80,35 @@ async def probe(scorer: Scorer, instruction: str, timeout_s: float = 30.0) -> Pr
 
 
 class BackendMonitor:
-    """Polls the backend's `/health` and probes it whenever it (re)appears."""
+    """Polls every instance's `/health`, returns ejected instances, probes the backend.
 
-    def __init__(self, scorer: Scorer, base_url: str, instruction: str,
+    The backend as a whole is up while at least one instance is available; each time it
+    comes up from down, the model's name is asked for and the probe runs.
+    """
+
+    def __init__(self, scorer: Scorer, pool: BackendPool, instruction: str,
                  health_servicer: health.aio.HealthServicer, service_name: str,
                  interval_s: float = 5.0, run_probe: bool = True,
                  metrics: Metrics | None = None) -> None:
         self._scorer = scorer
-        self._metrics = metrics or Metrics.noop()
-        self._instance = instance_of(scorer.kind, base_url)
-        self._url = base_url.rstrip("/") + "/health"
+        self._pool = pool
         self._instruction = instruction
         self._health = health_servicer
         self.backend_name = f"{service_name}/backend"
         self.quality_name = f"{service_name}/backend/discriminates"
         self._interval_s = interval_s
         self._run_probe = run_probe
+        self._metrics = metrics or Metrics.noop()
         self._up: bool | None = None
+        self._instance_up: dict[str, bool] = {}
         self.last_probe: ProbeResult | None = None
         self.probed = asyncio.Event()
         # Set once the backend was first seen up and its model name asked for.
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    def instance_name(self, endpoint: Endpoint) -> str:
+        return f"{self.backend_name}/{endpoint.name}"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -110,26 +119,22 @@ class BackendMonitor:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _loop(self) -> None:
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while True:
-                await self.check(client)
-                await asyncio.sleep(self._interval_s)
+        while True:
+            await self.check()
+            await asyncio.sleep(self._interval_s)
 
-    async def check(self, client: httpx.AsyncClient) -> None:
-        try:
-            up = (await client.get(self._url)).status_code == 200
-        except httpx.HTTPError:
-            up = False
-        self._metrics.backend_up.set(int(up), self._instance.attributes)
+    async def check(self) -> None:
+        await asyncio.gather(*(self._check_instance(e) for e in self._pool.endpoints))
+        up = self._pool.any_available
         if up == self._up:
             return
         self._up = up
         if not up:
-            log.warning("backend_down", url=self._url)
+            log.warning("backend_down", backend=self._scorer.kind)
             await self._set(NOT_SERVING, NOT_SERVING)
             return
         await self._scorer.discover_model()
-        log.info("backend_up", url=self._url, model=self._scorer.model)
+        log.info("backend_up", backend=self._scorer.kind, model=self._scorer.model)
         self.ready.set()
         if not self._run_probe:
             await self._set(SERVING, SERVING)
@@ -140,6 +145,24 @@ class BackendMonitor:
         await self._set(SERVING if result.scored else NOT_SERVING,
                         SERVING if result.discriminates else NOT_SERVING)
         self.probed.set()
+
+    async def _check_instance(self, endpoint: Endpoint) -> None:
+        up = await endpoint.http.health()
+        self._metrics.backend_up.set(int(up), endpoint.http.instance.attributes)
+        endpoint.healthy = up
+        if endpoint in self._pool.due_for_probe():
+            if up:
+                self._pool.restore(endpoint)
+            else:
+                self._pool.extend(endpoint)
+        if self._instance_up.get(endpoint.name) == up:
+            return
+        self._instance_up[endpoint.name] = up
+        if up:
+            log.info("backend_instance_up", instance=endpoint.name)
+        else:
+            log.warning("backend_instance_down", instance=endpoint.name)
+        await self._health.set(self.instance_name(endpoint), SERVING if up else NOT_SERVING)
 
     def _report(self, r: ProbeResult) -> None:
         fields = {"relevant": r.relevant, "irrelevant": r.irrelevant,

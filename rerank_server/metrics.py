@@ -120,6 +120,10 @@ class Metrics:
             "rerank.backend.errors", unit="{error}",
             description="Failed backend calls by instance and error.type: timeout, connect, "
                         "http_status, malformed.")
+        self.backend_ejections = meter.create_counter(
+            "rerank.backend.ejections", unit="{ejection}",
+            description="Times an instance was taken out of the pool after failing calls "
+                        "in a row.")
         self.backend_up = meter.create_gauge(
             "rerank.backend.up", unit="1",
             description="1 while the backend's /health answers 200, else 0.")

@@ -33,8 +33,8 @@ from .pb import rerank_pb2_grpc as pb_grpc
 from .pipeline import Reranker
 from .score_cache import ScoreCache
 from .scoring.base import Scorer
-from .scoring.chat import ChatScorer
-from .scoring.http import HttpBackend
+from .scoring.pool import BackendPool
+from .scoring.registry import build_pool, build_scorer
 from .service import RerankService
 from .settings import Settings
 from .telemetry import Telemetry
@@ -42,15 +42,6 @@ from .telemetry import Telemetry
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Reranker"].full_name
-
-
-def build_scorer(settings: Settings, telemetry: Telemetry | None = None) -> Scorer:
-    """The scorer for `settings.backend` against `settings.backend_url`."""
-    telemetry = telemetry or Telemetry.disabled()
-    http = HttpBackend(settings.backend_url, settings.concurrency,
-                       settings.backend_timeout_ms / 1000, kind=settings.backend,
-                       metrics=telemetry.metrics, tracer=telemetry.tracer)
-    return ChatScorer(http, model=settings.model, assistant_prefill=settings.assistant_prefill)
 
 
 def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.ServerInterceptor]:
@@ -77,6 +68,7 @@ class RunningServer:
     reranker: Reranker
     settings: Settings
     monitor: BackendMonitor
+    pool: BackendPool
     telemetry: Telemetry
     managed: ManagedLlamaServer | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -95,6 +87,7 @@ class RunningServer:
         await self.server.stop(self.settings.grace_period_s if grace is None else grace)
         await self.monitor.stop()
         await self.reranker.scorer.aclose()
+        await self.pool.aclose()  # the scorer's own; again only for an injected scorer
         await self.reranker.cache.aclose()
         if self.managed is not None:
             await self.managed.stop()
@@ -159,7 +152,8 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
 async def _build(settings: Settings, scorer: Scorer | None,
                  managed: ManagedLlamaServer | None, telemetry: Telemetry) -> RunningServer:
     cache = await asyncio.to_thread(_open_cache, settings)  # may open a SQLite file
-    reranker = Reranker(settings, scorer or build_scorer(settings, telemetry), telemetry, cache)
+    pool = build_pool(settings, telemetry)
+    reranker = Reranker(settings, scorer or build_scorer(settings, pool), telemetry, cache)
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -179,12 +173,12 @@ async def _build(settings: Settings, scorer: Scorer | None,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    monitor = BackendMonitor(reranker.scorer, settings.backend_url, settings.instruction,
-                             health_servicer, SERVICE_NAME, settings.health_interval_s,
+    monitor = BackendMonitor(reranker.scorer, pool, settings.instruction, health_servicer,
+                             SERVICE_NAME, settings.health_interval_s,
                              run_probe=settings.probe, metrics=telemetry.metrics)
     monitor.start()
-    return RunningServer(server, port, health_servicer, reranker, settings, monitor, telemetry,
-                         managed)
+    return RunningServer(server, port, health_servicer, reranker, settings, monitor, pool,
+                         telemetry, managed)
 
 
 async def serve(settings: Settings) -> None:

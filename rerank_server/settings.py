@@ -60,10 +60,31 @@ class Settings:
 
     # --- backend
     backend: str = field(default="chat", metadata=_opt(
-        "Scoring backend kind. `chat`: llama-server /v1/chat/completions with yes/no logprobs.",
-        group="backend"))
+        "Scoring backend kind: chat, completion, rerank, embedding, ollama, llm "
+        "(docs/backends.md).", group="backend"))
     backend_url: str = field(default="http://127.0.0.1:8080", metadata=_opt(
-        "Base URL of the model server.", group="backend"))
+        "Base URL of the model server; several instances comma-separated.",
+        group="backend"))
+    api_key: str = field(default="", metadata=_opt(
+        "Sent as `Authorization: Bearer ...` to the backend (hosted rerank and LLM APIs).",
+        group="backend"))
+    max_batch: int = field(default=32, metadata=_opt(
+        "Most documents in one backend call for the batching backends (completion, "
+        "rerank, embedding, llm); larger requests are split.", minimum=1, group="backend"))
+    rerank_format: str = field(default="cohere", metadata=_opt(
+        "rerank backend wire format: cohere ({query, documents} -> results[].relevance_"
+        "score; llama-server, vLLM, Infinity, Jina, Cohere) or tei ({query, texts} -> "
+        "[{index, score}]).", group="backend"))
+    rerank_path: str = field(default="/v1/rerank", metadata=_opt(
+        "Path of the rerank endpoint (TEI: /rerank).", group="backend"))
+    eject_after: int = field(default=3, metadata=_opt(
+        "Consecutive failed calls that take a backend instance out of the pool.",
+        minimum=1, group="backend"))
+    eject_base_s: float = field(default=5.0, metadata=_opt(
+        "First back-off of an ejected instance; doubles for each repeated ejection.",
+        minimum=0.01, group="backend"))
+    eject_max_s: float = field(default=60.0, metadata=_opt(
+        "Longest back-off of an ejected instance.", minimum=0.01, group="backend"))
     model: str = field(default="", metadata=_opt(
         "Model name sent to the backend and reported in responses (empty: as the backend "
         "reports it).", group="backend"))
@@ -203,12 +224,23 @@ class Settings:
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"--log-level / {env_name('log_level')}: unknown level "
                               f"{self.log_level!r}")
-        if not self.backend_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--backend-url / {env_name('backend_url')}: must start with "
-                              f"http:// or https://, got {self.backend_url!r}")
+        for url in self.backend_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"--backend-url / {env_name('backend_url')}: each URL must "
+                                  f"start with http:// or https://, got {url!r}")
+        if self.rerank_format not in RERANK_FORMATS:
+            raise ConfigError(f"--rerank-format / {env_name('rerank_format')}: choose from "
+                              f"{', '.join(RERANK_FORMATS)}, got {self.rerank_format!r}")
+        if self.backend in ("ollama", "llm") and not self.model:
+            raise ConfigError(f"--model / {env_name('model')}: the {self.backend} backend "
+                              "needs a model name")
         if self.backend not in BACKEND_KINDS:
             raise ConfigError(f"--backend / {env_name('backend')}: unknown backend "
                               f"{self.backend!r}; choose from {', '.join(BACKEND_KINDS)}")
+
+    @property
+    def backend_urls(self) -> list[str]:
+        return [u.strip() for u in self.backend_url.split(",") if u.strip()]
 
     @property
     def address(self) -> str:
@@ -216,7 +248,8 @@ class Settings:
         return f"{host}:{self.port}"
 
 
-BACKEND_KINDS = ("chat",)
+BACKEND_KINDS = ("chat", "completion", "rerank", "embedding", "ollama", "llm")
+RERANK_FORMATS = ("cohere", "tei")
 
 
 def flag_name(name: str) -> str:

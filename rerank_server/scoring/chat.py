@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import prompt
-from .base import Emit, Failure, PairOutcome, ScoreRequest
-from .http import BackendCallError, HttpBackend
+from .base import Emit, PairOutcome, ScoreRequest
+from .http import BackendCallError
 from .logprobs import MalformedLogprobs, chat_top_logprobs, p_yes
+from .pool import BackendPool, MalformedResponse, map_pairs, model_name, served_model
 
 TOP_LOGPROBS = 20
 
@@ -23,8 +24,9 @@ class ChatScorer:
 
     kind = "chat"
 
-    def __init__(self, http: HttpBackend, model: str = "", assistant_prefill: bool = True) -> None:
-        self._http = http
+    def __init__(self, pool: BackendPool, model: str = "",
+                 assistant_prefill: bool = True) -> None:
+        self._pool = pool
         self._configured_model = model
         self._reported_model = ""
         self._prefill = assistant_prefill
@@ -34,13 +36,8 @@ class ChatScorer:
         return self._configured_model or self._reported_model
 
     async def discover_model(self) -> None:
-        if self._configured_model:
-            return
-        body = await self._http.get_json("/v1/models")
-        data = body.get("data") if isinstance(body, dict) else None
-        if isinstance(data, list) and data and isinstance(data[0], dict) \
-                and isinstance(data[0].get("id"), str):
-            self._reported_model = _model_name(data[0]["id"])
+        if not self._configured_model:
+            self._reported_model = await served_model(self._pool) or self._reported_model
 
     def payload(self, request: ScoreRequest, document: str) -> dict[str, Any]:
         messages = [
@@ -61,30 +58,29 @@ class ChatScorer:
             body["model"] = self._configured_model
         return body
 
+    def _parse(self, body: Any) -> float:
+        try:
+            score = p_yes(chat_top_logprobs(body))
+        except MalformedLogprobs as exc:
+            raise MalformedResponse(str(exc)) from None
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            self._reported_model = model_name(body["model"])
+        if score is None:
+            raise MalformedResponse("no yes/no token in top logprobs")
+        return score
+
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def one(i: int) -> PairOutcome:
             try:
-                body = await self._http.post_json("/v1/chat/completions",
-                                                  self.payload(request, request.documents[i]))
-                score = p_yes(chat_top_logprobs(body))
+                score = await self._pool.call("/v1/chat/completions",
+                                              self.payload(request, request.documents[i]),
+                                              self._parse)
             except BackendCallError as exc:
                 return PairOutcome.failed(i, exc.failure, exc.detail)
-            except MalformedLogprobs as exc:
-                self._http.record_malformed()
-                return PairOutcome.failed(i, Failure.MALFORMED, str(exc))
-            if isinstance(body, dict) and isinstance(body.get("model"), str):
-                self._reported_model = _model_name(body["model"])
-            if score is None:
-                self._http.record_malformed()
-                return PairOutcome.failed(i, Failure.MALFORMED, "no yes/no token in top logprobs")
             return PairOutcome(i, score)
 
-        await self._http.map_pairs(len(request.documents), one, emit)
+        await map_pairs(len(request.documents), one, emit)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._pool.aclose()
 
-
-def _model_name(reported: str) -> str:
-    """llama-server reports the model's file path; callers need only its name."""
-    return reported.rsplit("/", 1)[-1]

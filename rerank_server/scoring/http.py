@@ -16,18 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 from opentelemetry import propagate, trace
 
 from ..metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
-from .base import Failure, PairOutcome
+from .base import Failure
 
-T = TypeVar("T")
-
+HEALTH_TIMEOUT_S = 2.0
 
 # error.type values on metrics and spans, by failure kind.
 ERROR_TYPES = {
@@ -66,8 +64,10 @@ class HttpBackend:
 
     def __init__(self, base_url: str, concurrency: int, timeout_s: float,
                  client: httpx.AsyncClient | None = None, *, kind: str = "",
-                 metrics: Metrics | None = None, tracer: trace.Tracer | None = None) -> None:
+                 metrics: Metrics | None = None, tracer: trace.Tracer | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._headers = dict(headers or {})
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
@@ -92,20 +92,22 @@ class HttpBackend:
                 call.add_done_callback(_consume)
                 raise
 
-    async def map_pairs(self, count: int, one: Callable[[int], Awaitable[PairOutcome]],
-                        emit: Callable[[PairOutcome], None]) -> None:
-        """Run `one(i)` for every pair concurrently, emitting each outcome as it lands."""
-        async with asyncio.TaskGroup() as group:
-            for i in range(count):
-                group.create_task(_emit_after(one(i), emit))
-
     async def get_json(self, path: str) -> Any:
         """GET `path` outside the scoring slots (metadata, not work); None on any failure."""
         try:
-            response = await self._client.get(self.base_url + path)
+            response = await self._client.get(self.base_url + path, headers=self._headers)
             return response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError):
             return None
+
+    async def health(self) -> bool:
+        """Whether `/health` answers 200 (llama-server: model loaded, ready)."""
+        try:
+            response = await self._client.get(self.base_url + "/health", headers=self._headers,
+                                              timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
 
     def record_malformed(self) -> None:
         """Count a call whose JSON parsed but did not hold what the scorer needs."""
@@ -123,7 +125,7 @@ class HttpBackend:
                 attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
                             "rerank.pairs": pairs}) as span:
             try:
-                headers: dict[str, str] = {}
+                headers = dict(self._headers)
                 if span.is_recording():
                     propagate.inject(headers)
                 body, status = await self._post(path, payload, headers)
@@ -163,10 +165,6 @@ class HttpBackend:
             await asyncio.wait(list(self._background))
         if self._owns_client:
             await self._client.aclose()
-
-
-async def _emit_after(outcome: Awaitable[PairOutcome], emit: Callable[[PairOutcome], None]) -> None:
-    emit(await outcome)
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

@@ -1,0 +1,48 @@
+"""What the batching backends share: slices of `--max-batch` documents, sent concurrently.
+
+`score_in_batches` splits a request's documents into slices, sends each through
+`call(start, documents) -> {index within slice: score | None}`, and emits every pair's
+outcome as its slice lands. A slice whose call fails fails its pairs; a pair its answer
+leaves out fails as malformed. Nothing raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from .base import Emit, Failure, PairOutcome
+from .http import BackendCallError
+from .pool import failed_all
+
+SliceCall = Callable[[int, Sequence[str]], Awaitable[Mapping[int, float | None]]]
+
+
+async def score_in_batches(documents: Sequence[str], max_batch: int, call: SliceCall,
+                           emit: Emit) -> None:
+    async def one(start: int) -> None:
+        chunk = documents[start:start + max_batch]
+        indexes = range(start, start + len(chunk))
+        try:
+            scores = await call(start, chunk)
+        except BackendCallError as exc:
+            failed_all(indexes, exc, emit)
+            return
+        for offset, i in enumerate(indexes):
+            score = scores.get(offset)
+            if score is None:
+                emit(PairOutcome.failed(i, Failure.MALFORMED, "no score for this document"))
+            else:
+                emit(PairOutcome(i, score))
+
+    async with asyncio.TaskGroup() as group:
+        for start in range(0, len(documents), max_batch):
+            group.create_task(one(start))
+
+
+def to_unit(scores: Mapping[int, float]) -> dict[int, float]:
+    """Scores on 0..1 as they are; otherwise read as logits and passed through a sigmoid."""
+    if all(0.0 <= s <= 1.0 for s in scores.values()):
+        return dict(scores)
+    return {i: 1 / (1 + math.exp(-max(min(s, 60.0), -60.0))) for i, s in scores.items()}

@@ -1,0 +1,157 @@
+"""`completion` backend: llama-server `/completion` with an array of prompts per request.
+
+The prompt is rendered once per request with the model's own chat template
+(`/apply-template`) around a placeholder for the document, so every pair's prompt is
+`prefix + document + suffix`: the document comes last (after the assistant header only
+the optional think-block prefill follows), and each slot's KV cache reuses the shared
+prefix from its previous prompt (`cache_prompt`). One call carries up to `--max-batch`
+prompts; llama-server spreads them over its slots.
+
+"yes" and "no" are matched by token id, not text: the ids of every case and leading-space
+variant that is a single token are resolved once through `/tokenize`. The score is
+P(yes) from the top `n_probs` logprobs of the first generated position, as in the chat
+backend (floor -10 for the missing answer, no score when neither appears).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .. import prompt
+from .base import Emit, Failure, PairOutcome, ScoreRequest
+from .http import BackendCallError
+from .logprobs import p_yes
+from .pool import BackendPool, MalformedResponse, failed_all, model_name, served_model
+
+N_PROBS = 20
+PLACEHOLDER = "RERANK-DOCUMENT-PLACEHOLDER-7f1c"
+YES_VARIANTS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
+NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")
+
+
+class CompletionScorer:
+    """Batched yes/no scoring through llama-server's native completion endpoint."""
+
+    kind = "completion"
+
+    def __init__(self, pool: BackendPool, model: str = "", assistant_prefill: bool = True,
+                 max_batch: int = 32) -> None:
+        self._pool = pool
+        self._configured_model = model
+        self._reported_model = ""
+        self._prefill = assistant_prefill
+        self._max_batch = max_batch
+        self._answer_ids: dict[int, str] | None = None
+        self._ids_lock = asyncio.Lock()
+
+    @property
+    def model(self) -> str:
+        return self._configured_model or self._reported_model
+
+    async def discover_model(self) -> None:
+        if not self._configured_model:
+            self._reported_model = await served_model(self._pool) or self._reported_model
+
+    async def answer_ids(self) -> dict[int, str]:
+        """Token id -> "yes" or "no", for every single-token variant; resolved once."""
+        async with self._ids_lock:
+            if self._answer_ids is None:
+                ids: dict[int, str] = {}
+                for answer, variants in (("yes", YES_VARIANTS), ("no", NO_VARIANTS)):
+                    for variant in variants:
+                        tokens = await self._pool.call("/tokenize", {"content": variant},
+                                                       _tokens, pairs=0)
+                        if len(tokens) == 1:
+                            ids[tokens[0]] = answer
+                if "yes" not in ids.values() or "no" not in ids.values():
+                    raise BackendCallError(
+                        Failure.MALFORMED, "no single-token yes/no in the vocabulary")
+                self._answer_ids = ids
+            return self._answer_ids
+
+    async def template(self, request: ScoreRequest) -> tuple[str, str]:
+        """(prefix, suffix) of every pair's prompt for this request."""
+        messages = [
+            {"role": "system", "content": prompt.SYSTEM_PROMPT},
+            {"role": "user", "content": prompt.user_message(request.instruction,
+                                                            request.query, PLACEHOLDER)},
+        ]
+        rendered = await self._pool.call("/apply-template", {"messages": messages},
+                                         _rendered, pairs=0)
+        prefix, found, suffix = rendered.partition(PLACEHOLDER)
+        if not found or PLACEHOLDER in suffix:
+            raise BackendCallError(Failure.MALFORMED,
+                                   "the chat template did not keep the document in place")
+        return prefix, suffix + (prompt.ASSISTANT_PREFILL if self._prefill else "")
+
+    async def score(self, request: ScoreRequest, emit: Emit) -> None:
+        every = list(range(len(request.documents)))
+        try:
+            ids = await self.answer_ids()
+            prefix, suffix = await self.template(request)
+        except BackendCallError as exc:
+            failed_all(every, exc, emit)
+            return
+        prompts = [prefix + prompt.neutralize(doc) + suffix for doc in request.documents]
+
+        async def batch(start: int) -> None:
+            indexes = every[start:start + self._max_batch]
+            body = {"prompt": prompts[start:start + self._max_batch], "n_probs": N_PROBS,
+                    "n_predict": 1, "temperature": 0.0, "cache_prompt": True}
+            if self._configured_model:
+                body["model"] = self._configured_model
+            try:
+                scores = await self._pool.call(
+                    "/completion", body, lambda b: self._parse(b, ids, len(indexes)),
+                    pairs=len(indexes))
+            except BackendCallError as exc:
+                failed_all(indexes, exc, emit)
+                return
+            for i, p in zip(indexes, scores, strict=True):
+                emit(PairOutcome(i, p) if p is not None else PairOutcome.failed(
+                    i, Failure.MALFORMED, "no yes/no token in top logprobs"))
+
+        async with asyncio.TaskGroup() as group:
+            for start in range(0, len(prompts), self._max_batch):
+                group.create_task(batch(start))
+
+    def _parse(self, body: Any, ids: dict[int, str], expected: int) -> list[float | None]:
+        results = [body] if isinstance(body, dict) else body
+        if not isinstance(results, list) or len(results) != expected:
+            raise MalformedResponse(f"expected {expected} completion results")
+        scores: list[float | None] = []
+        for result in results:
+            if not isinstance(result, dict):
+                raise MalformedResponse("completion result is not an object")
+            if isinstance(result.get("model"), str) and result["model"]:
+                self._reported_model = model_name(result["model"])
+            scores.append(p_yes(_answers(result, ids)))
+        return scores
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+
+def _answers(result: dict[str, Any], ids: dict[int, str]) -> list[tuple[str, float]]:
+    """(yes|no, logprob) for the answer tokens among the first position's top logprobs."""
+    try:
+        top = result["completion_probabilities"][0]["top_logprobs"]
+        return [(ids[entry["id"]], float(entry["logprob"]))
+                for entry in top if entry.get("id") in ids]
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise MalformedResponse("completion result has no top_logprobs") from None
+
+
+def _tokens(body: Any) -> list[int]:
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise MalformedResponse("/tokenize answer has no token list")
+    return tokens
+
+
+def _rendered(body: Any) -> str:
+    text = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+        raise MalformedResponse("/apply-template answer has no prompt")
+    return text

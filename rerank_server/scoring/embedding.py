@@ -1,0 +1,94 @@
+"""`embedding` backend: bi-encoder similarity through an OpenAI-style `/v1/embeddings`.
+
+The query is embedded once per request; documents go in batches of `--max-batch`, all
+calls at once. The score is the cosine similarity of query and document, clamped to
+0..1 (for sentence-embedding models negative cosines are rare and mean "unrelated").
+A cheap real reranker for CPU deployments: llama-server `--embedding --pooling mean` with
+MiniLM-L6 (`rerank-server prepare --embedding-model` converts one into the cache).
+The instruction is not used: symmetric embedding models take none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .base import Emit, Failure, ScoreRequest
+from .batching import score_in_batches
+from .http import BackendCallError
+from .pool import BackendPool, MalformedResponse, model_name, served_model
+
+Vector = list[float]
+
+
+class EmbeddingScorer:
+    kind = "embedding"
+
+    def __init__(self, pool: BackendPool, *, model: str = "", max_batch: int = 32) -> None:
+        self._pool = pool
+        self._configured_model = model
+        self._reported_model = ""
+        self._max_batch = max_batch
+
+    @property
+    def model(self) -> str:
+        return self._configured_model or self._reported_model
+
+    async def discover_model(self) -> None:
+        if not self._configured_model:
+            self._reported_model = await served_model(self._pool) or self._reported_model
+
+    async def embed(self, texts: Sequence[str]) -> list[Vector]:
+        body: dict[str, Any] = {"input": list(texts)}
+        if self._configured_model:
+            body["model"] = self._configured_model
+        return await self._pool.call("/v1/embeddings", body,
+                                     lambda b: self._vectors(b, len(texts)), pairs=len(texts))
+
+    def _vectors(self, body: Any, count: int) -> list[Vector]:
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or len(data) != count:
+            raise MalformedResponse(f"expected {count} embeddings")
+        if isinstance(body.get("model"), str) and body["model"]:
+            self._reported_model = model_name(body["model"])
+        vectors: list[Vector | None] = [None] * count
+        for position, item in enumerate(data):
+            index = item.get("index", position) if isinstance(item, dict) else None
+            vector = item.get("embedding") if isinstance(item, dict) else None
+            if not isinstance(index, int) or not 0 <= index < count or \
+                    not isinstance(vector, list) or not vector:
+                raise MalformedResponse("embedding entry without index or vector")
+            vectors[index] = [float(x) for x in vector]
+        return [v for v in vectors if v is not None]
+
+    async def score(self, request: ScoreRequest, emit: Emit) -> None:
+        query = asyncio.ensure_future(self.embed([request.query]))
+
+        async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
+            vectors = await self.embed(documents)
+            (q,) = await asyncio.shield(query)  # a failed query embedding fails the slice
+            try:
+                return {i: max(0.0, min(1.0, cosine(q, v))) for i, v in enumerate(vectors)}
+            except MalformedResponse as exc:
+                raise BackendCallError(Failure.MALFORMED, str(exc)) from None
+
+        try:
+            await score_in_batches(request.documents, self._max_batch, call, emit)
+        finally:
+            if not query.done():
+                query.cancel()
+            elif not query.cancelled():
+                query.exception()  # retrieved: reported through the slices already
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+
+def cosine(a: Vector, b: Vector) -> float:
+    if len(a) != len(b):
+        raise MalformedResponse("embeddings of different sizes")
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0

@@ -1,0 +1,93 @@
+"""`llm` backend: listwise scoring by a general chat model (OpenAI-compatible API).
+
+One `/v1/chat/completions` call per slice of at most `--max-batch` candidates, numbered
+from 1, asking for a JSON array `[{"index": i, "score": s}]` with scores from 0 to 1, at
+temperature 0.1. Each document is cut to `DOCUMENT_CHARS` characters in the prompt to
+bound its length. Answers are read leniently (a code fence or prose around the array is
+ignored) but strictly checked: malformed JSON fails the slice, and an entry that is
+missing, repeated or out of range fails its candidate; all are failed pairs, so the
+request degrades as with any backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import prompt
+from .base import Emit, ScoreRequest
+from .batching import score_in_batches
+from .pool import BackendPool, MalformedResponse
+
+DOCUMENT_CHARS = 1000
+SYSTEM = ("You are a search relevance judge. Score how well each numbered candidate "
+          "answers the query, from 0 (irrelevant) to 1 (perfectly relevant). Reply with "
+          'only a JSON array such as [{"index": 1, "score": 0.9}], one entry per '
+          "candidate, and nothing else.")
+
+
+def user_prompt(instruction: str, query: str, documents: Sequence[str]) -> str:
+    lines = [f"Task: {prompt.neutralize(instruction)}", f"Query: {prompt.neutralize(query)}",
+             "", "Candidates:"]
+    for n, document in enumerate(documents, start=1):
+        text = prompt.neutralize(document[:DOCUMENT_CHARS]).replace("\n", " ")
+        lines.append(f"[{n}] {text}")
+    return "\n".join(lines)
+
+
+def parse_scores(body: Any, count: int) -> dict[int, float | None]:
+    """0-based index -> score for the entries that are well-formed and in range."""
+    try:
+        content = body["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise MalformedResponse("chat answer has no message content") from None
+    if not isinstance(content, str):
+        raise MalformedResponse("chat answer content is not text")
+    start, end = content.find("["), content.rfind("]")
+    try:
+        entries = json.loads(content[start:end + 1]) if 0 <= start < end else None
+    except json.JSONDecodeError:
+        entries = None
+    if not isinstance(entries, list):
+        raise MalformedResponse("the model's answer is not a JSON array")
+    scores: dict[int, float | None] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        index, score = entry.get("index"), entry.get("score")
+        if not isinstance(index, int) or isinstance(index, bool) or not 1 <= index <= count:
+            continue
+        value = float(score) if isinstance(score, int | float) and \
+            not isinstance(score, bool) else None
+        ok = value is not None and 0 <= value <= 1
+        # A repeated index makes both entries suspect: the candidate fails.
+        scores[index - 1] = None if (index - 1) in scores or not ok else value
+    return scores
+
+
+class LlmScorer:
+    kind = "llm"
+
+    def __init__(self, pool: BackendPool, *, model: str, max_batch: int = 20) -> None:
+        self._pool = pool
+        self.model = model
+        self._max_batch = max_batch
+
+    async def discover_model(self) -> None:
+        """The model is configured (a general chat server may serve several)."""
+
+    async def score(self, request: ScoreRequest, emit: Emit) -> None:
+        async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
+            body = {"model": self.model, "temperature": 0.1,
+                    "messages": [{"role": "system", "content": SYSTEM},
+                                 {"role": "user", "content": user_prompt(
+                                     request.instruction, request.query, documents)}]}
+            return await self._pool.call("/v1/chat/completions", body,
+                                         lambda b: parse_scores(b, len(documents)),
+                                         pairs=len(documents))
+
+        await score_in_batches(request.documents, self._max_batch, call, emit)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()

@@ -1,0 +1,64 @@
+"""`ollama` backend: Ollama's `/api/generate`, the model answering a relevance number.
+
+One of our source plans runs Qwen3-Reranker this way. Each pair is one call with the
+prompt below at temperature 0; the first number in the answer, divided by 10 and clamped
+to 0..1, is the score. An answer without a number is a malformed (failed) pair. Caller
+text is neutralized as in the chat prompt.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .. import prompt
+from .base import Emit, PairOutcome, ScoreRequest
+from .http import BackendCallError
+from .pool import BackendPool, MalformedResponse, map_pairs
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+INSTRUCTIONS = ("Judge how relevant the Document is to the Query, following the Instruct. "
+                "Answer with one number from 0 (irrelevant) to 10 (perfectly relevant) "
+                "and nothing else.")
+
+
+def generate_prompt(instruction: str, query: str, document: str) -> str:
+    return (f"{INSTRUCTIONS}\n\n{prompt.user_message(instruction, query, document)}\n\n"
+            "Relevance (0-10):")
+
+
+def relevance(body: Any) -> float:
+    text = body.get("response") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+        raise MalformedResponse("generate answer has no response text")
+    match = NUMBER.search(text)
+    if match is None:
+        raise MalformedResponse("the model's answer holds no number")
+    return max(0.0, min(1.0, float(match.group()) / 10))
+
+
+class OllamaScorer:
+    kind = "ollama"
+
+    def __init__(self, pool: BackendPool, *, model: str) -> None:
+        self._pool = pool
+        self.model = model
+
+    async def discover_model(self) -> None:
+        """The model is configured (Ollama needs its name in every call)."""
+
+    async def score(self, request: ScoreRequest, emit: Emit) -> None:
+        async def one(i: int) -> PairOutcome:
+            body = {"model": self.model, "stream": False,
+                    "prompt": generate_prompt(request.instruction, request.query,
+                                              request.documents[i]),
+                    "options": {"temperature": 0, "num_predict": 8}}
+            try:
+                return PairOutcome(i, await self._pool.call("/api/generate", body, relevance))
+            except BackendCallError as exc:
+                return PairOutcome.failed(i, exc.failure, exc.detail)
+
+        await map_pairs(len(request.documents), one, emit)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()

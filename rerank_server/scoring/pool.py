@@ -1,0 +1,231 @@
+"""A pool of backend instances: least-outstanding balancing and outlier ejection.
+
+Every scorer talks to its backend through a `BackendPool`, one instance or many
+(`--backend-url` takes a comma-separated list). Each instance has its own connection pool
+and its own concurrency limit (`--concurrency` per instance).
+
+- Balancing: each call goes to the available instance with the fewest calls in flight
+  (ties rotate), so a slow instance gets less work.
+- Ejection (as Envoy's outlier detection): an instance whose calls fail
+  `--eject-after` times in a row (connect errors, timeouts, HTTP 5xx) is taken out for
+  a back-off period (`--eject-base-s`, doubling per repeated ejection up to
+  `--eject-max-s`). When the period is over, the health monitor must see its `/health`
+  answer before it gets traffic again. An instance whose `/health` fails is out too.
+- A call refused by one instance (connection failed, HTTP 5xx) is tried once more on
+  another, so losing an instance costs no pair. A timeout is not retried: the budget is
+  spent.
+- With every instance out, calls fail at once (`UNAVAILABLE`) instead of waiting for
+  timeouts, and the request degrades to retrieval order.
+
+State changes are logged once each (`backend_ejected`, `backend_restored`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from opentelemetry import trace
+
+from ..metrics import Metrics
+from .base import Failure, PairOutcome
+from .http import BackendCallError, HttpBackend
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class MalformedResponse(ValueError):
+    """The backend answered, but not with what the scorer needs (no user text inside)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ejection:
+    after: int = 3          # consecutive failures
+    base_s: float = 5.0     # first back-off
+    max_s: float = 60.0     # longest back-off
+
+
+@dataclass
+class Endpoint:
+    """One backend instance and what the pool knows about it."""
+
+    http: HttpBackend
+    concurrency: int
+    in_flight: int = 0
+    failures_in_row: int = 0
+    ejections_in_row: int = 0
+    ejected_until: float | None = None  # monotonic; set while ejected
+    healthy: bool = True                # last /health answer (optimistic until polled)
+    ejections: int = field(default=0)
+
+    @property
+    def name(self) -> str:
+        return f"{self.http.instance.address}:{self.http.instance.port}"
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and self.ejected_until is None
+
+
+class BackendPool:
+    """Calls a backend through whichever instance is best placed to answer."""
+
+    def __init__(self, urls: Sequence[str], *, concurrency: int, timeout_s: float,
+                 kind: str, metrics: Metrics | None = None,
+                 tracer: trace.Tracer | None = None, ejection: Ejection | None = None,
+                 headers: dict[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not urls:
+            raise ValueError("a backend pool needs at least one URL")
+        self.kind = kind
+        self._metrics = metrics or Metrics.noop()
+        self._ejection = ejection or Ejection()
+        self._clock = clock
+        self.endpoints = [
+            Endpoint(HttpBackend(url, concurrency, timeout_s, kind=kind, metrics=metrics,
+                                 tracer=tracer, headers=headers), concurrency)
+            for url in urls]
+        self._turn = itertools.count()
+
+    # --- calls
+
+    async def call(self, path: str, payload: Any, parse: Callable[[Any], T],
+                   pairs: int = 1) -> T:
+        """POST to the best instance and `parse` its JSON; raises BackendCallError.
+
+        `parse` raises MalformedResponse for an answer it cannot use; that counts as a
+        malformed response of that instance (not a reason to eject it).
+        """
+        tried: list[Endpoint] = []
+        last: BackendCallError | None = None
+        while True:
+            endpoint = self._pick(tried)
+            if endpoint is None:
+                raise last or BackendCallError(Failure.UNAVAILABLE,
+                                               "every backend instance is out")
+            tried.append(endpoint)
+            endpoint.in_flight += 1
+            try:
+                body = await endpoint.http.post_json(path, payload, pairs)
+            except BackendCallError as exc:
+                last = exc
+                if _counts_against(exc):
+                    self._failed(endpoint)
+                if _retryable(exc) and len(tried) < 2:
+                    continue
+                raise
+            finally:
+                endpoint.in_flight -= 1
+            self._succeeded(endpoint)
+            try:
+                return parse(body)
+            except MalformedResponse as exc:
+                endpoint.http.record_malformed()
+                raise BackendCallError(Failure.MALFORMED, str(exc)) from None
+
+    async def get_json(self, path: str) -> Any:
+        """GET from an available instance (metadata such as /v1/models); None on failure."""
+        endpoint = self._pick([])
+        return None if endpoint is None else await endpoint.http.get_json(path)
+
+    def _pick(self, exclude: list[Endpoint]) -> Endpoint | None:
+        ready = [e for e in self.endpoints if e.available and e not in exclude]
+        if not ready:
+            return None
+        turn = next(self._turn)
+        # Fewest in flight relative to the instance's own limit; rotate among equals.
+        return min(ready, key=lambda e: (e.in_flight / e.concurrency,
+                                         (self.endpoints.index(e) - turn) % len(self.endpoints)))
+
+    # --- ejection
+
+    def _failed(self, endpoint: Endpoint) -> None:
+        endpoint.failures_in_row += 1
+        if endpoint.ejected_until is None and endpoint.failures_in_row >= self._ejection.after:
+            self._eject(endpoint, f"{endpoint.failures_in_row} failed calls in a row")
+
+    def _succeeded(self, endpoint: Endpoint) -> None:
+        endpoint.failures_in_row = 0
+        endpoint.ejections_in_row = 0
+
+    def _eject(self, endpoint: Endpoint, reason: str) -> None:
+        backoff = min(self._ejection.base_s * 2 ** endpoint.ejections_in_row,
+                      self._ejection.max_s)
+        endpoint.ejections_in_row += 1
+        endpoint.ejections += 1
+        endpoint.ejected_until = self._clock() + backoff
+        self._metrics.backend_ejections.add(1, endpoint.http.instance.attributes)
+        log.warning("backend_ejected", instance=endpoint.name, backend=self.kind,
+                    reason=reason, backoff_s=backoff)
+
+    def due_for_probe(self) -> list[Endpoint]:
+        """Ejected instances whose back-off is over: the monitor probes them."""
+        now = self._clock()
+        return [e for e in self.endpoints
+                if e.ejected_until is not None and now >= e.ejected_until]
+
+    def restore(self, endpoint: Endpoint) -> None:
+        endpoint.ejected_until = None
+        endpoint.failures_in_row = 0
+        log.info("backend_restored", instance=endpoint.name, backend=self.kind)
+
+    def extend(self, endpoint: Endpoint) -> None:
+        """The probe after a back-off failed: eject again, for longer."""
+        self._eject(endpoint, "health probe failed after back-off")
+
+    @property
+    def any_available(self) -> bool:
+        return any(e.available for e in self.endpoints)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(e.http.aclose() for e in self.endpoints))
+
+
+def _counts_against(exc: BackendCallError) -> bool:
+    return exc.failure in (Failure.UNAVAILABLE, Failure.TIMEOUT) or (
+        exc.failure is Failure.HTTP_ERROR and exc.status >= 500)
+
+
+def _retryable(exc: BackendCallError) -> bool:
+    return exc.failure is Failure.UNAVAILABLE or (
+        exc.failure is Failure.HTTP_ERROR and exc.status >= 500)
+
+
+async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
+                    emit: Callable[[PairOutcome], None]) -> None:
+    """Run `one(i)` for every pair concurrently, emitting each outcome as it lands."""
+    async def run(i: int) -> None:
+        emit(await one(i))
+
+    async with asyncio.TaskGroup() as group:
+        for i in range(count):
+            group.create_task(run(i))
+
+
+def failed_all(indexes: Sequence[int], exc: BackendCallError,
+               emit: Callable[[PairOutcome], None]) -> None:
+    for i in indexes:
+        emit(PairOutcome.failed(i, exc.failure, exc.detail))
+
+
+
+def model_name(reported: str) -> str:
+    """llama-server reports the model's file path; callers need only its name."""
+    return reported.rsplit("/", 1)[-1]
+
+
+async def served_model(pool: BackendPool) -> str:
+    """The first model an OpenAI-style `/v1/models` lists, or "" when it cannot be read."""
+    body = await pool.get_json("/v1/models")
+    data = body.get("data") if isinstance(body, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) \
+            and isinstance(data[0].get("id"), str):
+        return model_name(data[0]["id"])
+    return ""

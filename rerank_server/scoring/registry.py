@@ -1,0 +1,45 @@
+"""Which scorer a deployment gets: one place mapping `--backend` to a class."""
+
+from __future__ import annotations
+
+from ..settings import Settings
+from ..telemetry import Telemetry
+from .base import Scorer
+from .chat import ChatScorer
+from .completion import CompletionScorer
+from .embedding import EmbeddingScorer
+from .llm import LlmScorer
+from .ollama import OllamaScorer
+from .pool import BackendPool, Ejection
+from .rerank_api import RerankApiScorer
+
+
+def build_pool(settings: Settings, telemetry: Telemetry | None = None) -> BackendPool:
+    telemetry = telemetry or Telemetry.disabled()
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
+    return BackendPool(
+        settings.backend_urls, concurrency=settings.concurrency,
+        timeout_s=settings.backend_timeout_ms / 1000, kind=settings.backend,
+        metrics=telemetry.metrics, tracer=telemetry.tracer, headers=headers,
+        ejection=Ejection(settings.eject_after, settings.eject_base_s, settings.eject_max_s))
+
+
+def build_scorer(settings: Settings, pool: BackendPool) -> Scorer:
+    """The scorer for `settings.backend`, calling through `pool`."""
+    s = settings
+    match s.backend:
+        case "chat":
+            return ChatScorer(pool, model=s.model, assistant_prefill=s.assistant_prefill)
+        case "completion":
+            return CompletionScorer(pool, model=s.model, assistant_prefill=s.assistant_prefill,
+                                    max_batch=s.max_batch)
+        case "rerank":
+            return RerankApiScorer(pool, model=s.model, wire_format=s.rerank_format,
+                                   path=s.rerank_path, max_batch=s.max_batch)
+        case "embedding":
+            return EmbeddingScorer(pool, model=s.model, max_batch=s.max_batch)
+        case "ollama":
+            return OllamaScorer(pool, model=s.model)
+        case "llm":
+            return LlmScorer(pool, model=s.model, max_batch=s.max_batch)
+    raise ValueError(f"unknown backend {s.backend!r}")  # Settings validates it first

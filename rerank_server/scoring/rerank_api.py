@@ -1,0 +1,83 @@
+"""`rerank` backend: the standard rerank endpoint, in its two common shapes.
+
+- `cohere` (`--rerank-format cohere`, default path `/v1/rerank`): llama-server `--rerank`,
+  vLLM, Infinity, Jina and Cohere. `{model, query, documents, top_n}` in,
+  `{results: [{index, relevance_score}]}` out.
+- `tei`: Hugging Face text-embeddings-inference's `/rerank`. `{query, texts}` in,
+  `[{index, score}]` out.
+
+Large requests are split into calls of at most `--max-batch` documents (hosted APIs cap
+them; TEI's default is 32). Scores outside 0..1 are logits (some servers return raw
+classifier outputs) and go through a sigmoid, so blending sees 0..1 either way. The
+standard API has no place for an instruction; the query is sent as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .base import Emit, ScoreRequest
+from .batching import score_in_batches, to_unit
+from .pool import BackendPool, MalformedResponse, served_model
+
+
+class RerankApiScorer:
+    kind = "rerank"
+
+    def __init__(self, pool: BackendPool, *, model: str = "", wire_format: str = "cohere",
+                 path: str = "/v1/rerank", max_batch: int = 32) -> None:
+        self._pool = pool
+        self._configured_model = model
+        self._reported_model = ""
+        self._format = wire_format
+        self._path = path
+        self._max_batch = max_batch
+
+    @property
+    def model(self) -> str:
+        return self._configured_model or self._reported_model
+
+    async def discover_model(self) -> None:
+        if not self._configured_model:
+            self._reported_model = await served_model(self._pool) or self._reported_model
+
+    def payload(self, query: str, documents: Sequence[str]) -> dict[str, Any]:
+        if self._format == "tei":
+            return {"query": query, "texts": list(documents), "raw_scores": False,
+                    "truncate": True}
+        body: dict[str, Any] = {"query": query, "documents": list(documents),
+                                "top_n": len(documents)}
+        if self._configured_model:
+            body["model"] = self._configured_model
+        return body
+
+    def parse(self, body: Any, count: int) -> dict[int, float]:
+        if self._format == "tei":
+            entries, key = body, "score"
+        else:
+            entries = body.get("results") if isinstance(body, dict) else None
+            key = "relevance_score"
+            if isinstance(body, dict) and isinstance(body.get("model"), str):
+                self._reported_model = body["model"].rsplit("/", 1)[-1]
+        if not isinstance(entries, list):
+            raise MalformedResponse("rerank answer has no result list")
+        scores: dict[int, float] = {}
+        for entry in entries:
+            index = entry.get("index") if isinstance(entry, dict) else None
+            value = entry.get(key) if isinstance(entry, dict) else None
+            if isinstance(index, int) and 0 <= index < count and \
+                    isinstance(value, int | float) and not isinstance(value, bool):
+                scores[index] = float(value)
+        return to_unit(scores)
+
+    async def score(self, request: ScoreRequest, emit: Emit) -> None:
+        async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
+            return await self._pool.call(self._path, self.payload(request.query, documents),
+                                         lambda b: self.parse(b, len(documents)),
+                                         pairs=len(documents))
+
+        await score_in_batches(request.documents, self._max_batch, call, emit)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
