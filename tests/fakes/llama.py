@@ -45,6 +45,7 @@ class FakeLlamaServer:
     failing_markers: tuple[str, ...] = ()
     mode_for_marked: str = HTTP_500
     model: str = "fake-reranker.gguf"
+    alive: bool = True  # False: every request on a kept-alive connection is reset
 
     requests: list[dict[str, Any]] = field(default_factory=list)
     # The W3C traceparent header of each POST ("" when absent), in arrival order.
@@ -68,7 +69,8 @@ class FakeLlamaServer:
         with self._lock:
             return [document_of(r) for r in self.requests]
 
-    def start(self) -> FakeLlamaServer:
+    def start(self, port: int = 0) -> FakeLlamaServer:
+        """Listen on 127.0.0.1:`port` (0: a free one); again after `stop` to come back."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,7 +82,16 @@ class FakeLlamaServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def _reset_if_dead(self) -> bool:
+                if fake.alive:
+                    return False
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return True
+
             def do_GET(self) -> None:
+                if self._reset_if_dead():
+                    return
                 if self.path == "/health":
                     self._send(200, {"status": "ok"})
                 elif self.path == "/v1/models":
@@ -89,6 +100,8 @@ class FakeLlamaServer:
                     self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
 
             def do_POST(self) -> None:
+                if self._reset_if_dead():
+                    return
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length))
                 with fake._lock:
@@ -106,7 +119,7 @@ class FakeLlamaServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
@@ -115,6 +128,20 @@ class FakeLlamaServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+    def kill(self) -> int:
+        """Die like a crashed process: refuse new connections, reset open ones.
+
+        Returns the port, for `start(port)` to bring it back.
+        """
+        port = int(self.url.rsplit(":", 1)[1])
+        self.alive = False
+        self.stop()
+        return port
+
+    def revive(self, port: int) -> None:
+        self.alive = True
+        self.start(port)
 
     def _handle_chat(self, handler: Any, body: dict[str, Any]) -> None:
         doc = document_of(body)

@@ -1,0 +1,216 @@
+"""The `rerank`, `ollama` and `llm` backends against fakes that answer in those servers'
+JSON (Cohere/llama-server/vLLM `/v1/rerank`, TEI `/rerank`, Ollama `/api/generate`,
+OpenAI-style chat), including their error responses."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import pytest
+from rerank_client import AsyncRerankClient
+
+from ..conftest import StartServer
+from ..fakes.json_server import Handler, JsonServer
+
+DOCS = ["a relevant passage", "something else", "another relevant one", "noise", "more noise"]
+
+
+def relevance(text: str) -> float:
+    return 0.9 if "relevant" in text else 0.1
+
+
+@pytest.fixture
+async def backend(start_server: StartServer) -> AsyncIterator[Callable[..., Any]]:
+    """Start a fake with `handler`, then a rerank-server using it; yields (fake, client)."""
+    fakes: list[JsonServer] = []
+    clients: list[AsyncRerankClient] = []
+
+    async def start(handler: Handler, **settings: Any) -> tuple[JsonServer, AsyncRerankClient]:
+        fake = JsonServer(handler).start()
+        fakes.append(fake)
+        server = await start_server(backend_url=fake.url, **settings)
+        client = AsyncRerankClient(f"127.0.0.1:{server.port}")
+        clients.append(client)
+        return fake, client
+
+    yield start
+    for client in clients:
+        await client.close()
+    for fake in fakes:
+        fake.stop()
+
+
+def cohere(method: str, path: str, body: Any, headers: Mapping[str, str]) -> tuple[int, Any]:
+    if method == "GET":
+        return (200, {"status": "ok"}) if path == "/health" else (404, {"message": "not found"})
+    if not body.get("documents"):
+        return 400, {"message": "invalid request: list of documents must not be empty"}
+    results = sorted(({"index": i, "relevance_score": relevance(d)}
+                      for i, d in enumerate(body["documents"])),
+                     key=lambda r: -r["relevance_score"])
+    return 200, {"id": "r-1", "results": results[:body["top_n"]],
+                 "meta": {"billed_units": {"search_units": 1}}}
+
+
+async def test_rerank_cohere_shape_splits_batches_and_sends_the_key(
+        backend: Callable[..., Any]) -> None:
+    fake, client = await backend(cohere, backend="rerank", max_batch=2,
+                                 api_key="sk-test", model="rerank-v3.5")
+    answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.backend == "rerank"
+    assert answer.summary.model == "rerank-v3.5"
+    assert {r.id for r in answer.results[:2]} == {"0", "2"}
+    calls = fake.posts("/v1/rerank")
+    assert sorted(len(c.body["documents"]) for c in calls) == [1, 2, 2]
+    assert all(c.body["model"] == "rerank-v3.5" and c.body["top_n"] == len(c.body["documents"])
+               for c in calls)
+    assert all(c.headers["authorization"] == "Bearer sk-test" for c in calls)
+
+
+async def test_rerank_http_error_degrades(backend: Callable[..., Any]) -> None:
+    def limited(method: str, path: str, body: Any, headers: Mapping[str, str],
+                ) -> tuple[int, Any]:
+        if method == "GET":
+            return 200, {"status": "ok"}
+        return 429, {"message": "You are using a Trial key, which is limited to 10 API "
+                                "calls / minute."}
+
+    _, client = await backend(limited, backend="rerank")
+    answer = await client.rerank("q", DOCS)
+    assert not answer.reranked and answer.summary.degraded_code == "backend_error"
+    assert [r.id for r in answer.results] == ["0", "1", "2", "3", "4"]
+
+
+def tei(method: str, path: str, body: Any, headers: Mapping[str, str]) -> tuple[int, Any]:
+    if method == "GET":
+        return 200, b""
+    if len(body["texts"]) > 2:
+        return 413, {"error": f"batch size {len(body['texts'])} > maximum allowed batch "
+                              "size 2", "error_type": "Validation"}
+    # raw logits, as TEI returns with raw_scores=true or some models do anyway
+    return 200, sorted(({"index": i, "score": 4.0 if "relevant" in t else -3.0}
+                        for i, t in enumerate(body["texts"])), key=lambda r: -r["score"])
+
+
+async def test_rerank_tei_shape_with_logits_is_squashed_to_unit(
+        backend: Callable[..., Any]) -> None:
+    fake, client = await backend(tei, backend="rerank", rerank_format="tei",
+                                 rerank_path="/rerank", max_batch=2)
+    answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.failed == 0
+    scores = {r.id: r.reranker_score for r in answer.results}
+    assert scores["0"] == pytest.approx(1 / (1 + 2.718281828 ** -4.0))
+    assert scores["1"] == pytest.approx(1 / (1 + 2.718281828 ** 3.0))
+    assert all(c.body["texts"] and "query" in c.body for c in fake.posts("/rerank"))
+
+
+async def test_rerank_tei_batch_limit_error_when_split_is_too_large(
+        backend: Callable[..., Any]) -> None:
+    _, client = await backend(tei, backend="rerank", rerank_format="tei",
+                              rerank_path="/rerank", max_batch=4)
+    answer = await client.rerank("q", DOCS)
+    # The 4-document slice is refused (413), the 1-document slice is scored.
+    assert answer.summary.degraded_code == "partial"
+    assert answer.summary.failed == 4 and answer.summary.scored == 1
+
+
+def ollama(answers: Callable[[str], str]) -> Handler:
+    def handle(method: str, path: str, body: Any, headers: Mapping[str, str],
+               ) -> tuple[int, Any]:
+        if method == "GET":
+            return 200, b"Ollama is running"
+        if body["model"] != "qwen3-reranker":
+            return 404, {"error": f"model \"{body['model']}\" not found, try pulling it first"}
+        document = body["prompt"].split("<Document>: ", 1)[1]
+        return 200, {"model": body["model"], "created_at": "2026-11-22T00:00:00Z",
+                     "response": answers(document), "done": True, "done_reason": "stop",
+                     "total_duration": 1000, "eval_count": 1}
+    return handle
+
+
+async def test_ollama_number_answers_become_scores(backend: Callable[..., Any]) -> None:
+    fake, client = await backend(
+        ollama(lambda doc: "9" if "relevant" in doc else "2/10"),
+        backend="ollama", model="qwen3-reranker")
+    answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.backend == "ollama"
+    scores = {r.id: r.reranker_score for r in answer.results}
+    assert scores == {"0": 0.9, "1": 0.2, "2": 0.9, "3": 0.2, "4": 0.2}
+    call = fake.posts("/api/generate")[0]
+    assert call.body["stream"] is False and call.body["options"]["temperature"] == 0
+
+
+async def test_ollama_non_numeric_answer_is_a_failed_pair(backend: Callable[..., Any]) -> None:
+    _, client = await backend(
+        ollama(lambda doc: "It is relevant." if "relevant" in doc else "3"),
+        backend="ollama", model="qwen3-reranker")
+    answer = await client.rerank("q", DOCS)
+    assert answer.summary.degraded_code == "partial"
+    assert answer.summary.failed == 2 and answer.summary.scored == 3
+
+
+async def test_ollama_unknown_model_degrades(backend: Callable[..., Any]) -> None:
+    _, client = await backend(ollama(lambda doc: "5"), backend="ollama", model="missing")
+    answer = await client.rerank("q", DOCS)
+    assert answer.summary.degraded_code == "backend_error"
+
+
+def chat(content: Callable[[list[str]], str]) -> Handler:
+    def handle(method: str, path: str, body: Any, headers: Mapping[str, str],
+               ) -> tuple[int, Any]:
+        if method == "GET":
+            return (200, {"status": "ok"}) if path == "/health" else (404, {})
+        if headers.get("authorization") != "Bearer good":
+            return 401, {"error": {"message": "Incorrect API key provided.",
+                                   "type": "invalid_request_error", "code": "invalid_api_key"}}
+        user = body["messages"][1]["content"]
+        candidates = re.findall(r"^\[(\d+)\] (.*)$", user, flags=re.MULTILINE)
+        return 200, {"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+                     "choices": [{"index": 0, "finish_reason": "stop",
+                                  "message": {"role": "assistant",
+                                              "content": content([t for _, t in candidates])}}],
+                     "usage": {"prompt_tokens": 100, "completion_tokens": 20}}
+    return handle
+
+
+def good_json(texts: list[str]) -> str:
+    entries = [{"index": n, "score": relevance(t)} for n, t in enumerate(texts, start=1)]
+    return "```json\n" + json.dumps(entries) + "\n```"
+
+
+async def test_llm_listwise_scores_in_one_call(backend: Callable[..., Any]) -> None:
+    fake, client = await backend(chat(good_json), backend="llm", model="gpt-small",
+                                 api_key="good")
+    answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.failed == 0
+    assert {r.id for r in answer.results[:2]} == {"0", "2"}
+    (call,) = fake.posts("/v1/chat/completions")
+    assert call.body["temperature"] == 0.1 and call.body["model"] == "gpt-small"
+
+
+async def test_llm_out_of_range_and_missing_entries_fail_those_candidates(
+        backend: Callable[..., Any]) -> None:
+    def partial(texts: list[str]) -> str:
+        return json.dumps([{"index": 1, "score": 0.8}, {"index": 2, "score": 7},
+                           {"index": 3, "score": 0.4}, {"index": 9, "score": 0.5}])
+
+    _, client = await backend(chat(partial), backend="llm", model="m", api_key="good")
+    answer = await client.rerank("q", DOCS)
+    assert answer.summary.degraded_code == "partial"
+    assert answer.summary.scored == 2 and answer.summary.failed == 3
+
+
+async def test_llm_malformed_json_degrades_the_request(backend: Callable[..., Any]) -> None:
+    _, client = await backend(chat(lambda texts: "Candidate 1 is best."), backend="llm",
+                              model="m", api_key="good")
+    answer = await client.rerank("q", DOCS)
+    assert not answer.reranked and answer.summary.degraded_code == "malformed_response"
+
+
+async def test_llm_rejected_key_degrades(backend: Callable[..., Any]) -> None:
+    _, client = await backend(chat(good_json), backend="llm", model="m", api_key="bad")
+    answer = await client.rerank("q", DOCS)
+    assert answer.summary.degraded_code == "backend_error"
