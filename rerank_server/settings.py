@@ -77,6 +77,10 @@ class Settings:
         "[{index, score}]).", group="backend"))
     rerank_path: str = field(default="/v1/rerank", metadata=_opt(
         "Path of the rerank endpoint (TEI: /rerank).", group="backend"))
+    health_path: str = field(default="/health", metadata=_opt(
+        "Path polled on each backend instance (200 = up). Ollama: /api/version. Empty: "
+        "no polling (hosted APIs); instances count as up, ejected ones return after "
+        "their back-off.", group="backend"))
     eject_after: int = field(default=3, metadata=_opt(
         "Consecutive failed calls that take a backend instance out of the pool.",
         minimum=1, group="backend"))

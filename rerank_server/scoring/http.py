@@ -65,8 +65,9 @@ class HttpBackend:
     def __init__(self, base_url: str, concurrency: int, timeout_s: float,
                  client: httpx.AsyncClient | None = None, *, kind: str = "",
                  metrics: Metrics | None = None, tracer: trace.Tracer | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, health_path: str = "/health") -> None:
         self.base_url = base_url.rstrip("/")
+        self.health_path = health_path
         self._headers = dict(headers or {})
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
@@ -101,10 +102,13 @@ class HttpBackend:
             return None
 
     async def health(self) -> bool:
-        """Whether `/health` answers 200 (llama-server: model loaded, ready)."""
+        """Whether the health path answers 200 (llama-server's `/health`: model loaded);
+        always True when there is no health path to poll."""
+        if not self.health_path:
+            return True
         try:
-            response = await self._client.get(self.base_url + "/health", headers=self._headers,
-                                              timeout=HEALTH_TIMEOUT_S)
+            response = await self._client.get(self.base_url + self.health_path,
+                                              headers=self._headers, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return False
         return response.status_code == 200

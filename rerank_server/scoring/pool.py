@@ -80,7 +80,7 @@ class BackendPool:
     def __init__(self, urls: Sequence[str], *, concurrency: int, timeout_s: float,
                  kind: str, metrics: Metrics | None = None,
                  tracer: trace.Tracer | None = None, ejection: Ejection | None = None,
-                 headers: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None, health_path: str = "/health",
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not urls:
             raise ValueError("a backend pool needs at least one URL")
@@ -90,7 +90,8 @@ class BackendPool:
         self._clock = clock
         self.endpoints = [
             Endpoint(HttpBackend(url, concurrency, timeout_s, kind=kind, metrics=metrics,
-                                 tracer=tracer, headers=headers), concurrency)
+                                 tracer=tracer, headers=headers, health_path=health_path),
+                     concurrency)
             for url in urls]
         self._turn = itertools.count()
 

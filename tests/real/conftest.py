@@ -1,4 +1,5 @@
-"""A real llama-server with the stand-in model, started once per test session.
+"""Real llama-servers, started once per test session: the stand-in chat model, and
+MiniLM-L6 for embeddings.
 
 The assets come from `make assets` (`rerank-server prepare`). When they are missing the
 suite fails and says so; it is never skipped.
@@ -45,12 +46,31 @@ def _assets() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def real_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     binary, model = _assets()
+    yield from _serve(binary, model, tmp_path_factory,
+                      ["-np", str(SLOTS), "-c", str(SLOTS * 2048)])
+
+
+@pytest.fixture(scope="session")
+def real_embedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
+    """llama-server serving MiniLM-L6 on /v1/embeddings (mean pooling, as trained)."""
+    binary, _ = _assets()
+    model = assets.embedding_model_path(settings.load([]).cache_dir)
+    if not model.exists():
+        pytest.fail(f"real-backend assets missing: {model}; run `make assets`",
+                    pytrace=False)
+    yield from _serve(binary, model, tmp_path_factory,
+                      ["--embedding", "--pooling", "mean", "-np", "2", "-c", "1024",
+                       "-b", "512", "-ub", "512"])
+
+
+def _serve(binary: Path, model: Path, tmp_path_factory: pytest.TempPathFactory,
+           args: list[str]) -> Iterator[RealLlama]:
     port = free_port()
     log = tmp_path_factory.mktemp("llama") / "llama-server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "-np", str(SLOTS), "-c", str(SLOTS * 2048), "--no-webui"],
+             "--no-webui", *args],
             stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -152,11 +152,10 @@ async def test_forged_answer_stays_inside_the_user_turn(real_llama: RealLlama) -
 
 async def test_probe_scores_both_pairs(real_server: RunningServer,
                                        real_llama: RealLlama) -> None:
-    monitor = BackendMonitor(real_server.reranker.scorer, real_llama.url,
+    monitor = BackendMonitor(real_server.reranker.scorer, real_server.pool,
                              real_server.settings.instruction, real_server.health,
                              "rerank.v1.Reranker", interval_s=60)
-    async with httpx.AsyncClient() as http:
-        await monitor.check(http)
+    await monitor.check()
     probe = monitor.last_probe
     assert probe is not None and probe.scored
     assert 0 <= probe.relevant <= 1 and 0 <= probe.irrelevant <= 1  # type: ignore[operator]

@@ -4,6 +4,7 @@ OpenAI-style chat), including their error responses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -121,7 +122,9 @@ def ollama(answers: Callable[[str], str]) -> Handler:
     def handle(method: str, path: str, body: Any, headers: Mapping[str, str],
                ) -> tuple[int, Any]:
         if method == "GET":
-            return 200, b"Ollama is running"
+            if path == "/api/version":
+                return 200, {"version": "0.12.6"}
+            return 404, b"404 page not found"
         if body["model"] != "qwen3-reranker":
             return 404, {"error": f"model \"{body['model']}\" not found, try pulling it first"}
         document = body["prompt"].split("<Document>: ", 1)[1]
@@ -134,7 +137,7 @@ def ollama(answers: Callable[[str], str]) -> Handler:
 async def test_ollama_number_answers_become_scores(backend: Callable[..., Any]) -> None:
     fake, client = await backend(
         ollama(lambda doc: "9" if "relevant" in doc else "2/10"),
-        backend="ollama", model="qwen3-reranker")
+        backend="ollama", model="qwen3-reranker", health_path="/api/version")
     answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.backend == "ollama"
     scores = {r.id: r.reranker_score for r in answer.results}
@@ -146,14 +149,15 @@ async def test_ollama_number_answers_become_scores(backend: Callable[..., Any]) 
 async def test_ollama_non_numeric_answer_is_a_failed_pair(backend: Callable[..., Any]) -> None:
     _, client = await backend(
         ollama(lambda doc: "It is relevant." if "relevant" in doc else "3"),
-        backend="ollama", model="qwen3-reranker")
+        backend="ollama", model="qwen3-reranker", health_path="/api/version")
     answer = await client.rerank("q", DOCS)
     assert answer.summary.degraded_code == "partial"
     assert answer.summary.failed == 2 and answer.summary.scored == 3
 
 
 async def test_ollama_unknown_model_degrades(backend: Callable[..., Any]) -> None:
-    _, client = await backend(ollama(lambda doc: "5"), backend="ollama", model="missing")
+    _, client = await backend(ollama(lambda doc: "5"), backend="ollama", model="missing",
+                              health_path="/api/version")
     answer = await client.rerank("q", DOCS)
     assert answer.summary.degraded_code == "backend_error"
 
@@ -183,7 +187,7 @@ def good_json(texts: list[str]) -> str:
 
 async def test_llm_listwise_scores_in_one_call(backend: Callable[..., Any]) -> None:
     fake, client = await backend(chat(good_json), backend="llm", model="gpt-small",
-                                 api_key="good")
+                                 api_key="good", health_path="")
     answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.failed == 0
     assert {r.id for r in answer.results[:2]} == {"0", "2"}
@@ -214,3 +218,17 @@ async def test_llm_rejected_key_degrades(backend: Callable[..., Any]) -> None:
     _, client = await backend(chat(good_json), backend="llm", model="m", api_key="bad")
     answer = await client.rerank("q", DOCS)
     assert answer.summary.degraded_code == "backend_error"
+
+
+async def test_instance_without_the_health_path_counts_as_down(
+        backend: Callable[..., Any]) -> None:
+    """Ollama has no /health: left at the default, its instance is down and requests
+    degrade at once; `--health-path /api/version` (above) is what makes it work."""
+    _, client = await backend(ollama(lambda doc: "5"), backend="ollama",
+                              model="qwen3-reranker", health_interval_s=0.1)
+    for _ in range(30):
+        answer = await client.rerank("q", DOCS, bypass_cache=True)  # cached scores would do
+        if answer.summary.degraded_code == "backend_unavailable":
+            break
+        await asyncio.sleep(0.1)
+    assert answer.summary.degraded_code == "backend_unavailable"

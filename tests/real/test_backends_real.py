@@ -1,0 +1,135 @@
+"""The `completion` and `embedding` backends against real llama-servers.
+
+completion: the same stand-in model as the chat tests, so the checks are protocol facts:
+one `/completion` call carries the whole request, every pair gets P(yes) on 0..1, and it
+is the P(yes) the chat endpoint gives for the same prompt. embedding: MiniLM-L6 is a real
+(if small) relevance model, so an obviously relevant passage must outrank an obviously
+irrelevant one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from rerank_client import AsyncRerankClient
+
+from rerank_server import prompt
+from rerank_server.scoring.base import ScoreRequest
+from rerank_server.scoring.completion import CompletionScorer
+from rerank_server.server import RunningServer, build_server
+from rerank_server.settings import Settings
+from rerank_server.telemetry import Telemetry
+
+from .conftest import SLOTS, RealLlama
+from .test_llama_server import DOCS
+
+pytestmark = pytest.mark.real_backend
+
+Start = Callable[..., Any]
+
+
+@pytest.fixture
+async def traced_server() -> AsyncIterator[Start]:
+    """Start rerank-servers with an in-memory span exporter, to see their backend calls."""
+    started: list[RunningServer] = []
+
+    async def start(url: str, **overrides: Any) -> tuple[RunningServer, InMemorySpanExporter]:
+        exporter = InMemorySpanExporter()
+        settings = dataclasses.replace(
+            Settings(port=0, backend_url=url, concurrency=SLOTS, assistant_prefill=False,
+                     timeout_ms=60_000, probe=False, metrics=False, cache_entries=0),
+            **overrides)
+        server = await build_server(settings, telemetry=Telemetry.create(
+            settings, span_processor=SimpleSpanProcessor(exporter), environ={}))
+        started.append(server)
+        return server, exporter
+
+    yield start
+    for server in started:
+        await server.stop(grace=0)
+
+
+def backend_calls(exporter: InMemorySpanExporter, path: str) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans()
+            if s.name == "POST" and (s.attributes or {}).get("url.path") == path]
+
+
+async def test_completion_scores_the_request_in_one_call_like_chat(
+        real_llama: RealLlama, traced_server: Start) -> None:
+    completion, spans = await traced_server(real_llama.url, backend="completion")
+    chat, _ = await traced_server(real_llama.url, backend="chat")
+    query = "what do cats eat?"
+    async with AsyncRerankClient(f"127.0.0.1:{completion.port}") as client:
+        batched = await client.rerank(query, DOCS, blend_strategy="rerank_only")
+    async with AsyncRerankClient(f"127.0.0.1:{chat.port}") as client:
+        per_pair = await client.rerank(query, DOCS, blend_strategy="rerank_only")
+
+    assert batched.reranked and batched.summary.backend == "completion"
+    assert batched.summary.scored == len(DOCS) and batched.summary.failed == 0
+    (call,) = backend_calls(spans, "/completion")
+    assert call.attributes is not None and call.attributes["rerank.pairs"] == len(DOCS)
+    assert len(backend_calls(spans, "/apply-template")) == 1
+    assert len(backend_calls(spans, "/tokenize")) == 12  # six variants of yes and of no
+
+    by_id = {r.id: r.reranker_score for r in per_pair.results}
+    for r in batched.results:
+        assert r.reranker_score is not None and 0 <= r.reranker_score <= 1
+        # Same model and prompt, evaluated in a different batch: the logprobs differ by
+        # about 0.1 nat (measured), and the stand-in's yes and no logprobs are that
+        # close, so P(yes) moves by a few hundredths. The prompt itself is identical
+        # (next test).
+        assert r.reranker_score == pytest.approx(by_id[r.id], abs=0.1)
+
+
+async def test_completion_prompt_is_the_models_own_chat_rendering(
+        real_llama: RealLlama, traced_server: Start) -> None:
+    server, _ = await traced_server(real_llama.url, backend="completion")
+    scorer = server.reranker.scorer
+    assert isinstance(scorer, CompletionScorer)
+    request = ScoreRequest("what do cats eat?", "Find answers", [DOCS[2]])
+    prefix, suffix = await scorer.template(request)
+    messages = [{"role": "system", "content": prompt.SYSTEM_PROMPT},
+                {"role": "user", "content": prompt.user_message(
+                    request.instruction, request.query, DOCS[2])}]
+    async with httpx.AsyncClient() as http:
+        rendered = (await http.post(real_llama.url + "/apply-template",
+                                    json={"messages": messages})).json()["prompt"]
+    assert prefix + prompt.neutralize(DOCS[2]) + suffix == rendered
+    assert rendered.endswith(DOCS[2] + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+async def test_completion_resolves_answer_tokens_once(
+        real_llama: RealLlama, traced_server: Start) -> None:
+    server, spans = await traced_server(real_llama.url, backend="completion", max_batch=4)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        await client.rerank("cats", DOCS)
+        await client.rerank("dogs", DOCS)
+    assert len(backend_calls(spans, "/tokenize")) == 12
+    # 6 documents in slices of 4: two calls per request.
+    assert sorted((s.attributes or {}).get("rerank.pairs", 0)
+                  for s in backend_calls(spans, "/completion")) == [2, 2, 4, 4]
+
+
+async def test_embedding_ranks_the_relevant_passage_first(
+        real_embedding: RealLlama, traced_server: Start) -> None:
+    server, spans = await traced_server(real_embedding.url, backend="embedding",
+                                        max_batch=4)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("What do cats eat?", DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.failed == 0
+    assert answer.summary.model == "all-MiniLM-L6-v2.f16.gguf"
+    scores = {r.id: r.reranker_score for r in answer.results}
+    cats_eat, revolution, stocks = scores["2"], scores["5"], scores["1"]
+    assert cats_eat is not None and revolution is not None and stocks is not None
+    assert answer.results[0].id in {"2", "0"}  # a passage about cats comes first
+    assert cats_eat > revolution + 0.2 and cats_eat > stocks + 0.2
+    # The query once, the six documents in slices of at most four.
+    assert sorted((s.attributes or {}).get("rerank.pairs", 0)
+                  for s in backend_calls(spans, "/v1/embeddings")) == [1, 2, 4]
