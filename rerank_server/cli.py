@@ -3,6 +3,7 @@
     rerank-server [FLAGS]            serve (see --help for every setting)
     rerank-server prepare [FLAGS]    build/fetch the managed mode's assets into the cache
     rerank-server healthcheck        exit 0 if a running server's health says SERVING
+    rerank-server eval DATASET       ranking quality: BM25 vs reranked (needs the eval extra)
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["prepare"]:
         from . import assets
         return assets.main(args[1:])
+    if args[:1] == ["eval"]:
+        from .evaluation import run
+        return run.main(args[1:])
     if args[:1] == ["healthcheck"]:
         from . import healthcheck
         return healthcheck.main(args[1:])

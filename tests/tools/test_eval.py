@@ -1,0 +1,73 @@
+"""`rerank-server eval` end to end on a tiny data set the test writes: BM25, reranking by
+a real in-process server against the fake llama-server, ranx metrics, JSON and Markdown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rerank_server.evaluation import beir
+from rerank_server.evaluation.run import main
+
+from ..fakes.llama import FakeLlamaServer
+
+# Per query: the judged-relevant document says less (BM25 ranks it low); the fake
+# backend knows it by its marker and scores it high.
+TOPICS = {
+    "q1": ("apple orchard harvest", "apple orchard harvest apple orchard apple"),
+    "q2": ("river bridge repair", "river bridge repair river bridge river"),
+    "q3": ("violin string tuning", "violin string tuning violin string violin"),
+}
+
+
+def write_dataset(root: Path, header: bool) -> Path:
+    corpus, queries, qrels = [], [], ["query-id\tcorpus-id\tscore"] if header else []
+    for qid, (query, keyword_stuffed) in TOPICS.items():
+        queries.append({"_id": qid, "text": query})
+        corpus.append({"_id": f"{qid}-stuffed", "title": "", "text": keyword_stuffed})
+        corpus.append({"_id": f"{qid}-good", "title": "Guide",
+                       "text": f"GOOD answer: a short {query.split()[0]} guide"})
+        qrels.append(f"{qid}\t{qid}-good\t2")
+        for i in range(4):
+            corpus.append({"_id": f"{qid}-noise{i}", "title": "",
+                           "text": f"{query.split()[1]} filler text number {i}"})
+    queries.append({"_id": "unjudged", "text": "no judgements for this one"})
+    root.mkdir()
+    (root / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in corpus) + "\n")
+    (root / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n")
+    (root / "qrels.tsv").write_text("\n".join(qrels) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_loader_reads_beir_with_or_without_header(tmp_path: Path, header: bool) -> None:
+    data = beir.load(write_dataset(tmp_path / "tiny", header))
+    assert set(data.queries) == {"q1", "q2", "q3"}  # the unjudged query is left out
+    assert data.qrels["q1"] == {"q1-good": 2}
+    assert len(data.corpus) == 18
+
+
+def test_eval_measures_bm25_and_each_strategy(tmp_path: Path,
+                                              fake_llama: FakeLlamaServer) -> None:
+    fake_llama.scores = {"GOOD": 0.95}
+    fake_llama.default_score = 0.05
+    data = write_dataset(tmp_path / "tiny", header=True)
+    out = tmp_path / "out"
+    code = main([str(data), "--server", f"--backend-url {fake_llama.url} --no-probe "
+                 "--metrics-port 0", "--depth", "6", "--rerank-depth", "6",
+                 "--blend", "rerank_only,position_aware", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "eval-tiny.json").read_text())
+    means = result["means"]
+    assert set(means) == {"bm25", "rerank_only", "position_aware"}
+    # BM25 puts the keyword-stuffed document first; the reranker puts the good one first.
+    assert means["bm25"]["mrr@10"] < 1.0
+    assert means["rerank_only"]["mrr@10"] == 1.0
+    assert means["rerank_only"]["ndcg@10"] > means["bm25"]["ndcg@10"]
+    assert set(result["per_query"]["rerank_only"]["ndcg@10"]) == {"q1", "q2", "q3"}
+    assert result["requests"]["rerank_only"] == {"reranked": 3, "degraded": 0}
+    assert result["backend"] == "chat"
+    table = (out / "eval-tiny.md").read_text()
+    assert "| a | bm25 |" in table and "rerank_only" in table and "ndcg@10" in table
