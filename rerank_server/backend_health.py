@@ -147,11 +147,12 @@ class BackendMonitor:
         self.probed.set()
 
     async def _check_instance(self, endpoint: Endpoint) -> None:
-        up = await endpoint.http.health()
+        polled = await endpoint.http.health()
+        up = self._pool.note_poll(endpoint, polled)
         self._metrics.backend_up.set(int(up), endpoint.http.instance.attributes)
         endpoint.healthy = up
         if endpoint in self._pool.due_for_probe():
-            if up:
+            if polled:
                 self._pool.restore(endpoint)
             else:
                 self._pool.extend(endpoint)

@@ -4,6 +4,7 @@
     rerank-server prepare [FLAGS]    build/fetch the managed mode's assets into the cache
     rerank-server healthcheck        exit 0 if a running server's health says SERVING
     rerank-server eval DATASET       ranking quality: BM25 vs reranked (needs the eval extra)
+    rerank-server bench              speed: overhead, efficiency, throughput, streaming
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["prepare"]:
         from . import assets
         return assets.main(args[1:])
+    if args[:1] == ["bench"]:
+        from .bench import run as bench
+        return bench.main(args[1:])
     if args[:1] == ["eval"]:
         from .evaluation import run
         return run.main(args[1:])

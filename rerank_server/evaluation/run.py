@@ -69,7 +69,7 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
     """The run for one strategy, and counts of how requests went."""
     slots = asyncio.Semaphore(concurrency)
     run: Run = {}
-    counts = {"reranked": 0, "degraded": 0}
+    counts = {"reranked": 0, "degraded": 0, "failed_pairs": 0}
     bar = tqdm(total=len(hits), desc=strategy, unit="query", leave=False)
 
     async def one(qid: str) -> None:
@@ -82,6 +82,7 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
                                          blend_strategy=strategy, timeout=timeout_s,
                                          max_candidates=max(1, len(candidates)))
         counts["reranked" if answer.reranked else "degraded"] += 1
+        counts["failed_pairs"] += answer.summary.failed
         ordered = [r.id for r in answer.results] + [h.document.id for h in rest]
         run[qid] = {doc: 1.0 / position for position, doc in enumerate(ordered, start=1)}
         bar.update()
@@ -152,7 +153,9 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
     if not target:
         from ..server import build_server
 
-        settings = load(["--port", "0", *shlex.split(args.server)])
+        # The server's own budget must not cut a long evaluation request short.
+        settings = load(["--port", "0", "--timeout-ms", str(int(args.timeout_s * 1000)),
+                         *shlex.split(args.server)])
         server = await build_server(settings)
         target = f"127.0.0.1:{server.port}"
     outcome: dict[str, dict[str, int]] = {}
@@ -197,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / f"eval-{name}.md").write_text(table)
     print(table)
     for strategy, counts in result["requests"].items():
-        if counts["degraded"]:
+        if counts["degraded"] or counts["failed_pairs"]:
             print(f"warning: {strategy}: {counts['degraded']} of {result['queries']} "
-                  "requests were not reranked (degraded)", file=sys.stderr)
+                  f"requests not reranked, {counts['failed_pairs']} pairs failed "
+                  "(the server log says why: timeouts, malformed answers)", file=sys.stderr)
     return 0

@@ -25,7 +25,7 @@ from opentelemetry import propagate, trace
 from ..metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
 from .base import Failure
 
-HEALTH_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 3.0
 
 # error.type values on metrics and spans, by failure kind.
 ERROR_TYPES = {

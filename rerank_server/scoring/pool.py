@@ -10,7 +10,9 @@ and its own concurrency limit (`--concurrency` per instance).
   `--eject-after` times in a row (connect errors, timeouts, HTTP 5xx) is taken out for
   a back-off period (`--eject-base-s`, doubling per repeated ejection up to
   `--eject-max-s`). When the period is over, the health monitor must see its `/health`
-  answer before it gets traffic again. An instance whose `/health` fails is out too.
+  answer before it gets traffic again. An instance whose health polls fail twice in a
+  row with no call answered since is out too (`note_poll`: a saturated llama-server can
+  miss a poll while its calls still succeed).
 - A call refused by one instance (connection failed, HTTP 5xx) is tried once more on
   another, so losing an instance costs no pair. A timeout is not retried: the budget is
   spent.
@@ -62,8 +64,11 @@ class Endpoint:
     failures_in_row: int = 0
     ejections_in_row: int = 0
     ejected_until: float | None = None  # monotonic; set while ejected
-    healthy: bool = True                # last /health answer (optimistic until polled)
+    healthy: bool = True                # per the health monitor (optimistic until polled)
     ejections: int = field(default=0)
+    answered_at: float | None = None     # monotonic time of the last successful call
+    failed_polls: int = 0               # health polls failed in a row
+    polls_failing_since: float | None = None
 
     @property
     def name(self) -> str:
@@ -94,6 +99,7 @@ class BackendPool:
                      concurrency)
             for url in urls]
         self._turn = itertools.count()
+        self.polls_to_down = 2
 
     # --- calls
 
@@ -153,6 +159,7 @@ class BackendPool:
             self._eject(endpoint, f"{endpoint.failures_in_row} failed calls in a row")
 
     def _succeeded(self, endpoint: Endpoint) -> None:
+        endpoint.answered_at = self._clock()
         endpoint.failures_in_row = 0
         endpoint.ejections_in_row = 0
 
@@ -171,6 +178,23 @@ class BackendPool:
         now = self._clock()
         return [e for e in self.endpoints
                 if e.ejected_until is not None and now >= e.ejected_until]
+
+    def note_poll(self, endpoint: Endpoint, ok: bool) -> bool:
+        """Record a health poll; whether the instance counts as up.
+
+        A saturated llama-server can miss health polls while it computes (its HTTP
+        thread starves on a busy CPU), so it is down only after `polls_to_down` failed
+        polls in a row with no call answered since the first of them.
+        """
+        if ok:
+            endpoint.failed_polls, endpoint.polls_failing_since = 0, None
+            return True
+        endpoint.failed_polls += 1
+        if endpoint.polls_failing_since is None:
+            endpoint.polls_failing_since = self._clock()
+        answered = endpoint.answered_at is not None and \
+            endpoint.answered_at >= endpoint.polls_failing_since
+        return endpoint.failed_polls < self.polls_to_down or answered
 
     def restore(self, endpoint: Endpoint) -> None:
         endpoint.ejected_until = None

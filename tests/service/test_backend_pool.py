@@ -28,6 +28,16 @@ async def instance_status(server: RunningServer, fake_url: str) -> int:
     return int(reply.status)
 
 
+async def eventually_status(server: RunningServer, fake_url: str, wanted: int) -> int:
+    """The instance's health status once it is `wanted`, or the last seen after 5 s."""
+    deadline = time.monotonic() + 5
+    status = await instance_status(server, fake_url)
+    while status != wanted and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        status = await instance_status(server, fake_url)
+    return status
+
+
 async def test_load_spreads_over_instances(start_server: StartServer) -> None:
     fakes = [FakeLlamaServer(latency_s=0.05).start() for _ in range(2)]
     try:
@@ -57,8 +67,8 @@ async def test_losing_an_instance_mid_run_fails_no_request_and_it_comes_back(
             assert all(ans.reranked and ans.summary.failed == 0 for ans in answers)
             assert server.pool.endpoints[1].ejections >= 1 or \
                 not server.pool.endpoints[1].healthy
-            assert await instance_status(server, f"http://127.0.0.1:{port}") == \
-                health_pb2.HealthCheckResponse.NOT_SERVING
+            down = health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await eventually_status(server, f"http://127.0.0.1:{port}", down) == down
 
             b.revive(port)
             deadline = time.monotonic() + 10
@@ -66,8 +76,8 @@ async def test_losing_an_instance_mid_run_fails_no_request_and_it_comes_back(
                 await asyncio.sleep(0.2)
                 await client.rerank(f"after {time.monotonic()}", ["x", "y", "z", "w"])
             assert len(b.requests) > served_by_b, "the instance never came back"
-            assert await instance_status(server, b.url) == \
-                health_pb2.HealthCheckResponse.SERVING
+            up = health_pb2.HealthCheckResponse.SERVING
+            assert await eventually_status(server, b.url, up) == up
     finally:
         for f in fakes:
             f.stop()
@@ -82,7 +92,9 @@ async def test_with_every_instance_out_requests_degrade_at_once(
             f.kill()
         async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
             await client.rerank("warm", ["x", "y", "z"])  # ejects, or health sees them gone
-            await asyncio.sleep(0.5)
+            down = health_pb2.HealthCheckResponse.NOT_SERVING
+            for f in fakes:
+                assert await eventually_status(server, f.url, down) == down
             started = time.perf_counter()
             answer = await client.rerank("q", ["x", "y", "z"])
             elapsed = time.perf_counter() - started

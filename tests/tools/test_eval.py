@@ -67,7 +67,8 @@ def test_eval_measures_bm25_and_each_strategy(tmp_path: Path,
     assert means["rerank_only"]["mrr@10"] == 1.0
     assert means["rerank_only"]["ndcg@10"] > means["bm25"]["ndcg@10"]
     assert set(result["per_query"]["rerank_only"]["ndcg@10"]) == {"q1", "q2", "q3"}
-    assert result["requests"]["rerank_only"] == {"reranked": 3, "degraded": 0}
+    assert result["requests"]["rerank_only"] == {"reranked": 3, "degraded": 0,
+                                                 "failed_pairs": 0}
     assert result["backend"] == "chat"
     table = (out / "eval-tiny.md").read_text()
     assert "| a | bm25 |" in table and "rerank_only" in table and "ndcg@10" in table

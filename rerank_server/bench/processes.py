@@ -1,0 +1,109 @@
+"""Processes a benchmark runs: rerank-server, the instant fake backend, llama-server.
+
+Each runs in a process of its own, so the CPU time read from `/proc/PID/stat` is that
+process's alone (Linux), and the benchmark client never competes with the server for the
+interpreter lock.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from .. import assets
+from ..managed import free_port
+from ..settings import Settings
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rerank-server exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError("rerank-server did not start listening")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@contextmanager
+def fake_backend() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server.bench.fake_backend",
+                             "--port", str(port)])
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+@contextmanager
+def rerank_server(args: Sequence[str]) -> Iterator[tuple[int, int]]:
+    """(gRPC port, PID) of a rerank-server started with `args` (cache and metrics off
+    unless `args` say otherwise)."""
+    port = free_port()
+    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_CACHE_ENTRIES": "0",
+           "RERANK_METRICS": "0", "RERANK_PROBE": "0", "RERANK_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server", *args], env=env,
+                            stdout=subprocess.DEVNULL)
+    try:
+        _wait_port(port, proc)
+        yield port, proc.pid
+    finally:
+        _stop(proc)
+
+
+@contextmanager
+def llama_server(slots: int) -> Iterator[str]:
+    """The cached llama-server build with the stand-in model (from `make assets`)."""
+    cache = Settings().cache_dir
+    binary = assets.resolve_llama_server(None, cache, build=False)
+    model = assets.resolve_model(None, cache, fetch_missing=False)
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "-m", str(model), "--port", str(port), "-np",
+                             str(slots), "-c", str(slots * 2048), "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop(proc)

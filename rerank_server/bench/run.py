@@ -1,0 +1,358 @@
+"""`rerank-server bench`: what rerank-server costs and what it delivers, side by side.
+
+    rerank-server bench [--scenarios overhead,model,throughput,streaming,backends]
+                        [--requests 30] [--rounds 5] [--out bench-results]
+
+Every comparison runs in one invocation, alternating the things compared, and reports
+ratios beside times (these machines are noisy). Scenarios:
+
+- overhead: an instant fake backend (`fake_backend.py`, its own process); per backend
+  kind and 10/40/100 candidates, latency p50/p99 per request and rerank-server's CPU time
+  per scored pair (read from /proc for the server process alone).
+- model: the same passages scored against llama-server directly (concurrent chat calls
+  at the slot count, the best direct strategy) and through rerank-server (chat backend,
+  same concurrency); through/direct is our efficiency.
+- throughput: 1, 4, 16 and 64 concurrent clients against the fake backend: requests/s,
+  pairs/s, p50/p99, errors.
+- streaming: time to the first `RerankStream` result against the whole `Rerank` answer,
+  on llama-server.
+- backends: `chat` (per pair) against `completion` (batched) on llama-server.
+
+The llama-server scenarios use the cached build and stand-in model (`make assets`).
+Writes `bench.json`, `bench.md`, `bench-latency.png` and `bench-throughput.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rerank_client import AsyncRerankClient, RerankError, Result, Summary
+
+from .. import prompt
+from ..settings import DEFAULT_INSTRUCTION
+from .processes import cpu_seconds, fake_backend, llama_server, rerank_server
+
+SCENARIOS = ("overhead", "model", "throughput", "streaming", "backends")
+KINDS = ("chat", "completion", "rerank", "embedding", "ollama", "llm")
+SIZES = (10, 40, 100)
+CLIENTS = (1, 4, 16, 64)
+SLOTS = 4
+WORDS = ["river", "bank", "model", "light", "engine", "garden", "market", "signal", "paper",
+         "stone", "winter", "forest", "language", "history", "system", "answer", "window",
+         "energy", "doctor", "village", "music", "animal", "station", "theory", "bridge",
+         "number", "planet", "letter", "kitchen", "season"]
+
+
+def passages(n: int, seed: int = 7, chars: int = 600) -> list[str]:
+    """Deterministic English-like passages of about `chars` characters."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words: list[str] = []
+        while sum(len(w) + 1 for w in words) < chars:
+            words.append(rng.choice(WORDS))
+        out.append(" ".join(words).capitalize() + ".")
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _ms(seconds: Sequence[float]) -> dict[str, float]:
+    return {"p50_ms": round(pct(seconds, 0.5) * 1000, 2),
+            "p99_ms": round(pct(seconds, 0.99) * 1000, 2)}
+
+
+async def _timed(call: Callable[[], Awaitable[Any]]) -> float:
+    started = time.perf_counter()
+    await call()
+    return time.perf_counter() - started
+
+
+def backend_args(kind: str, url: str) -> list[str]:
+    args = ["--backend", kind, "--backend-url", url, "--concurrency", "8",
+            "--max-candidates", "100", "--max-batch", "100"]
+    return args + (["--model", "instant"] if kind in ("ollama", "llm") else [])
+
+
+async def overhead(requests: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with fake_backend() as url:
+        for kind in KINDS:
+            with rerank_server(backend_args(kind, url)) as (port, pid):
+                async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+                    for size in SIZES:
+                        docs = passages(size)
+                        for i in range(3):  # warm-up
+                            await client.rerank(f"warm {i}", docs)
+                        cpu0 = cpu_seconds(pid)
+                        latencies = [await _timed(partial(client.rerank, f"q {i}", docs))
+                                     for i in range(requests)]
+                        cpu = cpu_seconds(pid) - cpu0
+                        results.setdefault(kind, {})[str(size)] = {
+                            **_ms(latencies),
+                            "cpu_us_per_pair": round(cpu / (requests * size) * 1e6, 1),
+                            "latencies_ms": [round(x * 1000, 3) for x in latencies]}
+    return results
+
+
+async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
+                       docs: Sequence[str]) -> None:
+    """The best direct strategy: every pair at once, `SLOTS` in flight."""
+    slots = asyncio.Semaphore(SLOTS)
+
+    async def one(doc: str) -> None:
+        body = {"messages": [
+            {"role": "system", "content": prompt.SYSTEM_PROMPT},
+            {"role": "user", "content": prompt.user_message(DEFAULT_INSTRUCTION, query, doc)}],
+            "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
+        async with slots:
+            (await http.post(url + "/v1/chat/completions", json=body)).raise_for_status()
+
+    await asyncio.gather(*(one(d) for d in docs))
+
+
+async def model(llama: str, rounds: int, count: int) -> dict[str, Any]:
+    docs = passages(count, seed=11)
+    times: dict[str, list[float]] = {"direct": [], "through": []}
+    args = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
+            "--timeout-ms", "120000"]
+    with rerank_server(args) as (port, _):
+        async with AsyncRerankClient(f"127.0.0.1:{port}") as client, \
+                httpx.AsyncClient(timeout=120) as http:
+            for r in range(rounds + 1):
+                order = ("direct", "through") if r % 2 == 0 else ("through", "direct")
+                for path in order:
+                    query = f"round {r} {path} which passage is about river energy"
+                    if path == "direct":
+                        t = await _timed(partial(_direct_chat, http, llama, query, docs))
+                    else:
+                        t = await _timed(partial(client.rerank, query, docs))
+                    if r:  # round 0 warms up
+                        times[path].append(t)
+    direct, through = statistics.median(times["direct"]), statistics.median(times["through"])
+    return {"passages": len(docs), "slots": SLOTS, "rounds": rounds,
+            "direct_ms": round(direct * 1000), "through_ms": round(through * 1000),
+            "through_over_direct": round(through / direct, 3)}
+
+
+async def throughput(seconds: float) -> dict[str, Any]:
+    docs = passages(20, seed=3)
+    results: dict[str, Any] = {}
+    with fake_backend() as url, rerank_server(backend_args("chat", url)) as (port, _):
+        for clients in CLIENTS:
+            latencies: list[float] = []
+            errors: list[str] = []
+            stop_at = time.perf_counter() + seconds
+            async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+                started = time.perf_counter()
+                await asyncio.gather(*(_client_loop(n, client, docs, stop_at, latencies, errors)
+                                       for n in range(clients)))
+                elapsed = time.perf_counter() - started
+            results[str(clients)] = {
+                "requests_per_s": round(len(latencies) / elapsed, 1),
+                "pairs_per_s": round(len(latencies) * len(docs) / elapsed),
+                "errors": len(errors), **_ms(latencies)}
+    return results
+
+
+async def _client_loop(n: int, client: AsyncRerankClient, docs: Sequence[str],
+                       stop_at: float, latencies: list[float], errors: list[str]) -> None:
+    """One benchmark client: requests back to back until `stop_at`."""
+    i = 0
+    while time.perf_counter() < stop_at:
+        started = time.perf_counter()
+        try:
+            await client.rerank(f"client {n} query {i}", docs)
+            latencies.append(time.perf_counter() - started)
+        except RerankError as exc:
+            errors.append(exc.code)
+        i += 1
+
+
+async def streaming(llama: str, rounds: int, count: int) -> dict[str, Any]:
+    docs = passages(count, seed=5)
+    first: list[float] = []
+    whole: list[float] = []
+    args = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
+            "--timeout-ms", "120000"]
+    with rerank_server(args) as (port, _):
+        async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+            for r in range(rounds + 1):
+                for mode in (("stream", "unary") if r % 2 == 0 else ("unary", "stream")):
+                    query = f"round {r} {mode} garden music"
+                    started = time.perf_counter()
+                    if mode == "unary":
+                        await client.rerank(query, docs)
+                        elapsed = time.perf_counter() - started
+                        if r:
+                            whole.append(elapsed)
+                        continue
+                    got_first: float | None = None
+                    async for item in client.stream(query, docs):
+                        if isinstance(item, Result) and got_first is None:
+                            got_first = time.perf_counter() - started
+                        if isinstance(item, Summary) and r and got_first is not None:
+                            first.append(got_first)
+    return {"passages": len(docs), "rounds": rounds,
+            "first_result_ms": round(statistics.median(first) * 1000),
+            "whole_answer_ms": round(statistics.median(whole) * 1000),
+            "first_over_whole": round(statistics.median(first) / statistics.median(whole), 3)}
+
+
+async def backends(llama: str, rounds: int, count: int) -> dict[str, Any]:
+    docs = passages(count, seed=9)
+    times: dict[str, list[float]] = {"chat": [], "completion": []}
+    common = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
+              "--timeout-ms", "120000", "--max-batch", str(len(docs))]
+    with rerank_server(["--backend", "chat", *common]) as (chat_port, _), \
+            rerank_server(["--backend", "completion", *common]) as (completion_port, _):
+        ports = {"chat": chat_port, "completion": completion_port}
+        for r in range(rounds + 1):
+            for kind in (("chat", "completion") if r % 2 == 0 else ("completion", "chat")):
+                # A query of its own: the same prompt twice would hit the slots' prompt cache.
+                query = f"round {r} {kind} winter station"
+                async with AsyncRerankClient(f"127.0.0.1:{ports[kind]}") as client:
+                    t = await _timed(partial(client.rerank, query, docs))
+                if r:
+                    times[kind].append(t)
+    chat, completion = statistics.median(times["chat"]), statistics.median(times["completion"])
+    return {"passages": len(docs), "slots": SLOTS, "rounds": rounds,
+            "chat_ms": round(chat * 1000), "completion_ms": round(completion * 1000),
+            "completion_over_chat": round(completion / chat, 3)}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"Machine: {report['machine']}. Command: `{report['command']}`.", ""]
+    if "overhead" in report:
+        lines += ["#### Overhead (instant fake backend)", "",
+                  "| backend | candidates | p50 ms | p99 ms | server CPU µs / pair |",
+                  "|---|---|---|---|---|"]
+        for kind, sizes in report["overhead"].items():
+            for size, r in sizes.items():
+                lines.append(f"| {kind} | {size} | {r['p50_ms']} | {r['p99_ms']} | "
+                             f"{r['cpu_us_per_pair']} |")
+        lines.append("")
+    if "model" in report:
+        m = report["model"]
+        lines += ["#### Against the model (llama-server, stand-in model)", "",
+                  f"{m['passages']} passages, {m['slots']} slots, median of {m['rounds']} "
+                  f"rounds: direct {m['direct_ms']} ms, through rerank-server "
+                  f"{m['through_ms']} ms, ratio {m['through_over_direct']}.", ""]
+    if "throughput" in report:
+        lines += ["#### Throughput (instant fake backend, 20 candidates)", "",
+                  "| clients | requests/s | pairs/s | p50 ms | p99 ms | errors |",
+                  "|---|---|---|---|---|---|"]
+        for clients, r in report["throughput"].items():
+            lines.append(f"| {clients} | {r['requests_per_s']} | {r['pairs_per_s']} | "
+                         f"{r['p50_ms']} | {r['p99_ms']} | {r['errors']} |")
+        lines.append("")
+    if "streaming" in report:
+        s = report["streaming"]
+        lines += ["#### Streaming", "", f"{s['passages']} passages, median of {s['rounds']}: "
+                  f"first RerankStream result {s['first_result_ms']} ms, whole Rerank answer "
+                  f"{s['whole_answer_ms']} ms (ratio {s['first_over_whole']}).", ""]
+    if "backends" in report:
+        b = report["backends"]
+        lines += ["#### chat vs completion", "", f"{b['passages']} passages, {b['slots']} "
+                  f"slots, median of {b['rounds']}: chat {b['chat_ms']} ms, completion "
+                  f"{b['completion_ms']} ms (ratio {b['completion_over_chat']}).", ""]
+    return "\n".join(lines)
+
+
+def plots(report: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if "overhead" in report:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        kinds = list(report["overhead"])
+        ax.boxplot([report["overhead"][k]["40"]["latencies_ms"] for k in kinds],
+                   tick_labels=kinds, showfliers=True)
+        ax.set_ylabel("latency per request (ms)")
+        ax.set_title("rerank-server overhead: 40 candidates, instant backend")
+        fig.tight_layout()
+        fig.savefig(out / "bench-latency.png", dpi=100)
+        written.append("bench-latency.png")
+    if "throughput" in report:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        clients = [int(c) for c in report["throughput"]]
+        ax.plot(clients, [report["throughput"][str(c)]["requests_per_s"] for c in clients],
+                marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("requests/s (20 candidates each)")
+        ax.set_title("throughput against an instant backend")
+        fig.tight_layout()
+        fig.savefig(out / "bench-throughput.png", dpi=100)
+        written.append("bench-throughput.png")
+    plt.close("all")
+    return written
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    chosen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        raise SystemExit(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    report: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {platform.python_implementation()} "
+                   f"{platform.python_version()}, {len(os.sched_getaffinity(0))} "
+                   "CPUs",
+        "command": "rerank-server bench " + " ".join(sys.argv[2:])}
+    if "overhead" in chosen:
+        report["overhead"] = await overhead(args.requests)
+    if "throughput" in chosen:
+        report["throughput"] = await throughput(args.seconds)
+    needs_llama = [s for s in ("model", "streaming", "backends") if s in chosen]
+    if needs_llama:
+        with llama_server(SLOTS) as llama:
+            if "model" in chosen:
+                report["model"] = await model(llama, args.rounds, args.passages)
+            if "streaming" in chosen:
+                report["streaming"] = await streaming(llama, args.rounds, args.passages)
+            if "backends" in chosen:
+                report["backends"] = await backends(llama, args.rounds, args.passages)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rerank-server bench",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--requests", type=int, default=30,
+                        help="overhead: requests per backend and size")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="throughput: seconds per concurrency level")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="llama-server scenarios: measured rounds (plus one warm-up)")
+    parser.add_argument("--passages", type=int, default=20,
+                        help="llama-server scenarios: passages per request")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = parser.parse_args(argv)
+    report = asyncio.run(run(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    report["plots"] = plots(report, args.out)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = markdown(report)
+    (args.out / "bench.md").write_text(text)
+    print(text)
+    return 0

@@ -1,0 +1,37 @@
+"""`rerank-server bench` runs every scenario and writes what it promises. A tiny run:
+these check the tool, not the figures (docs/benchmarks.md has those)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rerank_server.bench.run import KINDS, main
+from rerank_server.bench.run import passages as make_passages
+
+
+def test_passages_are_deterministic_and_sized() -> None:
+    first, second = make_passages(3), make_passages(3)
+    assert first == second and len(first) == 3
+    assert all(550 <= len(p) <= 700 for p in first)
+
+
+def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
+    code = main(["--requests", "2", "--seconds", "0.3", "--rounds", "1", "--passages", "3",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert set(report["overhead"]) == set(KINDS)
+    for sizes in report["overhead"].values():
+        assert set(sizes) == {"10", "40", "100"}
+        assert all(r["p50_ms"] > 0 and r["cpu_us_per_pair"] >= 0 for r in sizes.values())
+    assert set(report["throughput"]) == {"1", "4", "16", "64"}
+    assert all(r["errors"] == 0 and r["requests_per_s"] > 0
+               for r in report["throughput"].values())
+    assert report["model"]["through_over_direct"] > 0
+    assert 0 < report["streaming"]["first_over_whole"] <= 1.5
+    assert report["backends"]["completion_over_chat"] > 0
+    assert report["plots"] == ["bench-latency.png", "bench-throughput.png"]
+    for plot in report["plots"]:
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "#### Overhead" in (tmp_path / "bench.md").read_text()
