@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Extra flags for `make run`, e.g. make run ARGS="--port 6000 --log-format console"
 ARGS   ?=
 
-.PHONY: install assets run test lint proto docs check clean
+.PHONY: install assets test-assets run test lint proto docs check clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ install: $(STAMP)
 # llama-server built from the pinned llama.cpp source + the stand-in model, into the cache
 # (~/.cache/rerank-server, or RERANK_CACHE_DIR). Minutes the first time, instant after.
 assets: install
+	$(BIN)/rerank-server prepare
+
+# The tests also drive the embedding backend: MiniLM-L6 converted to GGUF (about a minute,
+# once).
+test-assets: install
 	$(BIN)/rerank-server prepare --embedding-model
 
 run: assets
@@ -31,7 +36,7 @@ run: assets
 	@echo
 	$(BIN)/rerank-server --managed $(ARGS)
 
-test: assets
+test: test-assets
 	$(BIN)/pytest
 
 lint: install
