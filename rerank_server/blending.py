@@ -14,11 +14,18 @@ candidates keep their retrieval order relative to each other.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
+
 from .domain import BlendStrategy
 
 POSITION_WEIGHTS = ((3, 0.75), (10, 0.60))  # (last rank of the band, retrieval weight)
 TAIL_RETRIEVAL_WEIGHT = 0.40
 LINEAR_RETRIEVAL_WEIGHT = 0.40
+# Adaptive: spread (population standard deviation) of a request's reranker scores below
+# which they count as noise, and above which they are trusted fully (docs/blending.md).
+SPREAD_NOISE = 0.06
+SPREAD_DECISIVE = 0.10
 
 
 def retrieval_input(rank: int) -> float:
@@ -27,7 +34,8 @@ def retrieval_input(rank: int) -> float:
 
 
 def retrieval_weight(strategy: BlendStrategy, rank: int) -> float:
-    """The share of the final score that comes from retrieval for this rank."""
+    """The share of the final score that comes from retrieval for this rank (the fixed
+    blends; the adaptive one decides per request in `adaptive_scores`)."""
     if strategy is BlendStrategy.RERANK_ONLY:
         return 0.0
     if strategy is BlendStrategy.LINEAR:
@@ -39,11 +47,54 @@ def retrieval_weight(strategy: BlendStrategy, rank: int) -> float:
 
 
 def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> float:
-    """Final score; `None` (pair failed) is ordered as if the reranker agreed with retrieval."""
+    """Final score under a fixed strategy; `None` (pair failed) is ordered as if the
+    reranker agreed with retrieval. The adaptive strategy blends a whole request at once
+    (`final_scores`)."""
+    if strategy is BlendStrategy.ADAPTIVE:
+        raise ValueError("the adaptive blend needs the whole request: use final_scores")
     r = retrieval_input(rank)
     p = r if reranker_score is None else reranker_score
     w = retrieval_weight(strategy, rank)
     return w * r + (1.0 - w) * p
+
+
+def adaptive_weight(scores: Sequence[float]) -> float:
+    """The reranker's weight for one request: 0 at or below `SPREAD_NOISE`, 1 at or above
+    `SPREAD_DECISIVE`, linear between; monotone in the spread of `scores`."""
+    if len(scores) < 2:
+        return 0.0
+    spread = statistics.pstdev(scores)
+    return min(max((spread - SPREAD_NOISE) / (SPREAD_DECISIVE - SPREAD_NOISE), 0.0), 1.0)
+
+
+def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
+    """Final scores of one request's scored candidates under the adaptive blend.
+
+    `w * p' + (1 - w) * 1/rank`, where p' is the reranker score min-max normalized within
+    the request (so decisive scores span 0..1 like the retrieval input) and `w` is
+    `adaptive_weight` of the scores present. A failed pair's p' is its 1/rank, as in the
+    other blends.
+    """
+    present = [p for p in scores if p is not None]
+    w = adaptive_weight(present)
+    lo, hi = (min(present), max(present)) if present else (0.0, 0.0)
+    out = []
+    for rank, p in zip(ranks, scores, strict=True):
+        r = retrieval_input(rank)
+        normalized = r if p is None else ((p - lo) / (hi - lo) if hi > lo else r)
+        out.append(w * normalized + (1.0 - w) * r)
+    return out
+
+
+FIXED = (BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY)
+
+
+def final_scores(strategy: BlendStrategy, ranks: Sequence[int],
+                 scores: Sequence[float | None]) -> list[float]:
+    """Final scores of a request's scored candidates, for any strategy."""
+    if strategy is BlendStrategy.ADAPTIVE:
+        return adaptive_scores(ranks, scores)
+    return [blend(strategy, r, p) for r, p in zip(ranks, scores, strict=True)]
 
 
 def upper_bound(strategy: BlendStrategy, rank: int) -> float:

@@ -18,6 +18,7 @@ class BlendStrategy(StrEnum):
     POSITION_AWARE = "position_aware"
     LINEAR = "linear"
     RERANK_ONLY = "rerank_only"
+    ADAPTIVE = "adaptive"
 
 
 class DegradedCode(StrEnum):

@@ -41,11 +41,14 @@ class IncrementalRanking:
         # Outstanding candidates by their upper bound, best first; stale entries are
         # skipped lazily once their candidate resolves.
         self._pending: dict[int, Candidate] = {c.index: c for c in scored}
-        self._bounds = [(_key(blending.upper_bound(strategy, c.retrieval_rank), c), c.index)
+        # The adaptive blend releases nothing before the end, so any bound will do there.
+        self._bounds = [(_key(blending.upper_bound(strategy, c.retrieval_rank)
+                              if strategy is not BlendStrategy.ADAPTIVE else 1.0, c), c.index)
                         for c in scored]
         heapq.heapify(self._bounds)
         self._resolved: list[tuple[tuple[float, int, int], int, Placed]] = []
         self._tail_released = False
+        self._adaptive: list[tuple[Candidate, float | None]] = []
 
     @property
     def outstanding(self) -> int:
@@ -54,8 +57,21 @@ class IncrementalRanking:
     def resolve(self, candidate_index: int, reranker_score: float | None) -> None:
         """Record a pair's outcome: its score, or `None` when it failed."""
         c = self._pending.pop(candidate_index)
+        if self._strategy is BlendStrategy.ADAPTIVE:
+            # The weight depends on every score of the request: blend at the end.
+            self._adaptive.append((c, reranker_score))
+            if not self._pending:
+                self._blend_adaptive()
+            return
         score = blending.blend(self._strategy, c.retrieval_rank, reranker_score)
         heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, reranker_score)))
+
+    def _blend_adaptive(self) -> None:
+        finals = blending.adaptive_scores([c.retrieval_rank for c, _ in self._adaptive],
+                                          [p for _, p in self._adaptive])
+        for (c, p), score in zip(self._adaptive, finals, strict=True):
+            heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, p)))
+        self._adaptive.clear()
 
     def fail_outstanding(self) -> list[int]:
         """Resolve every outstanding pair as failed (deadline, backend gone); their indexes."""

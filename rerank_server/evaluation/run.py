@@ -36,7 +36,7 @@ from .beir import load as load_dataset
 from .first_stage import Hit, bm25_top
 
 METRICS = ("ndcg@10", "recall@10", "recall@100", "mrr@10")
-STRATEGIES = ("position_aware", "linear", "rerank_only")
+STRATEGIES = ("position_aware", "linear", "rerank_only", "adaptive")
 MAX_P = 0.05
 
 Run = dict[str, dict[str, float]]

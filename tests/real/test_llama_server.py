@@ -21,7 +21,7 @@ from rerank_client import AsyncRerankClient, Result, Summary
 
 from rerank_server import prompt
 from rerank_server.backend_health import BackendMonitor
-from rerank_server.blending import blend
+from rerank_server.blending import final_scores
 from rerank_server.domain import BlendStrategy
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
@@ -58,9 +58,11 @@ def _client(server: RunningServer) -> AsyncRerankClient:
 
 
 def _assert_follows_blend(results: list[Result], strategy: BlendStrategy) -> None:
-    for r in results:
+    finals = final_scores(strategy, [r.retrieval_rank for r in results],
+                          [r.reranker_score for r in results])
+    for r, final in zip(results, finals, strict=True):
         assert r.reranker_score is not None and 0.0 <= r.reranker_score <= 1.0
-        assert r.score == pytest.approx(blend(strategy, r.retrieval_rank, r.reranker_score))
+        assert r.score == pytest.approx(final)
     keys = [(-r.score, r.retrieval_rank) for r in results]
     assert keys == sorted(keys)
 

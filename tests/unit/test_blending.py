@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from rerank_server.blending import blend, upper_bound
+from rerank_server.blending import FIXED, adaptive_scores, adaptive_weight, blend, upper_bound
 from rerank_server.domain import BlendStrategy
 
 PA, LIN, RR = BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY
@@ -44,15 +46,71 @@ def test_top_three_hard_to_displace() -> None:
 
 
 def test_failed_pair_is_ordered_as_retrieval_agreement() -> None:
-    for strategy in BlendStrategy:
+    for strategy in FIXED:
         assert blend(strategy, 4, None) == pytest.approx(0.25)
         scores = [blend(strategy, r, None) for r in range(1, 30)]
         assert scores == sorted(scores, reverse=True)
 
 
 def test_upper_bound_is_the_maximum() -> None:
-    for strategy in BlendStrategy:
+    for strategy in FIXED:
         for rank in (1, 2, 5, 12):
             bound = upper_bound(strategy, rank)
             assert all(blend(strategy, rank, p / 10) <= bound for p in range(11))
             assert blend(strategy, rank, None) <= bound
+
+
+# --- the adaptive blend (docs/blending.md)
+
+def _order(ranks: list[int], scores: list[float | None]) -> list[int]:
+    finals = adaptive_scores(ranks, scores)
+    return sorted(ranks, key=lambda r: (-finals[ranks.index(r)], r))
+
+
+def test_adaptive_keeps_retrieval_order_when_scores_are_constant() -> None:
+    ranks = list(range(1, 11))
+    assert adaptive_weight([0.53] * 10) == 0.0
+    assert _order(ranks, [0.53] * 10) == ranks
+
+
+def test_adaptive_follows_the_reranker_when_scores_are_decisive() -> None:
+    ranks = list(range(1, 7))
+    scores: list[float | None] = [0.1, 0.9, 0.3, 0.8, 0.2, 0.7]
+    assert adaptive_weight([s for s in scores if s is not None]) == 1.0
+    assert _order(ranks, scores) == [2, 4, 6, 3, 5, 1]
+
+
+def test_adaptive_ignores_compressed_noise() -> None:
+    """Scores like the weak stand-in's (0.50..0.56, spread 0.02) leave retrieval alone."""
+    ranks = list(range(1, 9))
+    noise: list[float | None] = [0.51, 0.56, 0.50, 0.55, 0.52, 0.53, 0.50, 0.55]
+    assert adaptive_weight([s for s in noise if s is not None]) == 0.0
+    assert _order(ranks, noise) == ranks
+
+
+@given(st.lists(st.floats(0, 1), min_size=2, max_size=30), st.floats(1.0, 5.0))
+def test_adaptive_weight_is_monotone_in_the_spread(scores: list[float], stretch: float) -> None:
+    mean = sum(scores) / len(scores)
+    wider = [mean + (s - mean) * stretch for s in scores]
+    assert adaptive_weight(wider) >= adaptive_weight(scores) - 1e-12
+
+
+@given(st.lists(st.floats(0.0, 0.5), min_size=2, max_size=20), st.floats(0.0, 0.5))
+def test_adaptive_order_does_not_depend_on_the_scores_offset(
+        scores: list[float], shift: float) -> None:
+    ranks = list(range(1, len(scores) + 1))
+    base: list[float | None] = list(scores)
+    shifted: list[float | None] = [s + shift for s in scores]
+    assert adaptive_weight(scores) == pytest.approx(adaptive_weight([s + shift for s in scores]))
+    a, b = adaptive_scores(ranks, base), adaptive_scores(ranks, shifted)
+    assert a == pytest.approx(b, abs=1e-9)
+
+
+def test_adaptive_failed_pairs_keep_their_retrieval_place_relative_to_each_other() -> None:
+    finals = adaptive_scores([1, 2, 3, 4], [None, 0.9, None, 0.1])
+    assert finals[0] > finals[2]  # both failed: rank 1 stays ahead of rank 3
+
+
+def test_adaptive_has_no_per_candidate_blend() -> None:
+    with pytest.raises(ValueError):
+        blend(BlendStrategy.ADAPTIVE, 1, 0.5)

@@ -7,7 +7,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rerank_server.blending import blend
+from rerank_server.blending import final_scores
 from rerank_server.domain import BlendStrategy, Candidate
 from rerank_server.ordering import IncrementalRanking
 
@@ -31,8 +31,8 @@ def test_released_order_equals_full_sort(scores: list[float | None], strategy: B
         ranking.resolve(i, scores[i])
         released += ranking.release()
     released += ranking.release()
-    expected = sorted(scored, key=lambda c: (-blend(strategy, c.retrieval_rank, scores[c.index]),
-                                             c.retrieval_rank, c.index))
+    finals = final_scores(strategy, [c.retrieval_rank for c in scored], scores)
+    expected = sorted(scored, key=lambda c: (-finals[c.index], c.retrieval_rank, c.index))
     assert [p.candidate for p in released] == expected + tail
 
 

@@ -12,6 +12,7 @@ BLEND_STRATEGIES = {
     "position_aware": pb.BLEND_STRATEGY_POSITION_AWARE,
     "linear": pb.BLEND_STRATEGY_LINEAR,
     "rerank_only": pb.BLEND_STRATEGY_RERANK_ONLY,
+    "adaptive": pb.BLEND_STRATEGY_ADAPTIVE,
 }
 _BLEND_NAMES = {v: k for k, v in BLEND_STRATEGIES.items()}
 _DEGRADED_PREFIX = "DEGRADED_REASON_CODE_"

@@ -51,6 +51,12 @@ class _BlendStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlendSt
     """0.4 x retrieval (1/rank) + 0.6 x reranker score, whatever the rank."""
     BLEND_STRATEGY_RERANK_ONLY: _BlendStrategy.ValueType  # 3
     """Sort by the reranker score alone; ties keep retrieval order."""
+    BLEND_STRATEGY_ADAPTIVE: _BlendStrategy.ValueType  # 4
+    """Trust the reranker as far as its scores in this request carry evidence: the weight
+    of its (request-normalized) score grows with the spread of its scores, from 0 (the
+    retrieval order) to 1 (the reranker's order). Results stream only once every pair is
+    scored. See docs/blending.md.
+    """
 
 class BlendStrategy(_BlendStrategy, metaclass=_BlendStrategyEnumTypeWrapper):
     """How the reranker's score and the retrieval rank are combined into the final score."""
@@ -66,6 +72,12 @@ BLEND_STRATEGY_LINEAR: BlendStrategy.ValueType  # 2
 """0.4 x retrieval (1/rank) + 0.6 x reranker score, whatever the rank."""
 BLEND_STRATEGY_RERANK_ONLY: BlendStrategy.ValueType  # 3
 """Sort by the reranker score alone; ties keep retrieval order."""
+BLEND_STRATEGY_ADAPTIVE: BlendStrategy.ValueType  # 4
+"""Trust the reranker as far as its scores in this request carry evidence: the weight
+of its (request-normalized) score grows with the spread of its scores, from 0 (the
+retrieval order) to 1 (the reranker's order). Results stream only once every pair is
+scored. See docs/blending.md.
+"""
 Global___BlendStrategy: _TypeAlias = BlendStrategy  # noqa: Y015
 
 class _ScoreKind:
