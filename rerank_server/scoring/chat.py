@@ -14,30 +14,21 @@ from .. import prompt
 from .base import Emit, PairOutcome, ScoreRequest
 from .http import BackendCallError
 from .logprobs import MalformedLogprobs, chat_top_logprobs, p_yes
-from .pool import BackendPool, MalformedResponse, map_pairs, model_name, served_model
+from .pool import BackendPool, MalformedResponse, map_pairs
+from .pooled import PooledScorer
 
 TOP_LOGPROBS = 20
 
 
-class ChatScorer:
+class ChatScorer(PooledScorer):
     """Scores pairs through an OpenAI-compatible chat endpoint with logprobs."""
 
     kind = "chat"
 
     def __init__(self, pool: BackendPool, model: str = "",
                  assistant_prefill: bool = True) -> None:
-        self._pool = pool
-        self._configured_model = model
-        self._reported_model = ""
+        super().__init__(pool, model)
         self._prefill = assistant_prefill
-
-    @property
-    def model(self) -> str:
-        return self._configured_model or self._reported_model
-
-    async def discover_model(self) -> None:
-        if not self._configured_model:
-            self._reported_model = await served_model(self._pool) or self._reported_model
 
     def payload(self, request: ScoreRequest, document: str) -> dict[str, Any]:
         messages = [
@@ -54,17 +45,15 @@ class ChatScorer:
             "logprobs": True,
             "top_logprobs": TOP_LOGPROBS,
         }
-        if self._configured_model:
-            body["model"] = self._configured_model
-        return body
+        return self.with_model(body)
 
     def _parse(self, body: Any) -> float:
         try:
             score = p_yes(chat_top_logprobs(body))
         except MalformedLogprobs as exc:
             raise MalformedResponse(str(exc)) from None
-        if isinstance(body, dict) and isinstance(body.get("model"), str):
-            self._reported_model = model_name(body["model"])
+        if isinstance(body, dict):
+            self.note_model(body.get("model"))
         if score is None:
             raise MalformedResponse("no yes/no token in top logprobs")
         return score
@@ -80,7 +69,4 @@ class ChatScorer:
             return PairOutcome(i, score)
 
         await map_pairs(len(request.documents), one, emit)
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
 

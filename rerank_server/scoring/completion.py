@@ -22,7 +22,8 @@ from .. import prompt
 from .base import Emit, Failure, PairOutcome, ScoreRequest
 from .http import BackendCallError
 from .logprobs import p_yes
-from .pool import BackendPool, MalformedResponse, failed_all, model_name, served_model
+from .pool import BackendPool, MalformedResponse, failed_all
+from .pooled import PooledScorer
 
 N_PROBS = 20
 PLACEHOLDER = "RERANK-DOCUMENT-PLACEHOLDER-7f1c"
@@ -30,28 +31,18 @@ YES_VARIANTS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
 NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")
 
 
-class CompletionScorer:
+class CompletionScorer(PooledScorer):
     """Batched yes/no scoring through llama-server's native completion endpoint."""
 
     kind = "completion"
 
     def __init__(self, pool: BackendPool, model: str = "", assistant_prefill: bool = True,
                  max_batch: int = 32) -> None:
-        self._pool = pool
-        self._configured_model = model
-        self._reported_model = ""
+        super().__init__(pool, model)
         self._prefill = assistant_prefill
         self._max_batch = max_batch
         self._answer_ids: dict[int, str] | None = None
         self._ids_lock = asyncio.Lock()
-
-    @property
-    def model(self) -> str:
-        return self._configured_model or self._reported_model
-
-    async def discover_model(self) -> None:
-        if not self._configured_model:
-            self._reported_model = await served_model(self._pool) or self._reported_model
 
     async def answer_ids(self) -> dict[int, str]:
         """Token id -> "yes" or "no", for every single-token variant; resolved once."""
@@ -97,10 +88,9 @@ class CompletionScorer:
 
         async def batch(start: int) -> None:
             indexes = every[start:start + self._max_batch]
-            body = {"prompt": prompts[start:start + self._max_batch], "n_probs": N_PROBS,
-                    "n_predict": 1, "temperature": 0.0, "cache_prompt": True}
-            if self._configured_model:
-                body["model"] = self._configured_model
+            body = self.with_model({"prompt": prompts[start:start + self._max_batch],
+                                    "n_probs": N_PROBS, "n_predict": 1, "temperature": 0.0,
+                                    "cache_prompt": True})
             try:
                 scores = await self._pool.call(
                     "/completion", body, lambda b: self._parse(b, ids, len(indexes)),
@@ -124,13 +114,9 @@ class CompletionScorer:
         for result in results:
             if not isinstance(result, dict):
                 raise MalformedResponse("completion result is not an object")
-            if isinstance(result.get("model"), str) and result["model"]:
-                self._reported_model = model_name(result["model"])
+            self.note_model(result.get("model"))
             scores.append(p_yes(_answers(result, ids)))
         return scores
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
 
 
 def _answers(result: dict[str, Any], ids: dict[int, str]) -> list[tuple[str, float]]:

@@ -18,32 +18,21 @@ from typing import Any
 from .base import Emit, Failure, ScoreRequest
 from .batching import score_in_batches
 from .http import BackendCallError
-from .pool import BackendPool, MalformedResponse, model_name, served_model
+from .pool import BackendPool, MalformedResponse
+from .pooled import PooledScorer
 
 Vector = list[float]
 
 
-class EmbeddingScorer:
+class EmbeddingScorer(PooledScorer):
     kind = "embedding"
 
     def __init__(self, pool: BackendPool, *, model: str = "", max_batch: int = 32) -> None:
-        self._pool = pool
-        self._configured_model = model
-        self._reported_model = ""
+        super().__init__(pool, model)
         self._max_batch = max_batch
 
-    @property
-    def model(self) -> str:
-        return self._configured_model or self._reported_model
-
-    async def discover_model(self) -> None:
-        if not self._configured_model:
-            self._reported_model = await served_model(self._pool) or self._reported_model
-
     async def embed(self, texts: Sequence[str]) -> list[Vector]:
-        body: dict[str, Any] = {"input": list(texts)}
-        if self._configured_model:
-            body["model"] = self._configured_model
+        body = self.with_model({"input": list(texts)})
         return await self._pool.call("/v1/embeddings", body,
                                      lambda b: self._vectors(b, len(texts)), pairs=len(texts))
 
@@ -51,8 +40,7 @@ class EmbeddingScorer:
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list) or len(data) != count:
             raise MalformedResponse(f"expected {count} embeddings")
-        if isinstance(body.get("model"), str) and body["model"]:
-            self._reported_model = model_name(body["model"])
+        self.note_model(body.get("model"))
         vectors: list[Vector | None] = [None] * count
         for position, item in enumerate(data):
             index = item.get("index", position) if isinstance(item, dict) else None
@@ -81,9 +69,6 @@ class EmbeddingScorer:
                 query.cancel()
             elif not query.cancelled():
                 query.exception()  # retrieved: reported through the slices already
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
 
 
 def cosine(a: Vector, b: Vector) -> float:

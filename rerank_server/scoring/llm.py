@@ -19,6 +19,7 @@ from .. import prompt
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches
 from .pool import BackendPool, MalformedResponse
+from .pooled import PooledScorer
 
 DOCUMENT_CHARS = 1000
 SYSTEM = ("You are a search relevance judge. Score how well each numbered candidate "
@@ -66,16 +67,12 @@ def parse_scores(body: Any, count: int) -> dict[int, float | None]:
     return scores
 
 
-class LlmScorer:
+class LlmScorer(PooledScorer):
     kind = "llm"
 
     def __init__(self, pool: BackendPool, *, model: str, max_batch: int = 20) -> None:
-        self._pool = pool
-        self.model = model
+        super().__init__(pool, model)  # configured: a chat server may serve several
         self._max_batch = max_batch
-
-    async def discover_model(self) -> None:
-        """The model is configured (a general chat server may serve several)."""
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
@@ -88,6 +85,3 @@ class LlmScorer:
                                          pairs=len(documents))
 
         await score_in_batches(request.documents, self._max_batch, call, emit)
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()

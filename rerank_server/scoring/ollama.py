@@ -15,6 +15,7 @@ from .. import prompt
 from .base import Emit, PairOutcome, ScoreRequest
 from .http import BackendCallError
 from .pool import BackendPool, MalformedResponse, map_pairs
+from .pooled import PooledScorer
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 INSTRUCTIONS = ("Judge how relevant the Document is to the Query, following the Instruct. "
@@ -37,15 +38,11 @@ def relevance(body: Any) -> float:
     return max(0.0, min(1.0, float(match.group()) / 10))
 
 
-class OllamaScorer:
+class OllamaScorer(PooledScorer):
     kind = "ollama"
 
     def __init__(self, pool: BackendPool, *, model: str) -> None:
-        self._pool = pool
-        self.model = model
-
-    async def discover_model(self) -> None:
-        """The model is configured (Ollama needs its name in every call)."""
+        super().__init__(pool, model)  # configured: Ollama needs it in every call
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def one(i: int) -> PairOutcome:
@@ -59,6 +56,3 @@ class OllamaScorer:
                 return PairOutcome.failed(i, exc.failure, exc.detail)
 
         await map_pairs(len(request.documents), one, emit)
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()

@@ -19,38 +19,26 @@ from typing import Any
 
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches, to_unit
-from .pool import BackendPool, MalformedResponse, served_model
+from .pool import BackendPool, MalformedResponse
+from .pooled import PooledScorer
 
 
-class RerankApiScorer:
+class RerankApiScorer(PooledScorer):
     kind = "rerank"
 
     def __init__(self, pool: BackendPool, *, model: str = "", wire_format: str = "cohere",
                  path: str = "/v1/rerank", max_batch: int = 32) -> None:
-        self._pool = pool
-        self._configured_model = model
-        self._reported_model = ""
+        super().__init__(pool, model)
         self._format = wire_format
         self._path = path
         self._max_batch = max_batch
-
-    @property
-    def model(self) -> str:
-        return self._configured_model or self._reported_model
-
-    async def discover_model(self) -> None:
-        if not self._configured_model:
-            self._reported_model = await served_model(self._pool) or self._reported_model
 
     def payload(self, query: str, documents: Sequence[str]) -> dict[str, Any]:
         if self._format == "tei":
             return {"query": query, "texts": list(documents), "raw_scores": False,
                     "truncate": True}
-        body: dict[str, Any] = {"query": query, "documents": list(documents),
-                                "top_n": len(documents)}
-        if self._configured_model:
-            body["model"] = self._configured_model
-        return body
+        return self.with_model({"query": query, "documents": list(documents),
+                                "top_n": len(documents)})
 
     def parse(self, body: Any, count: int) -> dict[int, float]:
         if self._format == "tei":
@@ -58,8 +46,8 @@ class RerankApiScorer:
         else:
             entries = body.get("results") if isinstance(body, dict) else None
             key = "relevance_score"
-            if isinstance(body, dict) and isinstance(body.get("model"), str):
-                self._reported_model = body["model"].rsplit("/", 1)[-1]
+            if isinstance(body, dict):
+                self.note_model(body.get("model"))
         if not isinstance(entries, list):
             raise MalformedResponse("rerank answer has no result list")
         scores: dict[int, float] = {}
@@ -78,6 +66,3 @@ class RerankApiScorer:
                                          pairs=len(documents))
 
         await score_in_batches(request.documents, self._max_batch, call, emit)
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
