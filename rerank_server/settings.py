@@ -185,7 +185,8 @@ class Settings:
         group="observability"))
 
     health_interval_s: float = field(default=5.0, metadata=_opt(
-        "How often the backend's /health is polled; a backend coming up is probed.",
+        "How often each backend instance's --health-path is polled; a backend coming up "
+        "is probed.",
         minimum=0.1, group="backend"))
     probe: bool = field(default=True, metadata=_opt(
         "Score a relevant and an irrelevant pair whenever the backend comes up, and warn "

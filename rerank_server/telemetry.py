@@ -21,9 +21,8 @@ for one signal, and `OTEL_SDK_DISABLED=true` turns the SDK off altogether.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 import structlog
@@ -55,7 +54,6 @@ class Telemetry:
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
     metrics_server: WSGIServer | None = None
-    _threads: list[threading.Thread] = field(default_factory=list)
 
     @property
     def tracing(self) -> bool:
@@ -116,13 +114,12 @@ class Telemetry:
     def _serve_metrics(self, settings: Settings, registry: CollectorRegistry) -> None:
         host = settings.metrics_host or settings.host
         try:
-            server, thread = start_http_server(settings.metrics_port, host, registry=registry)
+            server, _thread = start_http_server(settings.metrics_port, host, registry=registry)
         except OSError as exc:
             self.shutdown()
             raise OSError(f"cannot serve metrics on {host}:{settings.metrics_port} "
                           f"(--metrics-port / RERANK_METRICS_PORT): {exc.strerror}") from None
         self.metrics_server = server
-        self._threads.append(thread)
 
     def shutdown(self) -> None:
         """Stop the metrics endpoint and flush what is buffered for export."""

@@ -65,14 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
                      hits: dict[str, list[Hit]], strategy: str, rerank_depth: int,
-                     concurrency: int, timeout_s: float) -> tuple[Run, dict[str, int]]:
-    """The run for one strategy, and counts of how requests went."""
+                     concurrency: int, timeout_s: float,
+                     ) -> tuple[Run, dict[str, int], tuple[str, str]]:
+    """The run for one strategy, counts of how requests went, and (backend, model)."""
     slots = asyncio.Semaphore(concurrency)
     run: Run = {}
     counts = {"reranked": 0, "degraded": 0, "failed_pairs": 0}
+    scorer = ("", "")
     bar = tqdm(total=len(hits), desc=strategy, unit="query", leave=False)
 
     async def one(qid: str) -> None:
+        nonlocal scorer
         top, rest = hits[qid][:rerank_depth], hits[qid][rerank_depth:]
         candidates = [Candidate(id=h.document.id, text=h.document.text,
                                 title=h.document.title or None, retrieval_score=h.score,
@@ -83,6 +86,8 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
                                          max_candidates=max(1, len(candidates)))
         counts["reranked" if answer.reranked else "degraded"] += 1
         counts["failed_pairs"] += answer.summary.failed
+        if answer.reranked:
+            scorer = (answer.summary.backend, answer.summary.model)
         ordered = [r.id for r in answer.results] + [h.document.id for h in rest]
         run[qid] = {doc: 1.0 / position for position, doc in enumerate(ordered, start=1)}
         bar.update()
@@ -91,7 +96,7 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
         await asyncio.gather(*(one(q) for q in hits))
     finally:
         bar.close()
-    return run, counts
+    return run, counts, scorer
 
 
 def bm25_run(hits: dict[str, list[Hit]]) -> Run:
@@ -163,11 +168,10 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with AsyncRerankClient(target) as client:
             for strategy in [s.strip() for s in args.blend.split(",") if s.strip()]:
-                runs[strategy], outcome[strategy] = await rerank_run(
+                runs[strategy], outcome[strategy], scorer = await rerank_run(
                     client, dataset, hits, strategy, args.rerank_depth, args.concurrency,
                     args.timeout_s)
-            probe = await client.rerank("probe", ["a", "b", "c"], bypass_cache=True)
-            backend, model = probe.summary.backend, probe.summary.model
+                backend, model = scorer if scorer[0] else (backend, model)
     finally:
         if server is not None:
             await server.stop(grace=0)

@@ -28,7 +28,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
@@ -65,7 +65,7 @@ class Endpoint:
     ejections_in_row: int = 0
     ejected_until: float | None = None  # monotonic; set while ejected
     healthy: bool = True                # per the health monitor (optimistic until polled)
-    ejections: int = field(default=0)
+    ejections: int = 0
     answered_at: float | None = None     # monotonic time of the last successful call
     failed_polls: int = 0               # health polls failed in a row
     polls_failing_since: float | None = None
