@@ -16,16 +16,48 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .domain import BlendStrategy
 
 POSITION_WEIGHTS = ((3, 0.75), (10, 0.60))  # (last rank of the band, retrieval weight)
 TAIL_RETRIEVAL_WEIGHT = 0.40
 LINEAR_RETRIEVAL_WEIGHT = 0.40
-# Adaptive: spread (population standard deviation) of a request's reranker scores below
-# which they count as noise, and above which they are trusted fully (docs/blending.md).
-SPREAD_NOISE = 0.06
-SPREAD_DECISIVE = 0.10
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveParams:
+    """The request-wide blend's parameters: the reranker's weight rises from `min_weight`
+    at a score spread (population standard deviation) of `spread_noise` or less to
+    `max_weight` at `spread_decisive` or more. A fitted blend profile is a set of these
+    for one backend and model (`blend_profiles.py`)."""
+
+    # The built-in `adaptive` values, read off per-request spreads (docs/blending.md).
+    spread_noise: float = 0.06
+    spread_decisive: float = 0.10
+    min_weight: float = 0.0
+    max_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_weight <= self.max_weight <= 1.0:
+            raise ValueError("weights must satisfy 0 <= min_weight <= max_weight <= 1")
+        if not 0.0 <= self.spread_noise <= self.spread_decisive:
+            raise ValueError("spreads must satisfy 0 <= spread_noise <= spread_decisive")
+
+    def weight(self, spread: float) -> float:
+        """The reranker's weight at this spread; monotone non-decreasing."""
+        if spread >= self.spread_decisive:  # also the step when noise == decisive
+            return self.max_weight
+        if spread <= self.spread_noise:
+            return self.min_weight
+        t = (spread - self.spread_noise) / (self.spread_decisive - self.spread_noise)
+        return self.min_weight + t * (self.max_weight - self.min_weight)
+
+
+ADAPTIVE = AdaptiveParams()
+# Strategies whose weight depends on every score of the request: nothing is released
+# before the last pair resolves.
+REQUEST_WIDE = frozenset({BlendStrategy.ADAPTIVE, BlendStrategy.PROFILE})
 
 
 def retrieval_input(rank: int) -> float:
@@ -50,24 +82,30 @@ def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> f
     """Final score under a fixed strategy; `None` (pair failed) is ordered as if the
     reranker agreed with retrieval. The adaptive strategy blends a whole request at once
     (`final_scores`)."""
-    if strategy is BlendStrategy.ADAPTIVE:
-        raise ValueError("the adaptive blend needs the whole request: use final_scores")
+    if strategy in REQUEST_WIDE:
+        raise ValueError(f"the {strategy} blend needs the whole request: use final_scores")
     r = retrieval_input(rank)
     p = r if reranker_score is None else reranker_score
     w = retrieval_weight(strategy, rank)
     return w * r + (1.0 - w) * p
 
 
-def adaptive_weight(scores: Sequence[float]) -> float:
-    """The reranker's weight for one request: 0 at or below `SPREAD_NOISE`, 1 at or above
-    `SPREAD_DECISIVE`, linear between; monotone in the spread of `scores`."""
+def spread(scores: Sequence[float]) -> float:
+    """The evidence the adaptive blend weighs: the population standard deviation."""
+    return statistics.pstdev(scores) if len(scores) >= 2 else 0.0
+
+
+def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) -> float:
+    """The reranker's weight for one request, from the spread of its `scores`; with the
+    defaults 0 at or below a spread of 0.06, 1 at or above 0.10, linear between. Fewer
+    than two scores carry no evidence: the weight is `min_weight`."""
     if len(scores) < 2:
-        return 0.0
-    spread = statistics.pstdev(scores)
-    return min(max((spread - SPREAD_NOISE) / (SPREAD_DECISIVE - SPREAD_NOISE), 0.0), 1.0)
+        return params.min_weight
+    return params.weight(spread(scores))
 
 
-def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
+def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
+                    params: AdaptiveParams = ADAPTIVE) -> list[float]:
     """Final scores of one request's scored candidates under the adaptive blend.
 
     `w * p' + (1 - w) * 1/rank`, where p' is the reranker score min-max normalized within
@@ -76,7 +114,7 @@ def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None]) -> lis
     other blends.
     """
     present = [p for p in scores if p is not None]
-    w = adaptive_weight(present)
+    w = adaptive_weight(present, params)
     lo, hi = (min(present), max(present)) if present else (0.0, 0.0)
     out = []
     for rank, p in zip(ranks, scores, strict=True):
@@ -90,10 +128,12 @@ FIXED = (BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERAN
 
 
 def final_scores(strategy: BlendStrategy, ranks: Sequence[int],
-                 scores: Sequence[float | None]) -> list[float]:
-    """Final scores of a request's scored candidates, for any strategy."""
-    if strategy is BlendStrategy.ADAPTIVE:
-        return adaptive_scores(ranks, scores)
+                 scores: Sequence[float | None], params: AdaptiveParams = ADAPTIVE,
+                 ) -> list[float]:
+    """Final scores of a request's scored candidates, for any strategy; `params` are the
+    request-wide blend's (a profile's for `PROFILE`)."""
+    if strategy in REQUEST_WIDE:
+        return adaptive_scores(ranks, scores, params)
     return [blend(strategy, r, p) for r, p in zip(ranks, scores, strict=True)]
 
 

@@ -25,6 +25,7 @@ _BLEND_FROM_PB = {
     pb.BLEND_STRATEGY_LINEAR: BlendStrategy.LINEAR,
     pb.BLEND_STRATEGY_RERANK_ONLY: BlendStrategy.RERANK_ONLY,
     pb.BLEND_STRATEGY_ADAPTIVE: BlendStrategy.ADAPTIVE,
+    pb.BLEND_STRATEGY_PROFILE: BlendStrategy.PROFILE,
 }
 _BLEND_TO_PB = {v: k for k, v in _BLEND_FROM_PB.items()}
 _DEGRADED_TO_PB = {
@@ -133,6 +134,7 @@ def _summary_fields(s: RerankSummary) -> dict[str, object]:
         "backend": s.backend,
         "model": s.model,
         "blend_strategy": _BLEND_TO_PB[s.blend],
+        "blend_profile": s.blend_profile,
         "counts": pb.Counts(candidates=s.candidates, submitted=s.submitted, scored=s.scored,
                             failed=s.failed, cached=s.cached, deduplicated=s.deduplicated,
                             filtered=s.filtered),

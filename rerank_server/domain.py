@@ -19,6 +19,7 @@ class BlendStrategy(StrEnum):
     LINEAR = "linear"
     RERANK_ONLY = "rerank_only"
     ADAPTIVE = "adaptive"
+    PROFILE = "profile"
 
 
 class DegradedCode(StrEnum):
@@ -164,3 +165,5 @@ class RerankSummary:
     deduplicated: int = 0
     filtered: int = 0
     threshold: ThresholdReport | None = None
+    # Name of the fitted blend profile that blended the request ("" when none did).
+    blend_profile: str = ""

@@ -12,6 +12,7 @@ uses the same engine and simply waits for the end, so both give the same order.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import blending
@@ -35,20 +36,26 @@ class IncrementalRanking:
     """Releases candidates in final order as their pair outcomes arrive."""
 
     def __init__(self, strategy: BlendStrategy, scored: list[Candidate],
-                 tail: list[Candidate]) -> None:
+                 tail: list[Candidate],
+                 params: Callable[[], blending.AdaptiveParams] = lambda: blending.ADAPTIVE,
+                 ) -> None:
         self._strategy = strategy
+        # The request-wide blends' parameters, asked for only once every pair is in: a
+        # profile is chosen by the model's name, which the backend's answers may tell.
+        self._params = params
+        self._request_wide = strategy in blending.REQUEST_WIDE
         self._tail = tail
         # Outstanding candidates by their upper bound, best first; stale entries are
         # skipped lazily once their candidate resolves.
         self._pending: dict[int, Candidate] = {c.index: c for c in scored}
-        # The adaptive blend releases nothing before the end, so any bound will do there.
-        self._bounds = [(_key(blending.upper_bound(strategy, c.retrieval_rank)
-                              if strategy is not BlendStrategy.ADAPTIVE else 1.0, c), c.index)
+        # A request-wide blend releases nothing before the end, so any bound will do there.
+        self._bounds = [(_key(1.0 if self._request_wide
+                              else blending.upper_bound(strategy, c.retrieval_rank), c), c.index)
                         for c in scored]
         heapq.heapify(self._bounds)
         self._resolved: list[tuple[tuple[float, int, int], int, Placed]] = []
         self._tail_released = False
-        self._adaptive: list[tuple[Candidate, float | None]] = []
+        self._held: list[tuple[Candidate, float | None]] = []  # request-wide blends
 
     @property
     def outstanding(self) -> int:
@@ -57,21 +64,21 @@ class IncrementalRanking:
     def resolve(self, candidate_index: int, reranker_score: float | None) -> None:
         """Record a pair's outcome: its score, or `None` when it failed."""
         c = self._pending.pop(candidate_index)
-        if self._strategy is BlendStrategy.ADAPTIVE:
+        if self._request_wide:
             # The weight depends on every score of the request: blend at the end.
-            self._adaptive.append((c, reranker_score))
+            self._held.append((c, reranker_score))
             if not self._pending:
-                self._blend_adaptive()
+                self._blend_held()
             return
         score = blending.blend(self._strategy, c.retrieval_rank, reranker_score)
         heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, reranker_score)))
 
-    def _blend_adaptive(self) -> None:
-        finals = blending.adaptive_scores([c.retrieval_rank for c, _ in self._adaptive],
-                                          [p for _, p in self._adaptive])
-        for (c, p), score in zip(self._adaptive, finals, strict=True):
+    def _blend_held(self) -> None:
+        finals = blending.adaptive_scores([c.retrieval_rank for c, _ in self._held],
+                                          [p for _, p in self._held], self._params())
+        for (c, p), score in zip(self._held, finals, strict=True):
             heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, p)))
-        self._adaptive.clear()
+        self._held.clear()
 
     def fail_outstanding(self) -> list[int]:
         """Resolve every outstanding pair as failed (deadline, backend gone); their indexes."""

@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 import structlog
 from opentelemetry import trace
 
-from . import prompt
+from . import blend_profiles, prompt
+from .blend_profiles import BlendProfiles
+from .blending import ADAPTIVE, AdaptiveParams
 from .chunking import select_chunks
 from .domain import (
     BlendStrategy,
@@ -47,11 +49,34 @@ class Reranker:
     """Runs requests through the pipeline against one scorer."""
 
     def __init__(self, settings: Settings, scorer: Scorer,
-                 telemetry: Telemetry | None = None, cache: ScoreCache | None = None) -> None:
+                 telemetry: Telemetry | None = None, cache: ScoreCache | None = None,
+                 profiles: BlendProfiles | None = None) -> None:
         self.settings = settings
         self.scorer = scorer
         self.telemetry = telemetry or Telemetry.disabled()
         self.cache = cache if cache is not None else ScoreCache(0, 0)  # empty is falsy
+        self.profiles = profiles if profiles is not None \
+            else blend_profiles.load(settings.blend_profile)
+        self._unprofiled: set[tuple[str, str]] = set()  # (backend, model) already logged
+
+    def blend_for(self, strategy: BlendStrategy,
+                  ) -> tuple[BlendStrategy, AdaptiveParams, str]:
+        """(strategy, request-wide parameters, profile name) that will blend a request.
+
+        `PROFILE` becomes the profile matching the scorer's backend and model, or the
+        built-in adaptive blend when none matches (or the model is not known yet).
+        """
+        if strategy is not BlendStrategy.PROFILE:
+            return strategy, ADAPTIVE, ""
+        kind, model = self.scorer.kind, self.scorer.model
+        profile = self.profiles.find(kind, model)
+        if profile is not None:
+            return strategy, profile.params, profile.name
+        if (kind, model) not in self._unprofiled:
+            self._unprofiled.add((kind, model))
+            log.warning("no_blend_profile", backend=kind, model=model,
+                        profiles=self.profiles.source, using=BlendStrategy.ADAPTIVE.value)
+        return BlendStrategy.ADAPTIVE, ADAPTIVE, ""
 
     def budget_s(self, query: RerankQuery, deadline_remaining_s: float | None) -> float:
         """Seconds the scorer may use: the smallest of server default, request, deadline."""
@@ -68,21 +93,22 @@ class Reranker:
         started = time.perf_counter()
         s = self.settings
         tracer = self.telemetry.tracer
-        strategy = query.blend or s.blend_strategy
+        requested = query.blend or s.blend_strategy
+        blend = _Blend(self, requested)
         with tracer.start_as_current_span("rerank.shape") as span:
             shaped = shape(query, s)
             cap = query.max_candidates or s.max_candidates
             scored_set, tail = list(shaped.candidates[:cap]), list(shaped.candidates[cap:])
-            ranking = IncrementalRanking(strategy, scored_set, tail)
+            ranking = IncrementalRanking(requested, scored_set, tail, blend.params)
             skip = self._skip_reason(query, shaped)
             span.set_attributes({"rerank.candidates": query.occurrences,
                                  "rerank.deduplicated": shaped.deduplicated,
                                  "rerank.filtered": shaped.filtered,
                                  "rerank.submitted": 0 if skip else len(scored_set),
-                                 "rerank.blend": strategy.value})
+                                 "rerank.blend": requested.value})
             if skip is not None:
                 span.set_attribute("rerank.skipped", skip.code.value)
-        summary = functools.partial(self._summary, query, shaped, strategy, started)
+        summary = functools.partial(self._summary, query, shaped, blend, started)
         emitter = _Emitter(query.top_k)
 
         if skip is not None:
@@ -144,7 +170,9 @@ class Reranker:
         # Results whose place was certain were blended and sent during scoring already.
         with tracer.start_as_current_span("rerank.blend") as span:
             final = emitter.take(ranking.release())
-            span.set_attribute("rerank.released_after_scoring", len(final))
+            span.set_attributes({"rerank.released_after_scoring": len(final),
+                                 "rerank.blend": blend.strategy.value,
+                                 "rerank.blend_profile": blend.profile})
         for item in final:
             yield item
         scored = len(fresh) + len(hits)
@@ -230,18 +258,43 @@ class Reranker:
                                 f"{top - second:.2f}")
         return None
 
-    def _summary(self, query: RerankQuery, shaped: Shaped, strategy: BlendStrategy,
-                 started: float, degraded: Degraded | None, *, submitted: int, scored: int,
-                 cached: int, failures: Counter[Failure], scoring_s: float) -> RerankSummary:
+    def _summary(self, query: RerankQuery, shaped: Shaped, blend: _Blend,
+                 started: float, degraded: Degraded | None, *,
+                 submitted: int, scored: int, cached: int, failures: Counter[Failure],
+                 scoring_s: float) -> RerankSummary:
         return RerankSummary(
             request_id=query.request_id, reranked=scored > 0, degraded=degraded,
-            backend=self.scorer.kind, model=self.scorer.model, blend=strategy,
+            backend=self.scorer.kind, model=self.scorer.model, blend=blend.strategy,
             candidates=query.occurrences, submitted=submitted, scored=scored,
             failed=sum(failures.values()),
             total_ms=(time.perf_counter() - started) * 1000, scoring_ms=scoring_s * 1000,
             failures={failure.value: n for failure, n in failures.items()}, cached=cached,
             deduplicated=shaped.deduplicated, filtered=shaped.filtered,
-            threshold=shaped.threshold)
+            threshold=shaped.threshold, blend_profile=blend.profile)
+
+
+class _Blend:
+    """A request's blend, settled on first use after scoring (see `Reranker.blend_for`):
+    by then the backend's answers have named its model."""
+
+    def __init__(self, reranker: Reranker, requested: BlendStrategy) -> None:
+        self._reranker = reranker
+        self._requested = requested
+
+    @functools.cached_property
+    def _settled(self) -> tuple[BlendStrategy, AdaptiveParams, str]:
+        return self._reranker.blend_for(self._requested)
+
+    def params(self) -> AdaptiveParams:
+        return self._settled[1]
+
+    @property
+    def strategy(self) -> BlendStrategy:
+        return self._settled[0]
+
+    @property
+    def profile(self) -> str:
+        return self._settled[2]
 
 
 class _ScorerCrashed(Exception):

@@ -23,8 +23,9 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import __version__, assets
+from . import __version__, assets, blend_profiles
 from .backend_health import BackendMonitor
+from .blend_profiles import BlendProfiles
 from .interceptors import RpcInterceptor
 from .managed import ManagedLlamaServer, default_log_path, split_args
 from .metrics import Metrics
@@ -136,12 +137,13 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
     missing), which can take minutes the first time. `telemetry` defaults to what the
     settings ask for; tests pass their own to read spans.
     """
+    profiles = blend_profiles.load(settings.blend_profile)  # before minutes of setup
     telemetry = telemetry or Telemetry.create(settings)
     managed = None
     try:
         if settings.managed:
             settings, managed = await start_managed(settings, telemetry.metrics)
-        return await _build(settings, scorer, managed, telemetry)
+        return await _build(settings, scorer, managed, telemetry, profiles)
     except BaseException:
         if managed is not None:
             await managed.stop()
@@ -150,10 +152,12 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
 
 
 async def _build(settings: Settings, scorer: Scorer | None,
-                 managed: ManagedLlamaServer | None, telemetry: Telemetry) -> RunningServer:
+                 managed: ManagedLlamaServer | None, telemetry: Telemetry,
+                 profiles: BlendProfiles) -> RunningServer:
     cache = await asyncio.to_thread(_open_cache, settings)  # may open a SQLite file
     pool = build_pool(settings, telemetry)
-    reranker = Reranker(settings, scorer or build_scorer(settings, pool), telemetry, cache)
+    reranker = Reranker(settings, scorer or build_scorer(settings, pool), telemetry, cache,
+                        profiles)
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -187,6 +191,7 @@ async def serve(settings: Settings) -> None:
     log.info("serving", address=running.address, backend=running.settings.backend,
              backend_url=running.settings.backend_url, managed=settings.managed,
              metrics_port=running.telemetry.metrics_port, tracing=running.telemetry.tracing,
+             blend=settings.blend_strategy.value, blend_profiles=running.reranker.profiles.source,
              version=__version__)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

@@ -154,9 +154,9 @@ def _log_summary(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
              submitted=s.submitted, scored=s.scored, failed=s.failed, returned=returned,
              reranked=s.reranked, degraded=s.degraded.code.value if s.degraded else None,
              degraded_detail=s.degraded.message if s.degraded else None,
-             failures=dict(s.failures) or None, blend=s.blend.value, backend=s.backend,
-             total_ms=round(s.total_ms, 2),
-             scoring_ms=round(s.scoring_ms, 2), **extra)
+             failures=dict(s.failures) or None, blend=s.blend.value,
+             blend_profile=s.blend_profile or None, backend=s.backend,
+             total_ms=round(s.total_ms, 2), scoring_ms=round(s.scoring_ms, 2), **extra)
 
 
 def _log_failure(rpc: str, request_id: str, started: float, code: grpc.StatusCode,

@@ -103,6 +103,9 @@ class Settings:
     # --- ranking defaults (a request may override the ones marked so in the proto)
     blend_strategy: BlendStrategy = field(default=BlendStrategy.POSITION_AWARE, metadata=_opt(
         "Default blend of reranker score and retrieval rank.", group="ranking"))
+    blend_profile: str = field(default="", metadata=_opt(
+        "JSON file of fitted blend profiles for the `profile` strategy (docs/blending.md); "
+        "empty: the profiles shipped with the server.", group="ranking"))
     instruction: str = field(default=DEFAULT_INSTRUCTION, metadata=_opt(
         "Default task instruction given to the scorer.", group="ranking"))
     timeout_ms: int = field(default=10_000, metadata=_opt(

@@ -10,30 +10,44 @@ like. ranx computes nDCG@10, Recall@10, Recall@100 and MRR@10 for BM25 and every
 strategy, keeps the per-query values, and runs a paired two-sided t-test between every two
 runs. Output: `OUT/eval-NAME.json` (everything, per query included) and `OUT/eval-NAME.md`
 (the table; a letter after a value names each run it beats with p < 0.05).
+
+With `--fit-profile FILE` it also fits a blend profile for the server's backend and model
+on this data set (`fit.py`), adds the cross-validated run `profile_cv` to the table and
+writes the profile into FILE (other profiles in it are kept):
+
+    rerank-server eval DATA --server "..." --fit-profile profiles.json
+    rerank-server eval OTHER --server "... --blend-profile profiles.json" \
+        --blend rerank_only,adaptive,profile
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import platform
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rerank_client import AsyncRerankClient, Candidate, RerankError
 from tqdm import tqdm
 
-from .. import logs
+from .. import blend_profiles, logs
+from ..blend_profiles import BlendProfile, BlendProfiles
 from ..errors import ConfigError
 from ..settings import LogFormat, load
 from .beir import Dataset, DatasetError
 from .beir import load as load_dataset
 from .first_stage import Hit, bm25_top
+from .fit import ScoredQuery, fit, ndcg
 
 METRICS = ("ndcg@10", "recall@10", "recall@100", "mrr@10")
 STRATEGIES = ("position_aware", "linear", "rerank_only", "adaptive")
@@ -60,22 +74,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=300.0, help="deadline per request")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--name", default="", help="output name (default: the data set's)")
+    p.add_argument("--fit-profile", type=Path, metavar="FILE",
+                   help="fit a blend profile for the server's backend and model on this data "
+                        "set and write it into FILE (other profiles there are kept)")
+    p.add_argument("--profile-name", default="",
+                   help="name of the fitted profile (default: BACKEND-MODEL)")
+    p.add_argument("--profile-model", default="",
+                   help="model pattern the profile applies to, e.g. 'all-MiniLM-L6-v2*' "
+                        "(default: exactly the served model's name)")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds for the fit")
     return p
+
+
+@dataclass
+class StrategyRun:
+    """What one strategy's requests gave: the ranking, how they went, the raw scores."""
+
+    run: Run
+    counts: dict[str, int]
+    scored: dict[str, ScoredQuery]  # per reranked query
+    backend: str = ""
+    model: str = ""
+    blended_by: str = ""  # the strategy (and profile) the server says it blended with
 
 
 async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
                      hits: dict[str, list[Hit]], strategy: str, rerank_depth: int,
-                     concurrency: int, timeout_s: float,
-                     ) -> tuple[Run, dict[str, int], tuple[str, str]]:
-    """The run for one strategy, counts of how requests went, and (backend, model)."""
+                     concurrency: int, timeout_s: float) -> StrategyRun:
     slots = asyncio.Semaphore(concurrency)
-    run: Run = {}
-    counts = {"reranked": 0, "degraded": 0, "failed_pairs": 0}
-    scorer = ("", "")
+    out = StrategyRun({}, {"reranked": 0, "degraded": 0, "failed_pairs": 0}, {})
     bar = tqdm(total=len(hits), desc=strategy, unit="query", leave=False)
 
     async def one(qid: str) -> None:
-        nonlocal scorer
         top, rest = hits[qid][:rerank_depth], hits[qid][rerank_depth:]
         candidates = [Candidate(id=h.document.id, text=h.document.text,
                                 title=h.document.title or None, retrieval_score=h.score,
@@ -84,19 +114,71 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
             answer = await client.rerank(dataset.queries[qid], candidates, request_id=qid,
                                          blend_strategy=strategy, timeout=timeout_s,
                                          max_candidates=max(1, len(candidates)))
-        counts["reranked" if answer.reranked else "degraded"] += 1
-        counts["failed_pairs"] += answer.summary.failed
+        out.counts["reranked" if answer.reranked else "degraded"] += 1
+        out.counts["failed_pairs"] += answer.summary.failed
         if answer.reranked:
-            scorer = (answer.summary.backend, answer.summary.model)
+            out.backend, out.model = answer.summary.backend, answer.summary.model
+            out.blended_by = " ".join(filter(None, (answer.summary.blend_strategy,
+                                                    answer.summary.blend_profile)))
+            head = sorted(answer.results, key=lambda r: r.retrieval_rank)
+            out.scored[qid] = ScoredQuery(
+                qid, tuple(r.id for r in head), tuple(r.retrieval_rank for r in head),
+                tuple(r.reranker_score for r in head), tuple(h.document.id for h in rest))
         ordered = [r.id for r in answer.results] + [h.document.id for h in rest]
-        run[qid] = {doc: 1.0 / position for position, doc in enumerate(ordered, start=1)}
+        out.run[qid] = ranking_run(ordered)
         bar.update()
 
     try:
         await asyncio.gather(*(one(q) for q in hits))
     finally:
         bar.close()
-    return run, counts, scorer
+    return out
+
+
+def ranking_run(ordered: Sequence[str]) -> dict[str, float]:
+    """A ranking as ranx wants it: higher is better."""
+    return {doc: 1.0 / position for position, doc in enumerate(ordered, start=1)}
+
+
+def strategies(args: argparse.Namespace) -> list[str]:
+    chosen = [s.strip() for s in args.blend.split(",") if s.strip()]
+    # Fitting needs the reranker's scores, which any strategy's answers carry.
+    return chosen or (["rerank_only"] if args.fit_profile else [])
+
+
+def fit_profile(args: argparse.Namespace, dataset: Dataset, scored: dict[str, ScoredQuery],
+                backend: str, model: str, runs: dict[str, Run]) -> dict[str, Any]:
+    """Fit a profile on this data set's scores and write it into `args.fit_profile`."""
+    if not scored or not backend or not model:
+        raise ConfigError("--fit-profile: no request was reranked (or the server did not "
+                          "name its model), so there is nothing to fit")
+    queries = [scored[q] for q in sorted(scored)]
+    result = fit(queries, dataset.qrels, folds=args.folds)
+    fitted = {
+        "dataset": dataset.name, "queries": len(queries), "depth": args.depth,
+        "rerank_depth": args.rerank_depth, "folds": args.folds, "grid": result.grid_size,
+        "model": model, "objective": "ndcg@10",
+        "ndcg@10": {"in_sample": round(result.in_sample, 4),
+                    "cross_validated": round(result.cross_validated, 4),
+                    **{name: round(statistics.fmean(
+                        fit_ndcg(run.get(q.qid, {}), dataset.qrels[q.qid]) for q in queries), 4)
+                       for name, run in runs.items() if name in ("bm25", "rerank_only")}},
+        "fold_params": [dataclasses.asdict(p) for p in result.fold_params],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    name = args.profile_name or f"{backend}-{model.removesuffix('.gguf')}"
+    profile = BlendProfile(name, backend, args.profile_model or model, result.params, fitted)
+    target: Path = args.fit_profile
+    existing = blend_profiles.load(target) if target.exists() \
+        else BlendProfiles((), str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(existing.with_profile(profile).to_json(), indent=1) + "\n")
+    return {"profile": profile.to_json(), "file": str(target),
+            "out_of_fold": result.out_of_fold}
+
+
+def fit_ndcg(run: dict[str, float], judged: dict[str, int]) -> float:
+    return ndcg(sorted(run, key=lambda d: -run[d]), judged)
 
 
 def bm25_run(hits: dict[str, list[Hit]]) -> Run:
@@ -117,7 +199,9 @@ def score(dataset: Dataset, runs: dict[str, Run]) -> dict[str, Any]:
         ranx_runs.append(RanxRun(complete, name=name))
     report = compare(qrels, ranx_runs, metrics=list(METRICS), stat_test="student",
                      max_p=MAX_P).to_dict()
-    per_query = {r.name: {m: dict(zip(dataset.qrels, map(float, evaluate(
+    # ranx returns per-query values in its own (sorted) query order, not the data set's.
+    order = list(qrels.keys())
+    per_query = {r.name: {m: dict(zip(order, map(float, evaluate(
         qrels, r, m, return_mean=False)), strict=True)) for m in METRICS} for r in ranx_runs}
     return {"means": {n: report[n]["scores"] for n in runs},
             "p_values": {n: report[n]["comparisons"] for n in runs},
@@ -140,8 +224,49 @@ def markdown(name: str, scores: dict[str, Any], header: str) -> str:
             cells.append(f"{value:.3f}" + (f" <sup>{beats}</sup>" if beats else ""))
         lines.append(f"| {letters[n]} | {n} | " + " | ".join(cells) + " |")
     lines += ["", f"A letter after a value: better than that run, paired two-sided t-test, "
-                  f"p < {MAX_P}."]
+                  f"p < {MAX_P}.", ""]
+    lines += against_baselines(scores)
+    fitted = scores.get("fit")
+    if fitted:
+        prof, how = fitted["profile"], fitted["profile"]["fitted"]
+        lines += ["", f"Fitted profile `{prof['name']}` (model `{prof['model']}`): "
+                      f"reranker weight {prof['min_weight']:g} at a score spread up to "
+                      f"{prof['spread_noise']:g}, {prof['max_weight']:g} from "
+                      f"{prof['spread_decisive']:g}; nDCG@10 {how['ndcg@10']['in_sample']:.3f} "
+                      f"in sample, {how['ndcg@10']['cross_validated']:.3f} cross-validated "
+                      f"({how['folds']} folds by query, run `profile_cv`); written to "
+                      f"`{fitted['file']}`."]
     return "\n".join(lines) + "\n"
+
+
+def p_value(p: float) -> str:
+    # ranx gives NaN when two runs agree on every query: there is no difference to test.
+    return "same ranking" if math.isnan(p) else f"{p:.3f}"
+
+
+def against_baselines(scores: dict[str, Any], metric: str = "ndcg@10") -> list[str]:
+    """nDCG@10 of each run against BM25 and pure rerank, with paired p-values, and the
+    share of pure rerank's gain over BM25 it keeps."""
+    means, p = scores["means"], scores["p_values"]
+    if "bm25" not in means:
+        return []
+    base = means["bm25"][metric]
+    rerank = means.get("rerank_only", {}).get(metric)
+    lines = [f"| run | {metric} | vs bm25 | p | vs rerank_only | p | share of rerank gain |",
+             "|---|---|---|---|---|---|---|"]
+    for n in means:
+        if n == "bm25":
+            continue
+        value = means[n][metric]
+        cells = [n, f"{value:.3f}", f"{value - base:+.3f}", p_value(p[n]["bm25"][metric])]
+        if rerank is None or n == "rerank_only":
+            cells += ["", "", ""]
+        else:
+            gain = rerank - base
+            cells += [f"{value - rerank:+.3f}", p_value(p[n]["rerank_only"][metric]),
+                      f"{(value - base) / gain:.0%}" if gain > 0 else "n/a"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,21 +290,31 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
         target = f"127.0.0.1:{server.port}"
     outcome: dict[str, dict[str, int]] = {}
     backend = model = ""
+    scored: dict[str, ScoredQuery] = {}
+    blended_by: dict[str, str] = {}
     try:
         async with AsyncRerankClient(target) as client:
-            for strategy in [s.strip() for s in args.blend.split(",") if s.strip()]:
-                runs[strategy], outcome[strategy], scorer = await rerank_run(
-                    client, dataset, hits, strategy, args.rerank_depth, args.concurrency,
-                    args.timeout_s)
-                backend, model = scorer if scorer[0] else (backend, model)
+            for strategy in strategies(args):
+                done = await rerank_run(client, dataset, hits, strategy, args.rerank_depth,
+                                        args.concurrency, args.timeout_s)
+                runs[strategy], outcome[strategy] = done.run, done.counts
+                backend, model = (done.backend, done.model) if done.backend else (backend, model)
+                scored = scored or done.scored
+                blended_by[strategy] = done.blended_by
     finally:
         if server is not None:
             await server.stop(grace=0)
+    fitted = None
+    if args.fit_profile:
+        fitted = fit_profile(args, dataset, scored, backend, model, runs)
+        runs["profile_cv"] = {qid: ranking_run(ordered)
+                              for qid, ordered in fitted.pop("out_of_fold").items()}
     return {
         "dataset": dataset.name, "queries": len(dataset.queries),
         "documents": len(dataset.corpus), "depth": args.depth,
         "rerank_depth": args.rerank_depth, "backend": backend, "model": model,
-        "requests": outcome, "seconds": round(time.perf_counter() - started, 1),
+        "requests": outcome, "blended_by": blended_by, "fit": fitted,
+        "seconds": round(time.perf_counter() - started, 1),
         "machine": f"{platform.machine()}, {platform.python_implementation()} "
                    f"{platform.python_version()}",
         **score(dataset, runs),
@@ -200,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = (f"{result['queries']} queries, {result['documents']} documents; BM25 top "
               f"{result['depth']}, top {result['rerank_depth']} reranked by "
               f"`{result['backend']}` ({result['model']}).")
+    used = {s: by for s, by in result["blended_by"].items() if by and by != s}
+    if used:
+        header += " Blended by: " + ", ".join(f"{s} as `{by}`" for s, by in used.items()) + "."
     table = markdown(name, result, header)
     (args.out / f"eval-{name}.md").write_text(table)
     print(table)

@@ -57,6 +57,12 @@ class _BlendStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlendSt
     retrieval order) to 1 (the reranker's order). Results stream only once every pair is
     scored. See docs/blending.md.
     """
+    BLEND_STRATEGY_PROFILE: _BlendStrategy.ValueType  # 5
+    """The adaptive blend with parameters fitted offline for the server's backend and
+    model (a blend profile, `--blend-profile`); `blend_profile` in the answer names it.
+    With no profile for the model, the answer is blended by ADAPTIVE and says so in
+    `blend_strategy`. Results stream only once every pair is scored.
+    """
 
 class BlendStrategy(_BlendStrategy, metaclass=_BlendStrategyEnumTypeWrapper):
     """How the reranker's score and the retrieval rank are combined into the final score."""
@@ -77,6 +83,12 @@ BLEND_STRATEGY_ADAPTIVE: BlendStrategy.ValueType  # 4
 of its (request-normalized) score grows with the spread of its scores, from 0 (the
 retrieval order) to 1 (the reranker's order). Results stream only once every pair is
 scored. See docs/blending.md.
+"""
+BLEND_STRATEGY_PROFILE: BlendStrategy.ValueType  # 5
+"""The adaptive blend with parameters fitted offline for the server's backend and
+model (a blend profile, `--blend-profile`); `blend_profile` in the answer names it.
+With no profile for the model, the answer is blended by ADAPTIVE and says so in
+`blend_strategy`. Results stream only once every pair is scored.
 """
 Global___BlendStrategy: _TypeAlias = BlendStrategy  # noqa: Y015
 
@@ -807,6 +819,7 @@ class RerankSummary(_message.Message):
     COUNTS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     THRESHOLD_FIELD_NUMBER: _builtins.int
+    BLEND_PROFILE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reranked: _builtins.bool
     """True when reranker scores decided the order of at least the scored candidates."""
@@ -816,6 +829,10 @@ class RerankSummary(_message.Message):
     """Model name the backend reported or was configured with."""
     blend_strategy: Global___BlendStrategy.ValueType
     """The strategy that blended the scores."""
+    blend_profile: _builtins.str
+    """Name of the fitted blend profile that blended the scores; empty unless
+    `blend_strategy` is PROFILE.
+    """
     @_builtins.property
     def degraded(self) -> Global___DegradedReason:
         """Set when something went wrong; with `reranked = false` the results are in retrieval
@@ -842,10 +859,11 @@ class RerankSummary(_message.Message):
         counts: Global___Counts | None = ...,
         timings: Global___Timings | None = ...,
         threshold: Global___ThresholdReport | None = ...,
+        blend_profile: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_profile", b"blend_profile", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -866,12 +884,14 @@ class RerankResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     THRESHOLD_FIELD_NUMBER: _builtins.int
+    BLEND_PROFILE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reranked: _builtins.bool
     """Same fields as in the summary; see `RerankSummary`."""
     backend: _builtins.str
     model: _builtins.str
     blend_strategy: Global___BlendStrategy.ValueType
+    blend_profile: _builtins.str
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankedResult]:
         """Results in final order, at most `top_k` of them."""
@@ -904,10 +924,11 @@ class RerankResponse(_message.Message):
         timings: Global___Timings | None = ...,
         error: Global___RequestError | None = ...,
         threshold: Global___ThresholdReport | None = ...,
+        blend_profile: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "error", b"error", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "error", b"error", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "results", b"results", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_profile", b"blend_profile", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "error", b"error", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "results", b"results", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

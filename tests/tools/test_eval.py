@@ -72,3 +72,36 @@ def test_eval_measures_bm25_and_each_strategy(tmp_path: Path,
     assert result["backend"] == "chat"
     table = (out / "eval-tiny.md").read_text()
     assert "| a | bm25 |" in table and "rerank_only" in table and "ndcg@10" in table
+
+
+def test_fit_profile_then_evaluate_with_it(tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    """Fit a profile on one run, load it into a server, and get what the fit promised:
+    the offline replay and the server blend the same way."""
+    fake_llama.scores = {"GOOD": 0.95}
+    fake_llama.default_score = 0.05
+    data = write_dataset(tmp_path / "tiny", header=True)
+    profiles, out = tmp_path / "profiles.json", tmp_path / "out"
+    server = f"--backend-url {fake_llama.url} --no-probe --metrics-port 0"
+    common = ["--depth", "6", "--rerank-depth", "6", "--out", str(out)]
+    assert main([str(data), "--server", server, "--blend", "rerank_only", *common,
+                 "--fit-profile", str(profiles), "--profile-name", "fake",
+                 "--profile-model", "fake-*"]) == 0
+    fitted = json.loads((out / "eval-tiny.json").read_text())
+    written = json.loads(profiles.read_text())["profiles"]
+    assert [(p["name"], p["backend"], p["model"]) for p in written] == [("fake", "chat", "fake-*")]
+    assert written[0]["max_weight"] > 0  # a decisive scorer is trusted
+    assert written[0]["fitted"]["dataset"] == "tiny" and written[0]["fitted"]["queries"] == 3
+    assert "profile_cv" in fitted["means"]
+    in_sample = written[0]["fitted"]["ndcg@10"]["in_sample"]
+
+    assert main([str(data), "--server", f"{server} --blend-profile {profiles}",
+                 "--blend", "profile,adaptive", "--name", "again", *common]) == 0
+    again = json.loads((out / "eval-again.json").read_text())
+    assert again["blended_by"] == {"profile": "profile fake", "adaptive": "adaptive"}
+    assert again["means"]["profile"]["ndcg@10"] == pytest.approx(in_sample, abs=1e-4)
+    # Per-query values belong to their queries (ranx orders queries its own way).
+    per_query = again["per_query"]["bm25"]["ndcg@10"]
+    bm25 = again["means"]["bm25"]["ndcg@10"]
+    assert sum(per_query.values()) / 3 == pytest.approx(bm25)
+    table = (out / "eval-again.md").read_text()
+    assert "share of rerank gain" in table and "profile as `profile fake`" in table

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rerank_server.blending import FIXED, adaptive_scores, adaptive_weight, blend, upper_bound
+from rerank_server.blending import (
+    ADAPTIVE,
+    FIXED,
+    AdaptiveParams,
+    adaptive_scores,
+    adaptive_weight,
+    blend,
+    upper_bound,
+)
 from rerank_server.domain import BlendStrategy
 
 PA, LIN, RR = BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY
@@ -62,8 +70,9 @@ def test_upper_bound_is_the_maximum() -> None:
 
 # --- the adaptive blend (docs/blending.md)
 
-def _order(ranks: list[int], scores: list[float | None]) -> list[int]:
-    finals = adaptive_scores(ranks, scores)
+def _order(ranks: list[int], scores: list[float | None],
+           params: AdaptiveParams = ADAPTIVE) -> list[int]:
+    finals = adaptive_scores(ranks, scores, params)
     return sorted(ranks, key=lambda r: (-finals[ranks.index(r)], r))
 
 
@@ -111,6 +120,47 @@ def test_adaptive_failed_pairs_keep_their_retrieval_place_relative_to_each_other
     assert finals[0] > finals[2]  # both failed: rank 1 stays ahead of rank 3
 
 
-def test_adaptive_has_no_per_candidate_blend() -> None:
-    with pytest.raises(ValueError):
-        blend(BlendStrategy.ADAPTIVE, 1, 0.5)
+def test_request_wide_blends_have_no_per_candidate_blend() -> None:
+    for strategy in (BlendStrategy.ADAPTIVE, BlendStrategy.PROFILE):
+        with pytest.raises(ValueError):
+            blend(strategy, 1, 0.5)
+
+
+params = st.builds(
+    lambda noise, width, low, extra: AdaptiveParams(noise, noise + width, low,
+                                                     min(1.0, low + extra)),
+    st.floats(0, 0.3), st.floats(0, 0.3), st.floats(0, 1), st.floats(0, 1))
+
+
+@given(params, st.floats(0, 1), st.floats(0, 1))
+def test_profile_weight_is_monotone_and_within_its_bounds(
+        p: AdaptiveParams, a: float, b: float) -> None:
+    low, high = sorted((a, b))
+    assert p.min_weight <= p.weight(low) <= p.weight(high) <= p.max_weight
+    assert p.weight(p.spread_noise if p.spread_noise < p.spread_decisive else -1) \
+        == p.min_weight
+    assert p.weight(p.spread_decisive) == p.max_weight
+
+
+def test_the_built_in_adaptive_blend_is_the_default_profile() -> None:
+    scores: list[float | None] = [0.9, 0.2, 0.6, 0.1]
+    assert adaptive_scores([1, 2, 3, 4], scores) == \
+        adaptive_scores([1, 2, 3, 4], scores, AdaptiveParams(0.06, 0.10, 0.0, 1.0))
+
+
+def test_a_constant_weight_profile_ignores_the_spread() -> None:
+    half = AdaptiveParams(0.0, 0.0, 0.5, 0.5)
+    assert adaptive_weight([0.5, 0.5001], half) == adaptive_weight([0.0, 1.0], half) == 0.5
+    # Weight 0 is the retrieval order, whatever the reranker says.
+    never = AdaptiveParams(0.0, 0.0, 0.0, 0.0)
+    assert _order([1, 2, 3], [0.0, 0.5, 1.0], never) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"min_weight": 0.6, "max_weight": 0.5}, "min_weight <= max_weight"),
+    ({"max_weight": 1.5}, "max_weight <= 1"),
+    ({"spread_noise": 0.2, "spread_decisive": 0.1}, "spread_noise <= spread_decisive"),
+])
+def test_profile_parameters_are_checked(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AdaptiveParams(**kwargs)

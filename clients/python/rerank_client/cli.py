@@ -74,8 +74,9 @@ HEADER = f"{'rank':>4}  {'id':<12} {'score':>8} {'reranker':>8} {'retr':>5}  tex
 
 def _summary_line(s: Summary) -> str:
     state = "reranked" if s.reranked else "NOT reranked"
+    blend = f"{s.blend_strategy} {s.blend_profile}" if s.blend_profile else s.blend_strategy
     line = (f"{state} by {s.backend or '-'} ({s.model or 'unknown model'}), blend "
-            f"{s.blend_strategy}: scored {s.scored}/{s.submitted} of {s.candidates} "
+            f"{blend}: scored {s.scored}/{s.submitted} of {s.candidates} "
             f"candidates in {s.total_ms:.0f} ms")
     if s.degraded_code:
         line += f"\ndegraded: {s.degraded_code}: {s.degraded_message}"

@@ -13,6 +13,7 @@ BLEND_STRATEGIES = {
     "linear": pb.BLEND_STRATEGY_LINEAR,
     "rerank_only": pb.BLEND_STRATEGY_RERANK_ONLY,
     "adaptive": pb.BLEND_STRATEGY_ADAPTIVE,
+    "profile": pb.BLEND_STRATEGY_PROFILE,
 }
 _BLEND_NAMES = {v: k for k, v in BLEND_STRATEGIES.items()}
 _DEGRADED_PREFIX = "DEGRADED_REASON_CODE_"
@@ -147,6 +148,8 @@ class Summary:
     deduplicated: int = 0
     filtered: int = 0
     threshold: ThresholdReport | None = None
+    # The fitted blend profile that blended the request ("" when none did).
+    blend_profile: str = ""
 
     @classmethod
     def from_pb(cls, s: pb.RerankSummary | pb.RerankResponse) -> Summary:
@@ -165,7 +168,7 @@ class Summary:
             filtered=s.counts.filtered,
             threshold=ThresholdReport(s.threshold.threshold, s.threshold.steps,
                                       s.threshold.passed, s.threshold.reached_floor)
-            if s.HasField("threshold") else None)
+            if s.HasField("threshold") else None, blend_profile=s.blend_profile)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,128 @@
+"""Fitted blend profiles: request-wide blend parameters for one backend and model.
+
+A profile file is JSON:
+
+    {"profiles": [{"name": "minilm-l6", "backend": "embedding",
+                   "model": "all-MiniLM-L6-v2*",
+                   "spread_noise": 0.05, "spread_decisive": 0.09,
+                   "min_weight": 0.0, "max_weight": 1.0,
+                   "fitted": {...how it was fitted, kept as written...}}]}
+
+`rerank-server eval --fit-profile FILE` writes them; `--blend-profile FILE` loads them
+(the default is the file shipped in the package). The `profile` blend strategy uses the
+first profile whose `backend` is the server's backend kind and whose `model` (a
+shell-style pattern) matches the served model's name; with none, it blends with the
+built-in adaptive parameters and the response names no profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from fnmatch import fnmatchcase
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .blending import AdaptiveParams
+from .errors import ConfigError
+
+SHIPPED = "blend_profiles.json"
+_OPTION = "--blend-profile / RERANK_BLEND_PROFILE"
+_PARAMS = tuple(f.name for f in fields(AdaptiveParams))
+
+
+@dataclass(frozen=True, slots=True)
+class BlendProfile:
+    name: str
+    backend: str
+    model: str  # shell-style pattern over the served model's name
+    params: AdaptiveParams
+    fitted: dict[str, Any] = field(default_factory=dict)
+
+    def matches(self, backend: str, model: str) -> bool:
+        return backend == self.backend and bool(model) and fnmatchcase(model, self.model)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "backend": self.backend, "model": self.model}
+        out.update({p: getattr(self.params, p) for p in _PARAMS})
+        if self.fitted:
+            out["fitted"] = self.fitted
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class BlendProfiles:
+    """The loaded profiles, in file order; `source` names where they came from."""
+
+    profiles: tuple[BlendProfile, ...]
+    source: str
+
+    def find(self, backend: str, model: str) -> BlendProfile | None:
+        return next((p for p in self.profiles if p.matches(backend, model)), None)
+
+    def with_profile(self, profile: BlendProfile) -> BlendProfiles:
+        """These profiles with `profile` first, replacing one of the same name."""
+        rest = tuple(p for p in self.profiles if p.name != profile.name)
+        return BlendProfiles((profile, *rest), self.source)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"profiles": [p.to_json() for p in self.profiles]}
+
+
+def load(path: str | Path | None = None) -> BlendProfiles:
+    """Profiles from `path`, or the shipped ones when it is empty or None.
+
+    Raises `ConfigError` naming the file, the profile and the field at fault.
+    """
+    if not path:
+        source = f"(shipped) {SHIPPED}"
+        text = resources.files("rerank_server").joinpath(SHIPPED).read_text()
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{_OPTION}: cannot read {source}: {exc.strerror}") from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{_OPTION}: {source} is not JSON: {exc}") from None
+    return parse(document, source)
+
+
+def parse(document: Any, source: str) -> BlendProfiles:
+    if not isinstance(document, dict) or not isinstance(document.get("profiles"), list):
+        raise ConfigError(f"{_OPTION}: {source}: expected an object with a "
+                          "\"profiles\" list")
+    profiles: list[BlendProfile] = []
+    for i, entry in enumerate(document["profiles"]):
+        where = f"{_OPTION}: {source}: profiles[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: expected an object")
+        text_fields = {}
+        for key in ("name", "backend", "model"):
+            value = entry.get(key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}.{key}: a non-empty string is required")
+            text_fields[key] = value
+        numbers = {}
+        for key in _PARAMS:
+            value = entry.get(key, getattr(AdaptiveParams(), key))
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{where}.{key}: a number is required")
+            numbers[key] = float(value)
+        try:
+            params = AdaptiveParams(**numbers)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        unknown = set(entry) - {"name", "backend", "model", "fitted", *_PARAMS}
+        if unknown:
+            raise ConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        fitted = entry.get("fitted", {})
+        if not isinstance(fitted, dict):
+            raise ConfigError(f"{where}.fitted: expected an object")
+        if any(p.name == text_fields["name"] for p in profiles):
+            raise ConfigError(f"{where}.name: {text_fields['name']!r} is used twice")
+        profiles.append(BlendProfile(params=params, fitted=fitted, **text_fields))
+    return BlendProfiles(tuple(profiles), source)
