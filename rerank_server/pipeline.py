@@ -74,7 +74,7 @@ class Reranker:
             return strategy, profile.params, profile.name
         if (kind, model) not in self._unprofiled:
             self._unprofiled.add((kind, model))
-            log.warning("no_blend_profile", backend=kind, model=model,
+            log.info("no_blend_profile", backend=kind, model=model,
                         profiles=self.profiles.source, using=BlendStrategy.ADAPTIVE.value)
         return BlendStrategy.ADAPTIVE, ADAPTIVE, ""
 

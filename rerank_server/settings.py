@@ -101,7 +101,7 @@ class Settings:
         "Send Qwen3-Reranker's empty think block as an assistant prefill.", group="backend"))
 
     # --- ranking defaults (a request may override the ones marked so in the proto)
-    blend_strategy: BlendStrategy = field(default=BlendStrategy.POSITION_AWARE, metadata=_opt(
+    blend_strategy: BlendStrategy = field(default=BlendStrategy.PROFILE, metadata=_opt(
         "Default blend of reranker score and retrieval rank.", group="ranking"))
     blend_profile: str = field(default="", metadata=_opt(
         "JSON file of fitted blend profiles for the `profile` strategy (docs/blending.md); "

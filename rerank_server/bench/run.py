@@ -15,7 +15,8 @@ ratios beside times (these machines are noisy). Scenarios:
 - throughput: 1, 4, 16 and 64 concurrent clients against the fake backend: requests/s,
   pairs/s, p50/p99, errors.
 - streaming: time to the first `RerankStream` result against the whole `Rerank` answer,
-  on llama-server.
+  on llama-server, with the per-candidate `position_aware` blend (the request-wide
+  blends, `profile` and `adaptive`, release results only once every pair is scored).
 - backends: `chat` (per pair) against `completion` (batched) on llama-server.
 
 The llama-server scenarios use the cached build and stand-in model (`make assets`).
@@ -131,7 +132,7 @@ async def model(llama: str, rounds: int, count: int) -> dict[str, Any]:
     docs = passages(count, seed=11)
     times: dict[str, list[float]] = {"direct": [], "through": []}
     args = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
-            "--timeout-ms", "120000"]
+            "--timeout-ms", "120000", "--blend-strategy", "position_aware"]
     with rerank_server(args) as (port, _):
         async with AsyncRerankClient(f"127.0.0.1:{port}") as client, \
                 httpx.AsyncClient(timeout=120) as http:
@@ -190,7 +191,7 @@ async def streaming(llama: str, rounds: int, count: int) -> dict[str, Any]:
     first: list[float] = []
     whole: list[float] = []
     args = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
-            "--timeout-ms", "120000"]
+            "--timeout-ms", "120000", "--blend-strategy", "position_aware"]
     with rerank_server(args) as (port, _):
         async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
             for r in range(rounds + 1):
@@ -264,7 +265,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     if "streaming" in report:
         s = report["streaming"]
-        lines += ["#### Streaming", "", f"{s['passages']} passages, median of {s['rounds']}: "
+        lines += ["#### Streaming", "", f"{s['passages']} passages, blend position_aware, "
+                  f"median of {s['rounds']}: "
                   f"first RerankStream result {s['first_result_ms']} ms, whole Rerank answer "
                   f"{s['whole_answer_ms']} ms (ratio {s['first_over_whole']}).", ""]
     if "backends" in report:

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from rerank_client import AsyncRerankClient, Result, Summary
 
-from rerank_server import prompt
+from rerank_server import blend_profiles, prompt
 from rerank_server.backend_health import BackendMonitor
-from rerank_server.blending import final_scores
+from rerank_server.blending import ADAPTIVE, final_scores
 from rerank_server.domain import BlendStrategy
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
@@ -57,9 +57,13 @@ def _client(server: RunningServer) -> AsyncRerankClient:
     return AsyncRerankClient(f"127.0.0.1:{server.port}")
 
 
-def _assert_follows_blend(results: list[Result], strategy: BlendStrategy) -> None:
+def _assert_follows_blend(results: list[Result], summary: Summary) -> None:
+    """Scores and order are those of the blend the summary names."""
+    strategy = BlendStrategy(summary.blend_strategy)
+    params = next(p.params for p in blend_profiles.load().profiles
+                  if p.name == summary.blend_profile) if summary.blend_profile else ADAPTIVE
     finals = final_scores(strategy, [r.retrieval_rank for r in results],
-                          [r.reranker_score for r in results])
+                          [r.reranker_score for r in results], params)
     for r, final in zip(results, finals, strict=True):
         assert r.reranker_score is not None and 0.0 <= r.reranker_score <= 1.0
         assert r.score == pytest.approx(final)
@@ -77,7 +81,11 @@ async def test_unary_reranks_with_real_scores(real_server: RunningServer,
     assert (s.candidates, s.submitted, s.scored, s.failed) == (6, 6, 6, 0)
     assert s.backend == "chat" and s.model.endswith(".gguf")
     assert sorted(r.index for r in answer.results) == list(range(6))
-    _assert_follows_blend(answer.results, strategy)
+    if strategy is BlendStrategy.PROFILE:  # the stand-in's shipped profile
+        assert s.blend_profile == "smollm2-135m-standin"
+    else:
+        assert s.blend_strategy == strategy.value and s.blend_profile == ""
+    _assert_follows_blend(answer.results, s)
 
 
 async def test_stream_gives_same_set_in_rank_order(real_server: RunningServer) -> None:
@@ -86,7 +94,7 @@ async def test_stream_gives_same_set_in_rank_order(real_server: RunningServer) -
     results = [x for x in items if isinstance(x, Result)]
     assert isinstance(items[-1], Summary) and items[-1].reranked
     assert [r.rank for r in results] == list(range(1, 7))
-    _assert_follows_blend(results, BlendStrategy.POSITION_AWARE)
+    _assert_follows_blend(results, items[-1])
 
 
 async def test_batch_over_one_stream(real_server: RunningServer) -> None:

@@ -31,15 +31,28 @@ async def test_rerank_only_orders_by_reranker_score(
     assert (answer.summary.candidates, answer.summary.scored, answer.summary.failed) == (4, 4, 0)
 
 
-async def test_position_aware_default_protects_rank_one(
+async def test_position_aware_protects_rank_one(
         client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
     """A weak reranker that hates the retrieval winner cannot move it off rank 1."""
     fake_llama.scores = {"alpha": 0.0, "bravo": 1.0, "charlie": 1.0, "delta": 1.0}
-    answer = await client.rerank("pets", DOCS)
+    answer = await client.rerank("pets", DOCS, blend_strategy="position_aware")
     assert answer.summary.blend_strategy == "position_aware"
     assert answer.results[0].id == "a"
     scores = [r.score for r in answer.results]
     assert scores == sorted(scores, reverse=True)
+
+
+async def test_default_blend_is_the_profile_or_adaptive_for_an_unknown_model(
+        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    """No shipped profile fits the fake's model: the adaptive blend answers, and says so.
+    Scores compressed near one value leave the retrieval order alone."""
+    fake_llama.scores = {"alpha": 0.50, "bravo": 0.52, "charlie": 0.51, "delta": 0.53}
+    answer = await client.rerank("pets", DOCS)
+    assert (answer.summary.blend_strategy, answer.summary.blend_profile) == ("adaptive", "")
+    assert [r.id for r in answer.results] == ["a", "b", "c", "d"]
+    fake_llama.scores = {"alpha": 0.05, "bravo": 0.9, "charlie": 0.5, "delta": 0.3}
+    decisive = await client.rerank("animals", DOCS)  # another query: not from the cache
+    assert [r.id for r in decisive.results] == ["b", "c", "d", "a"]
 
 
 async def test_results_echo_candidate_fields(client: AsyncRerankClient) -> None:

@@ -31,14 +31,15 @@ async def test_stream_matches_unary_order(
 
 async def test_stream_sends_first_result_before_scoring_ends(
         client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
-    """Rank 1's position is certain as soon as it beats every unscored bound."""
+    """Rank 1's position is certain as soon as it beats every unscored bound (with a
+    per-candidate blend; the request-wide ones wait for every score)."""
     fake_llama.scores = {"document 0": 0.99}
     # d0 answers at once; the others take long.
     fake_llama.latency_for = lambda doc: 0.0 if doc == "document 0" else 1.0
     started = time.perf_counter()
     first_at: float | None = None
     count = 0
-    async for item in client.stream("q", DOCS[:4]):
+    async for item in client.stream("q", DOCS[:4], blend_strategy="position_aware"):
         if isinstance(item, Result):
             if first_at is None:
                 first_at = time.perf_counter() - started
