@@ -106,7 +106,13 @@ def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) 
 
 def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
                     params: AdaptiveParams = ADAPTIVE) -> list[float]:
-    """Final scores of one request's scored candidates under the adaptive blend.
+    """Final scores of one request's scored candidates under the adaptive blend."""
+    return adaptive_blend(ranks, scores, params)[0]
+
+
+def adaptive_blend(ranks: Sequence[int], scores: Sequence[float | None],
+                   params: AdaptiveParams = ADAPTIVE) -> tuple[list[float], float]:
+    """Final scores under the adaptive blend, and the reranker's weight `w`.
 
     `w * p' + (1 - w) * 1/rank`, where p' is the reranker score min-max normalized within
     the request (so decisive scores span 0..1 like the retrieval input) and `w` is
@@ -121,7 +127,7 @@ def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
         r = retrieval_input(rank)
         normalized = r if p is None else ((p - lo) / (hi - lo) if hi > lo else r)
         out.append(w * normalized + (1.0 - w) * r)
-    return out
+    return out, w
 
 
 FIXED = (BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY)

@@ -167,3 +167,5 @@ class RerankSummary:
     threshold: ThresholdReport | None = None
     # Name of the fitted blend profile that blended the request ("" when none did).
     blend_profile: str = ""
+    # The reranker's weight in a request-wide blend (adaptive, profile); None otherwise.
+    reranker_weight: float | None = None

@@ -40,6 +40,10 @@ RERANKED = "rerank.reranked"
 PAIR_OUTCOME = "rerank.pair.outcome"
 CACHE_RESULT = "rerank.cache.result"
 THRESHOLD_BUCKETS = (0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 1.0)
+BLEND = "rerank.blend"
+BLEND_PROFILE = "rerank.blend_profile"
+# 0 exactly (the retrieval order) gets its own bucket: "the reranker was ignored".
+WEIGHT_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.999, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,11 @@ class Metrics:
             "rerank.threshold.final", unit="1",
             description="The threshold finally applied, per request that asked for one.",
             explicit_bucket_boundaries_advisory=THRESHOLD_BUCKETS)
+        self.reranker_weight = meter.create_histogram(
+            "rerank.blend.reranker_weight", unit="1",
+            description="The reranker's weight in a request-wide blend (adaptive, profile): "
+                        "0 keeps the retrieval order, 1 is the reranker's order.",
+            explicit_bucket_boundaries_advisory=WEIGHT_BUCKETS)
         self.threshold_steps = meter.create_histogram(
             "rerank.threshold.steps", unit="{step}",
             description="How many times the adaptive threshold was lowered per request.",
@@ -153,6 +162,10 @@ class Metrics:
         for failure, n in summary.failures.items():
             self.pairs.add(n, {PAIR_OUTCOME: "failed", ERROR_TYPE: failure,
                                BACKEND: summary.backend})
+        if summary.reranker_weight is not None:
+            self.reranker_weight.record(summary.reranker_weight, {
+                BACKEND: summary.backend, BLEND: summary.blend.value,
+                BLEND_PROFILE: summary.blend_profile})
         self.duration.record(summary.total_ms / 1000)
         if summary.submitted:
             self.scoring_duration.record(summary.scoring_ms / 1000)

@@ -56,6 +56,7 @@ class IncrementalRanking:
         self._resolved: list[tuple[tuple[float, int, int], int, Placed]] = []
         self._tail_released = False
         self._held: list[tuple[Candidate, float | None]] = []  # request-wide blends
+        self.reranker_weight: float | None = None  # set when a request-wide blend ran
 
     @property
     def outstanding(self) -> int:
@@ -74,8 +75,9 @@ class IncrementalRanking:
         heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, reranker_score)))
 
     def _blend_held(self) -> None:
-        finals = blending.adaptive_scores([c.retrieval_rank for c, _ in self._held],
-                                          [p for _, p in self._held], self._params())
+        finals, self.reranker_weight = blending.adaptive_blend(
+            [c.retrieval_rank for c, _ in self._held], [p for _, p in self._held],
+            self._params())
         for (c, p), score in zip(self._held, finals, strict=True):
             heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, p)))
         self._held.clear()

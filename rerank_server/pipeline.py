@@ -108,7 +108,7 @@ class Reranker:
                                  "rerank.blend": requested.value})
             if skip is not None:
                 span.set_attribute("rerank.skipped", skip.code.value)
-        summary = functools.partial(self._summary, query, shaped, blend, started)
+        summary = functools.partial(self._summary, query, shaped, blend, ranking, started)
         emitter = _Emitter(query.top_k)
 
         if skip is not None:
@@ -173,6 +173,8 @@ class Reranker:
             span.set_attributes({"rerank.released_after_scoring": len(final),
                                  "rerank.blend": blend.strategy.value,
                                  "rerank.blend_profile": blend.profile})
+            if ranking.reranker_weight is not None:
+                span.set_attribute("rerank.reranker_weight", ranking.reranker_weight)
         for item in final:
             yield item
         scored = len(fresh) + len(hits)
@@ -259,7 +261,7 @@ class Reranker:
         return None
 
     def _summary(self, query: RerankQuery, shaped: Shaped, blend: _Blend,
-                 started: float, degraded: Degraded | None, *,
+                 ranking: IncrementalRanking, started: float, degraded: Degraded | None, *,
                  submitted: int, scored: int, cached: int, failures: Counter[Failure],
                  scoring_s: float) -> RerankSummary:
         return RerankSummary(
@@ -270,7 +272,8 @@ class Reranker:
             total_ms=(time.perf_counter() - started) * 1000, scoring_ms=scoring_s * 1000,
             failures={failure.value: n for failure, n in failures.items()}, cached=cached,
             deduplicated=shaped.deduplicated, filtered=shaped.filtered,
-            threshold=shaped.threshold, blend_profile=blend.profile)
+            threshold=shaped.threshold, blend_profile=blend.profile,
+            reranker_weight=ranking.reranker_weight if scored else None)
 
 
 class _Blend:

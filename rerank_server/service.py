@@ -155,7 +155,9 @@ def _log_summary(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
              reranked=s.reranked, degraded=s.degraded.code.value if s.degraded else None,
              degraded_detail=s.degraded.message if s.degraded else None,
              failures=dict(s.failures) or None, blend=s.blend.value,
-             blend_profile=s.blend_profile or None, backend=s.backend,
+             blend_profile=s.blend_profile or None,
+             reranker_weight=None if s.reranker_weight is None else round(s.reranker_weight, 3),
+             backend=s.backend,
              total_ms=round(s.total_ms, 2), scoring_ms=round(s.scoring_ms, 2), **extra)
 
 

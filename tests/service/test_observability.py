@@ -115,6 +115,24 @@ async def test_threshold_is_recorded(server: RunningServer, client: AsyncRerankC
     assert moved(before, after, "rerank_threshold_steps_sum") == 1
 
 
+async def test_reranker_weight_of_request_wide_blends_is_recorded(
+        server: RunningServer, client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    """How much the reranker counted: 0 for compressed scores, 1 for decisive ones, and
+    nothing for a fixed blend. (No shipped profile fits the fake: adaptive answers.)"""
+    before = await scrape(server)
+    fake_llama.scores = {"w0": 0.50, "w1": 0.51, "w2": 0.52}
+    await client.rerank("q1", ["w0", "w1", "w2"])
+    fake_llama.scores = {"w0": 0.05, "w1": 0.95, "w2": 0.50}
+    await client.rerank("q2", ["w0", "w1", "w2"])
+    await client.rerank("q3", ["w0", "w1", "w2"], blend_strategy="linear")
+    after = await scrape(server)
+    name = "rerank_blend_reranker_weight"
+    assert moved(before, after, f"{name}_count", rerank_blend="adaptive") == 2
+    assert moved(before, after, f"{name}_sum") == pytest.approx(1.0)
+    assert moved(before, after, f"{name}_bucket", le="0.0") == 1
+    assert moved(before, after, f"{name}_count", rerank_blend="linear") == 0
+
+
 async def test_malformed_backend_answers_are_counted_per_instance(
         server: RunningServer, client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
     fake_llama.mode = "no_logprobs"
