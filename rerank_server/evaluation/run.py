@@ -182,8 +182,7 @@ def fit_ndcg(run: dict[str, float], judged: dict[str, int]) -> float:
 
 
 def bm25_run(hits: dict[str, list[Hit]]) -> Run:
-    return {q: {h.document.id: 1.0 / r for r, h in enumerate(hs, start=1)}
-            for q, hs in hits.items()}
+    return {q: ranking_run([h.document.id for h in hs]) for q, hs in hits.items()}
 
 
 def score(dataset: Dataset, runs: dict[str, Run]) -> dict[str, Any]:
