@@ -13,16 +13,17 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from . import logs, settings
+from . import settings
 from .errors import ConfigError
 from .loops import loop_factory
+from .observability import logs
 from .server import serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["prepare"]:
-        from . import assets
+        from .managed import assets
         return assets.main(args[1:])
     if args[:1] == ["bench"]:
         from .bench import run as bench
@@ -31,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .evaluation import run
         return run.main(args[1:])
     if args[:1] == ["healthcheck"]:
-        from . import healthcheck
+        from .api import healthcheck
         return healthcheck.main(args[1:])
     try:
         parser = settings.build_parser()

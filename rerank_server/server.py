@@ -23,22 +23,24 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import __version__, assets, blend_profiles
-from .backend_health import BackendMonitor
-from .blend_profiles import BlendProfiles
-from .interceptors import RpcInterceptor
-from .managed import ManagedLlamaServer, default_log_path, split_args
-from .metrics import Metrics
-from .pb import rerank_pb2 as pb
-from .pb import rerank_pb2_grpc as pb_grpc
-from .pipeline import Reranker
-from .score_cache import ScoreCache
+from . import __version__
+from .api.interceptors import RpcInterceptor
+from .api.pb import rerank_pb2 as pb
+from .api.pb import rerank_pb2_grpc as pb_grpc
+from .api.service import RerankService
+from .managed import assets
+from .managed.llama_server import ManagedLlamaServer, default_log_path, split_args
+from .observability.metrics import Metrics
+from .observability.telemetry import Telemetry
+from .ranking import blend_profiles
+from .ranking.blend_profiles import BlendProfiles
+from .ranking.pipeline import Reranker
+from .ranking.score_cache import ScoreCache
+from .scoring.backend_pool import BackendPool
 from .scoring.base import Scorer
-from .scoring.pool import BackendPool
+from .scoring.monitor import BackendMonitor
 from .scoring.registry import build_pool, build_scorer
-from .service import RerankService
 from .settings import Settings
-from .telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 

@@ -27,9 +27,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from rerank_client import AsyncRerankClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rerank_server.observability.telemetry import Telemetry
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
-from rerank_server.telemetry import Telemetry
 from tests.fakes.llama import FakeLlamaServer
 
 
@@ -48,7 +48,7 @@ async def _start(name: str, backend_url: str) -> RunningServer:
 
 
 async def run(requests: int, candidates: int) -> dict[str, dict[str, float]]:
-    from rerank_server import logs
+    from rerank_server.observability import logs
     from rerank_server.settings import LogFormat
 
     logs.configure("warning", LogFormat.JSON)

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 from rerank_client import AsyncRerankClient
 
-from rerank_server import logs
+from rerank_server.observability import logs
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import LogFormat, Settings
-
-from .fakes.llama import FakeLlamaServer
+from tests.fakes.llama import FakeLlamaServer
 
 logs.configure("debug", LogFormat.JSON)
 

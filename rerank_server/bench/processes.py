@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from .. import assets
-from ..managed import free_port
+from ..managed import assets
+from ..managed.llama_server import free_port
 from ..settings import Settings
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 from rerank_client import AsyncRerankClient, RerankError, Result, Summary
 
-from .. import prompt
+from ..scoring import prompt
 from ..settings import DEFAULT_INSTRUCTION
 from .processes import cpu_seconds, fake_backend, llama_server, rerank_server
 

@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..blending import AdaptiveParams, adaptive_scores, spread
+from ..ranking.blending import AdaptiveParams, adaptive_scores, spread
 
 WEIGHT_LEVELS = (0.0, 0.25, 0.5, 0.75, 1.0)
 SPREAD_QUANTILES = 10  # thresholds at the deciles of the observed spreads

@@ -40,9 +40,10 @@ from typing import Any
 from rerank_client import AsyncRerankClient, Candidate, RerankError
 from tqdm import tqdm
 
-from .. import blend_profiles, logs
-from ..blend_profiles import BlendProfile, BlendProfiles
 from ..errors import ConfigError
+from ..observability import logs
+from ..ranking import blend_profiles
+from ..ranking.blend_profiles import BlendProfile, BlendProfiles
 from ..settings import LogFormat, load
 from .beir import Dataset, DatasetError
 from .beir import load as load_dataset

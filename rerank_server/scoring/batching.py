@@ -12,9 +12,9 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+from .backend_pool import failed_all
 from .base import Emit, Failure, PairOutcome
 from .http import BackendCallError
-from .pool import failed_all
 
 SliceCall = Callable[[int, Sequence[str]], Awaitable[Mapping[int, float | None]]]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import prompt
+from . import prompt
+from .backend_pool import BackendPool, MalformedResponse, map_pairs
 from .base import Emit, PairOutcome, ScoreRequest
 from .http import BackendCallError
 from .logprobs import MalformedLogprobs, chat_top_logprobs, p_yes
-from .pool import BackendPool, MalformedResponse, map_pairs
-from .pooled import PooledScorer
+from .pooled_scorer import PooledScorer
 
 TOP_LOGPROBS = 20
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .. import prompt
+from . import prompt
+from .backend_pool import BackendPool, MalformedResponse, failed_all
 from .base import Emit, Failure, PairOutcome, ScoreRequest
 from .http import BackendCallError
 from .logprobs import p_yes
-from .pool import BackendPool, MalformedResponse, failed_all
-from .pooled import PooledScorer
+from .pooled_scorer import PooledScorer
 
 N_PROBS = 20
 PLACEHOLDER = "RERANK-DOCUMENT-PLACEHOLDER-7f1c"

@@ -15,11 +15,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, Failure, ScoreRequest
 from .batching import score_in_batches
 from .http import BackendCallError
-from .pool import BackendPool, MalformedResponse
-from .pooled import PooledScorer
+from .pooled_scorer import PooledScorer
 
 Vector = list[float]
 

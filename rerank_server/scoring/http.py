@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 from opentelemetry import propagate, trace
 
-from ..metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
+from ..observability.metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
 from .base import Failure
 
 HEALTH_TIMEOUT_S = 3.0

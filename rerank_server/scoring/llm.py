@@ -15,11 +15,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import prompt
+from . import prompt
+from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches
-from .pool import BackendPool, MalformedResponse
-from .pooled import PooledScorer
+from .pooled_scorer import PooledScorer
 
 DOCUMENT_CHARS = 1000
 SYSTEM = ("You are a search relevance judge. Score how well each numbered candidate "

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .. import prompt
+from . import prompt
+from .backend_pool import BackendPool, MalformedResponse, map_pairs
 from .base import Emit, PairOutcome, ScoreRequest
 from .http import BackendCallError
-from .pool import BackendPool, MalformedResponse, map_pairs
-from .pooled import PooledScorer
+from .pooled_scorer import PooledScorer
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 INSTRUCTIONS = ("Judge how relevant the Document is to the Query, following the Instruct. "

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from ..observability.telemetry import Telemetry
 from ..settings import Settings
-from ..telemetry import Telemetry
+from .backend_pool import BackendPool, Ejection
 from .base import Scorer
 from .chat import ChatScorer
 from .completion import CompletionScorer
 from .embedding import EmbeddingScorer
 from .llm import LlmScorer
 from .ollama import OllamaScorer
-from .pool import BackendPool, Ejection
 from .rerank_api import RerankApiScorer
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches, to_unit
-from .pool import BackendPool, MalformedResponse
-from .pooled import PooledScorer
+from .pooled_scorer import PooledScorer
 
 
 class RerankApiScorer(PooledScorer):

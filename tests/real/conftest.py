@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rerank_server import assets, settings
-from rerank_server.managed import free_port
+from rerank_server import settings
+from rerank_server.managed import assets
+from rerank_server.managed.llama_server import free_port
 
 SLOTS = 4
 

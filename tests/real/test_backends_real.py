@@ -20,15 +20,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from rerank_client import AsyncRerankClient
 
-from rerank_server import prompt
+from rerank_server.observability.telemetry import Telemetry
+from rerank_server.scoring import prompt
 from rerank_server.scoring.base import ScoreRequest
 from rerank_server.scoring.completion import CompletionScorer
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
-from rerank_server.telemetry import Telemetry
-
-from .conftest import SLOTS, RealLlama
-from .test_llama_server import DOCS
+from tests.real.conftest import SLOTS, RealLlama
+from tests.real.test_llama_server import DOCS
 
 pytestmark = pytest.mark.real_backend
 

@@ -19,14 +19,14 @@ import httpx
 import pytest
 from rerank_client import AsyncRerankClient, Result, Summary
 
-from rerank_server import blend_profiles, prompt
-from rerank_server.backend_health import BackendMonitor
-from rerank_server.blending import ADAPTIVE, final_scores
 from rerank_server.domain import BlendStrategy
+from rerank_server.ranking import blend_profiles
+from rerank_server.ranking.blending import ADAPTIVE, final_scores
+from rerank_server.scoring import prompt
+from rerank_server.scoring.monitor import BackendMonitor
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
-
-from .conftest import SLOTS, RealLlama
+from tests.real.conftest import SLOTS, RealLlama
 
 pytestmark = pytest.mark.real_backend
 

@@ -10,9 +10,8 @@ from grpc_health.v1 import health_pb2
 from rerank_client import AsyncRerankClient
 
 from rerank_server.server import RunningServer
-
-from ..conftest import StartServer
-from ..fakes.llama import FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 POOL = {"eject_after": 2, "eject_base_s": 0.3, "health_interval_s": 0.2}
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from rerank_client import AsyncRerankClient
 
-from ..conftest import StartServer
-from ..fakes.json_server import Handler, JsonServer
+from tests.conftest import StartServer
+from tests.fakes.json_server import Handler, JsonServer
 
 DOCS = ["a relevant passage", "something else", "another relevant one", "noise", "more noise"]
 

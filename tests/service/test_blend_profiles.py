@@ -15,9 +15,8 @@ from rerank_server.domain import BlendStrategy
 from rerank_server.errors import ConfigError
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
-
-from ..conftest import StartServer
-from ..fakes.llama import FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 # Retrieval order a, b, c, d; the reranker says the opposite, decisively.
 DOCS = [Candidate(id=x, text=f"{x} text") for x in "abcd"]

@@ -7,9 +7,9 @@ import socket
 import pytest
 from rerank_client import AsyncRerankClient, Candidate
 
-from ..conftest import StartServer
-from ..fakes import llama
-from ..fakes.llama import FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes import llama
+from tests.fakes.llama import FakeLlamaServer
 
 # Retrieval order is a, b, c, d, e (input order).
 DOCS = [Candidate(id=x, text=f"document {x}") for x in "abcde"]

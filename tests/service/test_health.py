@@ -10,8 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rerank_server.server import build_server
 from rerank_server.settings import Settings
-
-from ..fakes.llama import FakeLlamaServer
+from tests.fakes.llama import FakeLlamaServer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from rerank_client import AsyncRerankClient
 
-from ..conftest import StartServer
-from ..fakes.llama import FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 
 async def test_round_robin_spreads_calls_over_servers(start_server: StartServer) -> None:

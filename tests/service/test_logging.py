@@ -7,7 +7,7 @@ import json
 import pytest
 from rerank_client import AsyncRerankClient, InvalidRequestError
 
-from ..fakes.llama import HTTP_500, FakeLlamaServer
+from tests.fakes.llama import HTTP_500, FakeLlamaServer
 
 CANARY = "CANARY-7f3a"
 

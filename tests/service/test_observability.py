@@ -19,12 +19,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from rerank_client import AsyncRerankClient, ServerBusyError, Threshold
 
+from rerank_server.observability.telemetry import Telemetry
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
-from rerank_server.telemetry import Telemetry
-
-from ..conftest import StartServer
-from ..fakes.llama import HTTP_500, FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes.llama import HTTP_500, FakeLlamaServer
 
 CANARY = "CANARY-91c2"
 RERANK = "rerank.v1.Reranker/Rerank"

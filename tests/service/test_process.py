@@ -14,10 +14,9 @@ import pytest
 from rerank_client import AsyncRerankClient
 from rerank_client.cli import main as client_main
 
-from rerank_server.managed import free_port
+from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
-
-from ..fakes.llama import FakeLlamaServer
+from tests.fakes.llama import FakeLlamaServer
 
 
 async def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:

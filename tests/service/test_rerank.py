@@ -6,9 +6,8 @@ import pytest
 from rerank_client import AsyncRerankClient, Candidate
 
 from rerank_server.server import RunningServer
-
-from ..conftest import StartServer
-from ..fakes.llama import FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 DOCS = [
     Candidate(id="a", text="alpha document about cats"),

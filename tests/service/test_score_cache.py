@@ -7,10 +7,9 @@ from pathlib import Path
 
 from rerank_client import AsyncRerankClient
 
-from rerank_server.score_cache import ScoreCache, cache_key
-
-from ..conftest import StartServer
-from ..fakes.llama import FakeLlamaServer
+from rerank_server.ranking.score_cache import ScoreCache, cache_key
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 DOCS = ["apples are red", "bananas are yellow", "cherries are dark"]
 

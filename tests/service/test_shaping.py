@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from rerank_client import AsyncRerankClient, InvalidRequestError, RankedList, Threshold
 
-from ..conftest import StartServer
-from ..fakes.llama import FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 
 async def test_two_lists_are_fused_deduplicated_and_each_document_scored_once(

@@ -8,11 +8,10 @@ import time
 import grpc
 from rerank_client import AsyncRerankClient, Candidate, InvalidRequestError, Result, Summary
 
-from rerank_server.pb import rerank_pb2 as pb
-from rerank_server.pb import rerank_pb2_grpc as pb_grpc
+from rerank_server.api.pb import rerank_pb2 as pb
+from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.server import RunningServer
-
-from ..fakes.llama import FakeLlamaServer
+from tests.fakes.llama import FakeLlamaServer
 
 DOCS = [Candidate(id=f"d{i}", text=f"document {i}") for i in range(8)]
 

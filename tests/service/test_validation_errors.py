@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from rerank_client import AsyncRerankClient, Candidate, InvalidRequestError
 
-from ..conftest import StartServer
-from ..fakes.llama import FakeLlamaServer
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 
 @pytest.mark.parametrize(("query", "candidates", "options", "field"), [

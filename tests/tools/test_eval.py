@@ -10,8 +10,7 @@ import pytest
 
 from rerank_server.evaluation import beir
 from rerank_server.evaluation.run import main
-
-from ..fakes.llama import FakeLlamaServer
+from tests.fakes.llama import FakeLlamaServer
 
 # Per query: the judged-relevant document says less (BM25 ranks it low); the fake
 # backend knows it by its marker and scores it high.

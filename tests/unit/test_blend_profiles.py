@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from rerank_server import blend_profiles
-from rerank_server.blending import AdaptiveParams
 from rerank_server.errors import ConfigError
+from rerank_server.ranking import blend_profiles
+from rerank_server.ranking.blending import AdaptiveParams
 
 
 def entry(**overrides: Any) -> dict[str, Any]:

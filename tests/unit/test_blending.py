@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rerank_server.blending import (
+from rerank_server.domain import BlendStrategy
+from rerank_server.ranking.blending import (
     ADAPTIVE,
     FIXED,
     AdaptiveParams,
@@ -15,7 +16,6 @@ from rerank_server.blending import (
     blend,
     upper_bound,
 )
-from rerank_server.domain import BlendStrategy
 
 PA, LIN, RR = BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY
 

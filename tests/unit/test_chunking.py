@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rerank_server.chunking import best_chunk, query_term_weights, select_chunks
+from rerank_server.ranking.chunking import best_chunk, query_term_weights, select_chunks
 
 
 def test_short_text_passes_whole() -> None:

@@ -8,8 +8,8 @@ import random
 import pytest
 from ranx import Qrels, Run, evaluate
 
-from rerank_server.blending import AdaptiveParams
 from rerank_server.evaluation.fit import ScoredQuery, fit, grid, ndcg
+from rerank_server.ranking.blending import AdaptiveParams
 
 DEPTH = 20
 

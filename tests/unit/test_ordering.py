@@ -7,9 +7,9 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rerank_server.blending import final_scores
 from rerank_server.domain import BlendStrategy, Candidate
-from rerank_server.ordering import IncrementalRanking
+from rerank_server.ranking.blending import final_scores
+from rerank_server.ranking.ordering import IncrementalRanking
 
 
 def _cands(n: int) -> list[Candidate]:

@@ -18,11 +18,10 @@ from rerank_server.domain import (
     RerankQuery,
     RerankSummary,
 )
-from rerank_server.pipeline import Reranker
+from rerank_server.ranking.pipeline import Reranker
+from rerank_server.ranking.shaping import shape
 from rerank_server.settings import Settings
-from rerank_server.shaping import shape
-
-from ..fakes.scorer import FunctionScorer
+from tests.fakes.scorer import FunctionScorer
 
 IDS = st.text("abcdefghijklmnop", min_size=1, max_size=2)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rerank_server.prompt import neutralize, user_message
+from rerank_server.scoring.prompt import neutralize, user_message
 
 
 @pytest.mark.parametrize("token", [

@@ -12,8 +12,8 @@ from rerank_server.domain import (
     ThresholdMode,
     ThresholdSpec,
 )
+from rerank_server.ranking.shaping import normalize, shape
 from rerank_server.settings import Settings
-from rerank_server.shaping import normalize, shape
 
 SETTINGS = Settings()
 

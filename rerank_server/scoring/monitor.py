@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import structlog
 from grpc_health.v1 import health, health_pb2
 
-from .metrics import Metrics
-from .scoring.base import PairOutcome, Scorer, ScoreRequest
-from .scoring.pool import BackendPool, Endpoint
+from ..observability.metrics import Metrics
+from .backend_pool import BackendPool, Endpoint
+from .base import PairOutcome, Scorer, ScoreRequest
 
 log = structlog.get_logger(__name__)
 

@@ -36,9 +36,9 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CollectorRegistry, start_http_server
 
-from . import __version__
+from .. import __version__
+from ..settings import Settings
 from .metrics import Metrics
-from .settings import Settings
 
 log = structlog.get_logger(__name__)
 

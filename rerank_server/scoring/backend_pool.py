@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import structlog
 from opentelemetry import trace
 
-from ..metrics import Metrics
+from ..observability.metrics import Metrics
 from .base import Failure, PairOutcome
 from .http import BackendCallError, HttpBackend
 

@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .domain import BlendStrategy
+from ..domain import BlendStrategy
 
 POSITION_WEIGHTS = ((3, 0.75), (10, 0.60))  # (last rank of the band, retrieval weight)
 TAIL_RETRIEVAL_WEIGHT = 0.40

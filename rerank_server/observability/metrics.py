@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 
-from . import __version__
-from .domain import RerankSummary
+from .. import __version__
+from ..domain import RerankSummary
 
 # 5 ms .. 15 s: a cached answer takes a few milliseconds, a large batch on a CPU model
 # takes seconds.

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .settings import _default_cache_dir
+from ..settings import _default_cache_dir
 
 
 @dataclass(frozen=True)

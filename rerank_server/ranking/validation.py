@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .domain import Candidate, RerankQuery, ThresholdMode, ThresholdSpec
-from .errors import InvalidRequest
-from .settings import Settings
+from ..domain import Candidate, RerankQuery, ThresholdMode, ThresholdSpec
+from ..errors import InvalidRequest
+from ..settings import Settings
 from .shaping import ADAPTIVE_DEFAULTS, IMPLICIT_LIST
 
 MAX_TIMEOUT_MS = 600_000

@@ -24,8 +24,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from .blending import AdaptiveParams
-from .errors import ConfigError
 
 SHIPPED = "blend_profiles.json"
 _OPTION = "--blend-profile / RERANK_BLEND_PROFILE"
@@ -77,7 +77,7 @@ def load(path: str | Path | None = None) -> BlendProfiles:
     """
     if not path:
         source = f"(shipped) {SHIPPED}"
-        text = resources.files("rerank_server").joinpath(SHIPPED).read_text()
+        text = resources.files(__package__ or "rerank_server.ranking").joinpath(SHIPPED).read_text()
     else:
         source = str(path)
         try:

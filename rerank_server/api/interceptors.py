@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
-from .metrics import RPC_METHOD, RPC_STATUS, RPC_SYSTEM_NAME, Metrics
+from ..observability.metrics import RPC_METHOD, RPC_STATUS, RPC_SYSTEM_NAME, Metrics
 
 Behavior = Callable[..., Any]
 

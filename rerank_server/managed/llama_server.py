@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import structlog
 
-from .metrics import Metrics
+from ..observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from .domain import (
+from ..domain import (
     BlendStrategy,
     Candidate,
     DegradedCode,

@@ -17,11 +17,7 @@ from collections.abc import AsyncIterator
 import structlog
 from opentelemetry import trace
 
-from . import blend_profiles, prompt
-from .blend_profiles import BlendProfiles
-from .blending import ADAPTIVE, AdaptiveParams
-from .chunking import select_chunks
-from .domain import (
+from ..domain import (
     BlendStrategy,
     Candidate,
     Degraded,
@@ -30,13 +26,18 @@ from .domain import (
     RerankQuery,
     RerankSummary,
 )
-from .metrics import CACHE_RESULT
+from ..observability.metrics import CACHE_RESULT
+from ..observability.telemetry import Telemetry
+from ..scoring import prompt
+from ..scoring.base import Failure, PairOutcome, Scorer, ScoreRequest
+from ..settings import Settings
+from . import blend_profiles
+from .blend_profiles import BlendProfiles
+from .blending import ADAPTIVE, AdaptiveParams
+from .chunking import select_chunks
 from .ordering import IncrementalRanking, Placed
 from .score_cache import ScoreCache, cache_key
-from .scoring.base import Failure, PairOutcome, Scorer, ScoreRequest
-from .settings import Settings
 from .shaping import Shaped, shape
-from .telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 

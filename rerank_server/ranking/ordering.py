@@ -15,8 +15,8 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..domain import BlendStrategy, Candidate
 from . import blending
-from .domain import BlendStrategy, Candidate
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pool import BackendPool, model_name, served_model
+from .backend_pool import BackendPool, model_name, served_model
 
 
 class PooledScorer:

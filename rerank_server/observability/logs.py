@@ -13,7 +13,7 @@ import sys
 import structlog
 from opentelemetry import trace
 
-from .settings import LogFormat
+from ..settings import LogFormat
 
 
 def add_trace_ids(_logger: object, _name: str,

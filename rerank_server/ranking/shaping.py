@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .domain import (
+from ..domain import (
     Candidate,
     RankedList,
     RerankQuery,
@@ -33,7 +33,7 @@ from .domain import (
     ThresholdReport,
     ThresholdSpec,
 )
-from .settings import Settings
+from ..settings import Settings
 
 IMPLICIT_LIST = "candidates"
 FIXED_DEFAULT = 0.5

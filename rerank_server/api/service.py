@@ -19,13 +19,13 @@ from typing import Any
 import grpc
 import structlog
 
+from ..domain import RankedCandidate, RerankQuery, RerankSummary
+from ..errors import InvalidRequest
+from ..ranking.pipeline import Reranker
+from ..ranking.validation import validate
 from . import convert
-from .domain import RankedCandidate, RerankQuery, RerankSummary
-from .errors import InvalidRequest
 from .pb import rerank_pb2 as pb
 from .pb import rerank_pb2_grpc as pb_grpc
-from .pipeline import Reranker
-from .validation import validate
 
 log = structlog.get_logger("rerank_server.rpc")
 
