@@ -18,3 +18,14 @@ class InvalidRequest(ValueError):
 
 class ConfigError(ValueError):
     """A setting has a value the server cannot run with."""
+
+
+class BindError(OSError):
+    """A listening address is taken or cannot be bound; names the setting to change."""
+
+    def __init__(self, setting: str, address: str, reason: str = "") -> None:
+        detail = f": {reason}" if reason else ""
+        super().__init__(f"cannot listen on {address} ({setting}){detail}; is another "
+                         "server using that port?")
+        self.setting = setting
+        self.address = address

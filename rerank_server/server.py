@@ -1,134 +1,97 @@
 """Server assembly and lifecycle: `build_server` for main and tests, `serve` for main.
 
-grpc.aio objects belong to the event loop that made them (grpc/grpc#32480), so
-`build_server` is a coroutine called inside the running loop, by `serve` and by the test
-fixtures alike.
+`build_server` opens everything in order on one `AsyncExitStack` (telemetry, a managed
+llama-server, the score cache, the backend pool, the scorer, the gRPC server, the backend
+monitor), so each is closed exactly once, in reverse order, on every path: a normal stop,
+and a start that fails half-way (a port already in use, say) alike.
 
-Shutdown order on SIGTERM/SIGINT (as uvicorn's `capture_signals`/`handle_exit`): health
-goes NOT_SERVING so load balancers stop sending, the server stops taking new calls and
-gives in-flight ones `grace_period_s`, then the backend clients close, a managed
-llama-server is stopped, and telemetry is flushed last.
+Shutdown on SIGTERM/SIGINT therefore runs (as uvicorn's `capture_signals`/`handle_exit`):
+the monitor stops; health goes NOT_SERVING so load balancers stop sending, the server
+stops taking new calls and gives in-flight ones `grace_period_s`; then the scorer, the
+backend pool and the cache close, a managed llama-server is stopped, and telemetry is
+flushed last.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from . import __version__
-from .api.interceptors import RpcInterceptor
-from .api.pb import rerank_pb2 as pb
-from .api.pb import rerank_pb2_grpc as pb_grpc
-from .api.service import RerankService
-from .managed import assets
-from .managed.llama_server import ManagedLlamaServer, default_log_path, split_args
-from .observability.metrics import Metrics
+from .api.grpc_server import GrpcEdge
+from .managed.llama_server import ManagedLlamaServer, start_managed
 from .observability.telemetry import Telemetry
 from .ranking import blend_profiles
-from .ranking.blend_profiles import BlendProfiles
+from .ranking.blend_profiles import BlendResolver
 from .ranking.pipeline import Reranker
+from .ranking.request import RequestRules
 from .ranking.score_cache import ScoreCache
 from .scoring.backend_pool import BackendPool
 from .scoring.base import Scorer
 from .scoring.monitor import BackendMonitor
 from .scoring.registry import build_pool, build_scorer
-from .settings import Settings
+from .settings import Settings, host_port
 
 log = structlog.get_logger(__name__)
 
-SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Reranker"].full_name
 
-
-def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.ServerInterceptor]:
-    """Tracing outermost (so the log line and metrics see the span), then ours."""
-    ours = RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs)
-    if not telemetry.tracing:
-        return [ours]
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
-
-    # Health checks every few seconds would bury the traces that matter.
-    tracing = aio_server_interceptor(  # type: ignore[no-untyped-call]
-        tracer_provider=telemetry.tracer_provider,
-        filter_=filters.negate(filters.service_prefix("grpc.")))
-    return [tracing, ours]
+def request_rules(settings: Settings) -> RequestRules:
+    """What the ranking core needs of the settings, read once at start."""
+    s = settings
+    return RequestRules(
+        max_request_candidates=s.max_request_candidates, max_query_chars=s.max_query_chars,
+        max_document_chars=s.max_document_chars, max_id_chars=s.max_id_chars,
+        max_lists=s.max_lists, blend=s.blend_strategy, instruction=s.instruction,
+        timeout_s=s.timeout_ms / 1000, max_candidates=s.max_candidates,
+        max_chunk_chars=s.max_chunk_chars, fusion_k=s.fusion_k,
+        original_list_weight=s.original_list_weight,
+        expansion_list_weight=s.expansion_list_weight, skip_within_top_k=s.skip_within_top_k,
+        strong_signal_skip=s.strong_signal_skip, disabled=s.disabled,
+        min_candidates=s.min_candidates, strong_signal_min=s.strong_signal_min,
+        strong_signal_gap=s.strong_signal_gap)
 
 
 @dataclass
 class RunningServer:
     """A started server and what it owns."""
 
-    server: grpc.aio.Server
-    port: int
-    health: health.aio.HealthServicer
+    edge: GrpcEdge
     reranker: Reranker
     settings: Settings
     monitor: BackendMonitor
     pool: BackendPool
     telemetry: Telemetry
-    managed: ManagedLlamaServer | None = None
+    managed: ManagedLlamaServer | None
+    _resources: contextlib.AsyncExitStack
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
+    def port(self) -> int:
+        return self.edge.port
+
+    @property
     def address(self) -> str:
-        host = self.settings.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return host_port(self.settings.host, self.port)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, refuse new calls, let in-flight ones finish."""
         if self._stopped.is_set():
             return
         self._stopped.set()
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.settings.grace_period_s if grace is None else grace)
-        await self.monitor.stop()
-        await self.reranker.scorer.aclose()
-        await self.pool.aclose()  # the scorer's own; again only for an injected scorer
-        await self.reranker.cache.aclose()
-        if self.managed is not None:
-            await self.managed.stop()
-        await asyncio.to_thread(self.telemetry.shutdown)
+        if grace is not None:
+            self.edge.grace_s = grace
+        await self._resources.aclose()
 
 
-async def start_managed(settings: Settings, metrics: Metrics | None = None,
-                        ) -> tuple[Settings, ManagedLlamaServer]:
-    """Prepare assets, start llama-server, and point the settings at it."""
-    cache = settings.cache_dir
-    binary, model = await asyncio.to_thread(
-        _resolve_assets, cache, settings.llama_server, settings.model_path)
-    managed = ManagedLlamaServer(
-        binary, model, slots=settings.llama_slots or settings.concurrency,
-        ctx_per_slot=settings.llama_ctx_per_slot, extra_args=split_args(settings.llama_args),
-        log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s,
-        metrics=metrics)
-    await managed.start()
-    changes: dict[str, object] = {"backend_url": managed.url}
-    if not settings.model_path and settings.assistant_prefill:
-        # The stand-in chat model does not know Qwen3-Reranker's think block: with it, no
-        # yes/no token reaches its top logprobs and every pair would fail.
-        changes["assistant_prefill"] = False
-        log.info("assistant_prefill_off", reason="stand-in model")
-    return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
-
-
-def _open_cache(settings: Settings) -> ScoreCache:
+def _open_cache(settings: Settings, telemetry: Telemetry) -> ScoreCache:
     path = Path(settings.cache_path).expanduser() if settings.cache_path else None
-    return ScoreCache(settings.cache_entries, settings.cache_ttl_s, path)
-
-
-def _resolve_assets(cache: Path, llama_server: str, model_path: str) -> tuple[Path, Path]:
-    binary = assets.resolve_llama_server(Path(llama_server) if llama_server else None, cache,
-                                         build=True)
-    model = assets.resolve_model(Path(model_path) if model_path else None, cache,
-                                 fetch_missing=True)
-    return binary, model
+    return ScoreCache(settings.cache_entries, settings.cache_ttl_s, path,
+                      metrics=telemetry.metrics)
 
 
 async def build_server(settings: Settings, scorer: Scorer | None = None,
@@ -137,54 +100,35 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
 
     In managed mode this first starts llama-server (building or fetching assets that are
     missing), which can take minutes the first time. `telemetry` defaults to what the
-    settings ask for; tests pass their own to read spans.
+    settings ask for; tests pass their own to read spans. The server owns what it is given
+    and closes it on stop.
     """
     profiles = blend_profiles.load(settings.blend_profile)  # before minutes of setup
-    telemetry = telemetry or Telemetry.create(settings)
-    managed = None
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        telemetry = telemetry or Telemetry.create(settings)
+        stack.push_async_callback(asyncio.to_thread, telemetry.shutdown)
+        managed = None
         if settings.managed:
             settings, managed = await start_managed(settings, telemetry.metrics)
-        return await _build(settings, scorer, managed, telemetry, profiles)
-    except BaseException:
-        if managed is not None:
-            await managed.stop()
-        telemetry.shutdown()
-        raise
-
-
-async def _build(settings: Settings, scorer: Scorer | None,
-                 managed: ManagedLlamaServer | None, telemetry: Telemetry,
-                 profiles: BlendProfiles) -> RunningServer:
-    cache = await asyncio.to_thread(_open_cache, settings)  # may open a SQLite file
-    pool = build_pool(settings, telemetry)
-    reranker = Reranker(settings, scorer or build_scorer(settings, pool), telemetry, cache,
-                        profiles)
-    options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(interceptors=_interceptors(settings, telemetry), options=options)
-    pb_grpc.add_RerankerServicer_to_server(RerankService(reranker), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if settings.reflection:
-        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(settings.address)
-    if port == 0:
-        raise OSError(f"cannot listen on {settings.address}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    monitor = BackendMonitor(reranker.scorer, pool, settings.instruction, health_servicer,
-                             SERVICE_NAME, settings.health_interval_s,
-                             run_probe=settings.probe, metrics=telemetry.metrics)
-    monitor.start()
-    return RunningServer(server, port, health_servicer, reranker, settings, monitor, pool,
-                         telemetry, managed)
+            stack.push_async_callback(managed.stop)
+        cache = await asyncio.to_thread(_open_cache, settings, telemetry)  # may open SQLite
+        stack.push_async_callback(cache.aclose)
+        pool = build_pool(settings, telemetry)
+        stack.push_async_callback(pool.aclose)
+        scorer = scorer or build_scorer(settings, pool)
+        stack.push_async_callback(scorer.aclose)
+        reranker = Reranker(request_rules(settings), scorer, telemetry, cache,
+                            BlendResolver(profiles))
+        edge = await GrpcEdge.start(settings, reranker, telemetry)
+        stack.push_async_callback(edge.aclose)
+        monitor = BackendMonitor(scorer, pool, settings.instruction, edge.report_backend,
+                                 settings.health_interval_s, run_probe=settings.probe,
+                                 metrics=telemetry.metrics)
+        monitor.start()
+        stack.push_async_callback(monitor.stop)
+        return RunningServer(edge, reranker, settings, monitor, pool, telemetry, managed,
+                             stack.pop_all())
+    raise AssertionError("unreachable")  # the stack re-raises whatever broke the start
 
 
 async def serve(settings: Settings) -> None:
@@ -193,8 +137,8 @@ async def serve(settings: Settings) -> None:
     log.info("serving", address=running.address, backend=running.settings.backend,
              backend_url=running.settings.backend_url, managed=settings.managed,
              metrics_port=running.telemetry.metrics_port, tracing=running.telemetry.tracing,
-             blend=settings.blend_strategy.value, blend_profiles=running.reranker.profiles.source,
-             version=__version__)
+             blend=settings.blend_strategy.value,
+             blend_profiles=running.reranker.blends.profiles.source, version=__version__)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

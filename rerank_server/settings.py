@@ -34,7 +34,7 @@ def _opt(help: str, *, minimum: float | None = None, maximum: float | None = Non
     return {"help": help, "minimum": minimum, "maximum": maximum, "group": group}
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rerank-server"
 
@@ -215,7 +215,7 @@ class Settings:
     llama_ready_timeout_s: float = field(default=120.0, metadata=_opt(
         "How long to wait for a (re)started llama-server to load its model.", minimum=1,
         group="managed"))
-    cache_dir: Path = field(default_factory=_default_cache_dir, metadata=_opt(
+    cache_dir: Path = field(default_factory=default_cache_dir, metadata=_opt(
         "Where prepared assets (llama-server build, models, logs) are kept.",
         group="managed"))
 
@@ -252,8 +252,12 @@ class Settings:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return host_port(self.host, self.port)
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 BACKEND_KINDS = ("chat", "completion", "rerank", "embedding", "ollama", "llm")

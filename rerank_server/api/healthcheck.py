@@ -16,12 +16,13 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..settings import host_port
+
 WILDCARDS = {"0.0.0.0", "::", ""}
 
 
 def target(host: str, port: int) -> str:
-    host = "127.0.0.1" if host in WILDCARDS else host
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port("127.0.0.1" if host in WILDCARDS else host, port)
 
 
 def check(address: str, service: str, timeout_s: float) -> int:

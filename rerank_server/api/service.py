@@ -22,7 +22,6 @@ import structlog
 from ..domain import RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..ranking.pipeline import Reranker
-from ..ranking.validation import validate
 from . import convert
 from .pb import rerank_pb2 as pb
 from .pb import rerank_pb2_grpc as pb_grpc
@@ -42,14 +41,9 @@ def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
 
 
 class RerankService(pb_grpc.RerankerServicer):
-    def __init__(self, reranker: Reranker) -> None:
+    def __init__(self, reranker: Reranker, batch_concurrency: int = 8) -> None:
         self._reranker = reranker
-
-    def _query(self, request: pb.RerankRequest) -> RerankQuery:
-        with self._reranker.telemetry.tracer.start_as_current_span("rerank.validate"):
-            query = convert.query_from_pb(request)
-            validate(query, self._reranker.settings)
-        return query
+        self._batch_concurrency = batch_concurrency
 
     def _finish(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
         """The canonical log line and the metrics of one answered rerank request."""
@@ -69,7 +63,7 @@ class RerankService(pb_grpc.RerankerServicer):
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
         started = time.perf_counter()
         try:
-            query = self._query(request)
+            query = convert.query_from_pb(request)
             results, summary = await self._collect(query, _deadline(context))
         except Exception as exc:
             await self._abort(context, "Rerank", request.request_id, started, exc)
@@ -83,7 +77,7 @@ class RerankService(pb_grpc.RerankerServicer):
         started = time.perf_counter()
         sent = 0
         try:
-            query = self._query(request)
+            query = convert.query_from_pb(request)
             first_ms: float | None = None
             async for item in self._reranker.run(query, _deadline(context)):
                 if isinstance(item, RerankSummary):
@@ -102,13 +96,13 @@ class RerankService(pb_grpc.RerankerServicer):
                           ) -> AsyncIterator[pb.RerankResponse]:
         """Runs up to `batch_concurrency` requests at once; answers as each completes."""
         done: asyncio.Queue[pb.RerankResponse | None] = asyncio.Queue()
-        slots = asyncio.Semaphore(self._reranker.settings.batch_concurrency)
+        slots = asyncio.Semaphore(self._batch_concurrency)
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(request: pb.RerankRequest) -> None:
             started = time.perf_counter()
             try:
-                query = self._query(request)
+                query = convert.query_from_pb(request)
                 results, summary = await self._collect(query, _deadline(context))
                 self._finish("RerankBatch", summary, len(results))
                 await done.put(convert.response_to_pb(results, summary))

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..settings import _default_cache_dir
+from ..settings import default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="rerank-server prepare",
         description="Build or find llama-server and fetch the stand-in model into the cache.")
     parser.add_argument("--cache-dir", type=Path,
-                        default=Path(os.environ.get("RERANK_CACHE_DIR") or _default_cache_dir()))
+                        default=Path(os.environ.get("RERANK_CACHE_DIR") or default_cache_dir()))
     parser.add_argument("--llama-server", type=Path,
                         default=os.environ.get("RERANK_LLAMA_SERVER") or None)
     parser.add_argument("--model-path", type=Path,

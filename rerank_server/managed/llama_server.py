@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import os
 import shlex
 import signal
@@ -26,6 +27,8 @@ import httpx
 import structlog
 
 from ..observability.metrics import Metrics
+from ..settings import Settings
+from . import assets
 
 log = structlog.get_logger(__name__)
 
@@ -163,3 +166,32 @@ def default_log_path(cache_dir: Path) -> Path:
     path = cache_dir / "logs" / f"llama-server-{os.getpid()}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+async def start_managed(settings: Settings, metrics: Metrics | None = None,
+                        ) -> tuple[Settings, ManagedLlamaServer]:
+    """Prepare assets, start llama-server, and return the settings pointed at it."""
+    cache = settings.cache_dir
+    binary, model = await asyncio.to_thread(
+        _resolve_assets, cache, settings.llama_server, settings.model_path)
+    managed = ManagedLlamaServer(
+        binary, model, slots=settings.llama_slots or settings.concurrency,
+        ctx_per_slot=settings.llama_ctx_per_slot, extra_args=split_args(settings.llama_args),
+        log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s,
+        metrics=metrics)
+    await managed.start()
+    changes: dict[str, object] = {"backend_url": managed.url}
+    if not settings.model_path and settings.assistant_prefill:
+        # The stand-in chat model does not know Qwen3-Reranker's think block: with it, no
+        # yes/no token reaches its top logprobs and every pair would fail.
+        changes["assistant_prefill"] = False
+        log.info("assistant_prefill_off", reason="stand-in model")
+    return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
+
+
+def _resolve_assets(cache: Path, llama_server: str, model_path: str) -> tuple[Path, Path]:
+    binary = assets.resolve_llama_server(Path(llama_server) if llama_server else None, cache,
+                                         build=True)
+    model = assets.resolve_model(Path(model_path) if model_path else None, cache,
+                                 fetch_missing=True)
+    return binary, model

@@ -37,7 +37,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CollectorRegistry, start_http_server
 
 from .. import __version__
-from ..settings import Settings
+from ..errors import BindError
+from ..settings import Settings, host_port
 from .metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -117,8 +118,8 @@ class Telemetry:
             server, _thread = start_http_server(settings.metrics_port, host, registry=registry)
         except OSError as exc:
             self.shutdown()
-            raise OSError(f"cannot serve metrics on {host}:{settings.metrics_port} "
-                          f"(--metrics-port / RERANK_METRICS_PORT): {exc.strerror}") from None
+            raise BindError("--metrics-port / RERANK_METRICS_PORT",
+                            host_port(host, settings.metrics_port), exc.strerror or "") from None
         self.metrics_server = server
 
     def shutdown(self) -> None:

@@ -13,19 +13,30 @@ A profile file is JSON:
 first profile whose `backend` is the server's backend kind and whose `model` (a
 shell-style pattern) matches the served model's name; with none, it blends with the
 built-in adaptive parameters and the response names no profile.
+
+`BlendResolver` makes that choice for a request (`settle`), once its scores are in: by
+then the backend's answers have named its model, so even the first request after start
+gets the right profile.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from ..domain import BlendStrategy
 from ..errors import ConfigError
-from .blending import AdaptiveParams
+from .blending import ADAPTIVE, AdaptiveParams
+
+log = structlog.get_logger(__name__)
 
 SHIPPED = "blend_profiles.json"
 _OPTION = "--blend-profile / RERANK_BLEND_PROFILE"
@@ -68,6 +79,42 @@ class BlendProfiles:
 
     def to_json(self) -> dict[str, Any]:
         return {"profiles": [p.to_json() for p in self.profiles]}
+
+
+@dataclass(frozen=True, slots=True)
+class Blend:
+    """The blend that ranks a request: strategy, request-wide parameters, profile name."""
+
+    strategy: BlendStrategy
+    params: AdaptiveParams = ADAPTIVE
+    profile: str = ""
+
+
+class BlendResolver:
+    """Turns a requested strategy into the `Blend` for the served backend and model."""
+
+    def __init__(self, profiles: BlendProfiles) -> None:
+        self.profiles = profiles
+        self._unprofiled: set[tuple[str, str]] = set()  # (backend, model) already logged
+
+    def resolve(self, strategy: BlendStrategy, backend: str, model: str) -> Blend:
+        """`PROFILE` becomes the profile matching backend and model, or the built-in
+        adaptive blend when none matches (or the model is not known yet)."""
+        if strategy is not BlendStrategy.PROFILE:
+            return Blend(strategy)
+        profile = self.profiles.find(backend, model)
+        if profile is not None:
+            return Blend(strategy, profile.params, profile.name)
+        if (backend, model) not in self._unprofiled:
+            self._unprofiled.add((backend, model))
+            log.info("no_blend_profile", backend=backend, model=model,
+                     profiles=self.profiles.source, using=BlendStrategy.ADAPTIVE.value)
+        return Blend(BlendStrategy.ADAPTIVE)
+
+    def settle(self, strategy: BlendStrategy, backend: Callable[[], str],
+               model: Callable[[], str]) -> Callable[[], Blend]:
+        """The request's blend, resolved on first call and the same on every later one."""
+        return functools.cache(lambda: self.resolve(strategy, backend(), model()))
 
 
 def load(path: str | Path | None = None) -> BlendProfiles:

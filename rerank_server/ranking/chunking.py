@@ -18,6 +18,8 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+from ..domain import Candidate
+
 _WORD = re.compile(r"\w+", re.UNICODE)
 # Sentence ends: ., ! or ? followed by space, or any line break run.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*")
@@ -107,3 +109,14 @@ def select_chunks(query: str, texts: Sequence[str], max_chars: int) -> list[str]
         return list(texts)
     weights = query_term_weights(query, texts)
     return [best_chunk(t, max_chars, weights) for t in texts]
+
+
+def document_texts(query: str, candidates: Sequence[Candidate], max_chars: int,
+                   ) -> tuple[list[str], int]:
+    """What the scorer reads for each candidate (its title line, then its best chunk), and
+    how many documents were cut."""
+    chunks = select_chunks(query, [c.text for c in candidates], max_chars)
+    texts = [f"{c.title}\n{chunk}" if c.title else chunk
+             for chunk, c in zip(chunks, candidates, strict=True)]
+    return texts, sum(len(chunk) < len(c.text) for chunk, c in zip(chunks, candidates,
+                                                                    strict=True))

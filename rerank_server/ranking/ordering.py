@@ -7,15 +7,17 @@ once no outstanding candidate could still beat it, that is once its score is abo
 outstanding candidate's upper bound (`blending.upper_bound`), or equal to it with the
 better retrieval position. `RerankStream` sends results at exactly those moments; `Rerank`
 uses the same engine and simply waits for the end, so both give the same order.
+
+`Emitter` numbers what is released 1, 2, ... and stops at `top_k`.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from ..domain import BlendStrategy, Candidate
+from ..domain import BlendStrategy, Candidate, RankedCandidate
 from . import blending
 
 
@@ -102,4 +104,30 @@ class IncrementalRanking:
         if not self._pending and not self._resolved and not self._tail_released:
             self._tail_released = True
             out.extend(Placed(c, 0.0, None) for c in self._tail)
+        return out
+
+
+class Emitter:
+    """Numbers released candidates 1, 2, ... and stops yielding after `top_k` (0 = all)."""
+
+    def __init__(self, top_k: int, texts: Mapping[int, str] | None = None) -> None:
+        self._top_k = top_k
+        self._next_rank = 1
+        self._texts = texts or {}  # candidate index -> scored text (return_text)
+        self._cached: set[int] = set()  # candidate indexes scored from the cache
+
+    def mark_cached(self, indexes: Iterable[int]) -> None:
+        self._cached.update(indexes)
+
+    def take(self, placed: list[Placed]) -> list[RankedCandidate]:
+        out: list[RankedCandidate] = []
+        for p in placed:
+            if self._top_k and self._next_rank > self._top_k:
+                break
+            index = p.candidate.index
+            out.append(RankedCandidate(
+                candidate=p.candidate, rank=self._next_rank, score=p.score,
+                reranker_score=p.reranker_score, scored_text=self._texts.get(index),
+                cached=index in self._cached))
+            self._next_rank += 1
         return out

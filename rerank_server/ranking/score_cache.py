@@ -10,6 +10,10 @@ digests: the cache holds no text, in memory or on disk.
   calls run in a worker thread so the event loop never waits on the disk.
 
 Only successful scores are stored; a failed pair is tried again next time.
+
+The pipeline uses `lookup` and `store`, which key a request's documents and count hits,
+misses and bypasses in the `rerank_server_cache_lookups` metric; `get_many`/`put_many`
+work on ready keys.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..observability.metrics import CACHE_RESULT, Metrics
 
 
 def cache_key(backend: str, model: str, instruction: str, query: str, document: str) -> bytes:
@@ -34,11 +41,26 @@ def cache_key(backend: str, model: str, instruction: str, query: str, document: 
     return digest.digest()
 
 
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What a request's scores depend on besides the document."""
+
+    backend: str
+    model: str
+    instruction: str
+    query: str
+
+    def key(self, document: str) -> bytes:
+        return cache_key(self.backend, self.model, self.instruction, self.query, document)
+
+
 class ScoreCache:
     """Memory LRU with expiry, optionally backed by a SQLite file."""
 
     def __init__(self, max_entries: int, ttl_s: float, path: Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, metrics: Metrics | None = None,
+                 ) -> None:
+        self._lookups = (metrics or Metrics.noop()).cache_lookups
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
@@ -52,6 +74,25 @@ class ScoreCache:
 
     def __len__(self) -> int:
         return len(self._memory)
+
+    async def lookup(self, scope: Scope, documents: Sequence[str], *, bypass: bool = False,
+                     ) -> dict[int, float]:
+        """Cached scores by position in `documents`; none when bypassed or disabled."""
+        if not self.enabled or not documents:
+            return {}
+        if bypass:
+            self._lookups.add(len(documents), {CACHE_RESULT: "bypass"})
+            return {}
+        keys = [scope.key(doc) for doc in documents]
+        found = await self.get_many(keys)
+        self._lookups.add(len(found), {CACHE_RESULT: "hit"})
+        self._lookups.add(len(keys) - len(found), {CACHE_RESULT: "miss"})
+        return {i: found[key] for i, key in enumerate(keys) if key in found}
+
+    def store(self, scope: Scope, scores: Mapping[str, float]) -> None:
+        """Remember `scores` by document text under `scope`."""
+        if self.enabled and scores:
+            self.put_many({scope.key(doc): score for doc, score in scores.items()})
 
     async def get_many(self, keys: Iterable[bytes]) -> dict[bytes, float]:
         """The cached scores among `keys` that have not expired."""

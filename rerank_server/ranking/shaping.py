@@ -15,6 +15,8 @@ ranked lists", "Thresholds", "Skip rules"):
    list keeps its own ranks.
 4. A fixed or adaptive threshold on the normalized score drops candidates before any of
    them reaches the scorer.
+
+`skip_reason` then says whether the shaped request needs scoring at all (the skip rules).
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ from dataclasses import dataclass
 
 from ..domain import (
     Candidate,
+    Degraded,
+    DegradedCode,
     RankedList,
-    RerankQuery,
     ScoreKind,
     ThresholdMode,
     ThresholdReport,
     ThresholdSpec,
 )
-from ..settings import Settings
+from .request import Request
 
 IMPLICIT_LIST = "candidates"
 FIXED_DEFAULT = 0.5
@@ -83,8 +86,8 @@ def rank_bonus(rank: int) -> float:
     return 0.02 if rank <= 3 else 0.0
 
 
-def shape(query: RerankQuery, settings: Settings) -> Shaped:
-    sources = _sources(query, settings)
+def shape(query: Request) -> Shaped:
+    sources = _sources(query)
     fused = bool(query.lists)
     groups = _groups([c for src in sources for c in src.candidates], query.dedup_key)
     occurrences = sum(len(src.candidates) for src in sources)
@@ -97,7 +100,7 @@ def shape(query: RerankQuery, settings: Settings) -> Shaped:
                                     if any(source_of[m.index] is src for m in members)))
         score = 0.0
         if fused:
-            k = query.fusion_k or settings.fusion_k
+            k = query.fusion_k
             for src in sources:
                 ranks = [m.retrieval_rank for m in members if source_of[m.index] is src]
                 if ranks:
@@ -122,16 +125,16 @@ def shape(query: RerankQuery, settings: Settings) -> Shaped:
                   lexical_top=_lexical_top(sources))
 
 
-def _sources(query: RerankQuery, settings: Settings) -> list[_Source]:
+def _sources(query: Request) -> list[_Source]:
     lists: list[RankedList] = []
     if query.candidates or not query.lists:
-        lists.append(RankedList(IMPLICIT_LIST, query.candidates, score_kind=query.score_kind))
+        lists.append(RankedList(IMPLICIT_LIST, query.candidates, query.candidates_weight,
+                                score_kind=query.score_kind))
     lists.extend(query.lists)
     sources = []
     for lst in lists:
         scores, kind = normalize([c.retrieval_score for c in lst.candidates], lst.score_kind)
-        weight = lst.weight if lst.weight is not None else (
-            settings.expansion_list_weight if lst.expansion else settings.original_list_weight)
+        weight = query.candidates_weight if lst.weight is None else lst.weight  # resolved
         candidates = tuple(dataclasses.replace(c, normalized_score=s)
                            for c, s in zip(lst.candidates, scores, strict=True))
         sources.append(_Source(lst.name, weight, kind, candidates))
@@ -206,4 +209,24 @@ def _lexical_top(sources: list[_Source]) -> tuple[float, float] | None:
                          if c.normalized_score is not None), reverse=True)
         if len(scores) >= 2:
             return scores[0], scores[1]
+    return None
+
+
+def skip_reason(query: Request, shaped: Shaped) -> Degraded | None:
+    """Why `shaped` is answered in retrieval order without scoring; None when it is scored."""
+    rules = query.skip
+    if rules.disabled:
+        return Degraded(DegradedCode.DISABLED, "reranking is disabled on this server")
+    n = len(shaped.candidates)
+    if n < rules.min_candidates:
+        return Degraded(DegradedCode.TOO_FEW_CANDIDATES,
+                        f"{n} candidates, fewer than min_candidates={rules.min_candidates}")
+    if rules.within_top_k and query.top_k and n <= query.top_k:
+        return Degraded(DegradedCode.WITHIN_TOP_K,
+                        f"{n} candidates, no more than top_k={query.top_k}")
+    if rules.strong_signal and shaped.lexical_top is not None:
+        top, second = shaped.lexical_top
+        if top >= rules.strong_signal_min and top - second >= rules.strong_signal_gap:
+            return Degraded(DegradedCode.STRONG_SIGNAL,
+                            f"lexical top score {top:.2f} leads the next by {top - second:.2f}")
     return None

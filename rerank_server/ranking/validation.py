@@ -1,18 +1,21 @@
-"""Request validation against the configured limits.
+"""Request validation and resolution: a `RerankQuery` checked and turned into a `Request`.
 
 Every violation raises `InvalidRequest` naming the field as a caller would write it
 (`candidates[3].text`) and the limit, never quoting the offending text. An empty candidate
-list is valid: it gets an empty answer.
+list is valid: it gets an empty answer. What passes is resolved once against the server's
+`RequestRules` (`request.py`): unset options take the server default, and caps a request
+may only lower (`max_candidates`, `timeout_ms`) are applied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from ..domain import Candidate, RerankQuery, ThresholdMode, ThresholdSpec
 from ..errors import InvalidRequest
-from ..settings import Settings
+from .request import Request, RequestRules, SkipRules
 from .shaping import ADAPTIVE_DEFAULTS, IMPLICIT_LIST
 
 MAX_TIMEOUT_MS = 600_000
@@ -25,75 +28,111 @@ def _check_length(field: str, value: str, limit: int) -> None:
         raise InvalidRequest(field, f"{len(value)} characters exceeds the limit of {limit}")
 
 
-def validate(query: RerankQuery, settings: Settings) -> None:
+def resolve(query: RerankQuery, rules: RequestRules) -> Request:
+    """`query` with every option resolved; raises InvalidRequest for the first rule broken."""
+    validate(query, rules)
+    r = rules
+    lists = tuple(dataclasses.replace(lst, weight=_list_weight(lst.weight, lst.expansion, r))
+                  for lst in query.lists)
+    return Request(
+        request_id=query.request_id, query=query.query, candidates=query.candidates,
+        lists=lists, candidates_weight=r.original_list_weight, top_k=query.top_k,
+        instruction=r.instruction if query.instruction is None else query.instruction,
+        blend=query.blend or r.blend,
+        # A request may ask for less than the operator allows, never for more.
+        max_candidates=min(query.max_candidates or r.max_candidates, r.max_candidates),
+        timeout_s=min(query.timeout_s or r.timeout_s, r.timeout_s),
+        max_chunk_chars=query.max_chunk_chars or r.max_chunk_chars,
+        return_text=query.return_text, score_kind=query.score_kind,
+        fusion_k=query.fusion_k or r.fusion_k, dedup_key=query.dedup_key,
+        threshold=query.threshold,
+        skip=SkipRules(
+            disabled=r.disabled, min_candidates=r.min_candidates,
+            within_top_k=_or_default(query.skip_within_top_k, r.skip_within_top_k),
+            strong_signal=_or_default(query.strong_signal_skip, r.strong_signal_skip),
+            strong_signal_min=r.strong_signal_min, strong_signal_gap=r.strong_signal_gap),
+        bypass_cache=query.bypass_cache)
+
+
+def _list_weight(weight: float | None, expansion: bool, rules: RequestRules) -> float:
+    if weight is not None:
+        return weight
+    return rules.expansion_list_weight if expansion else rules.original_list_weight
+
+
+def _or_default(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
+def validate(query: RerankQuery, rules: RequestRules) -> None:
     """Raise InvalidRequest for the first rule `query` breaks."""
-    _check_length("request_id", query.request_id, settings.max_id_chars)
+    _check_length("request_id", query.request_id, rules.max_id_chars)
     if not query.query.strip():
         raise InvalidRequest("query", "must not be empty")
-    _check_length("query", query.query, settings.max_query_chars)
+    _check_length("query", query.query, rules.max_query_chars)
     if query.instruction is not None:
         if not query.instruction.strip():
             raise InvalidRequest("instruction", "must not be blank when set")
-        _check_length("instruction", query.instruction, settings.max_query_chars)
-    _validate_candidates("candidates", query.candidates, settings)
-    _validate_lists(query, settings)
-    _validate_options(query, settings)
+        _check_length("instruction", query.instruction, rules.max_query_chars)
+    _validate_candidates("candidates", query.candidates, rules)
+    _validate_lists(query, rules)
+    _validate_options(query, rules)
 
 
 def _validate_candidates(where: str, candidates: Sequence[Candidate],
-                         settings: Settings) -> None:
-    if len(candidates) > settings.max_request_candidates:
+                         rules: RequestRules) -> None:
+    if len(candidates) > rules.max_request_candidates:
         raise InvalidRequest(where, f"{len(candidates)} candidates exceeds the "
-                                    f"limit of {settings.max_request_candidates}")
+                                    f"limit of {rules.max_request_candidates}")
     seen: dict[str, int] = {}
     for i, c in enumerate(candidates):
         at = f"{where}[{i}]"
         if not c.id:
             raise InvalidRequest(f"{at}.id", "must not be empty")
-        _check_length(f"{at}.id", c.id, settings.max_id_chars)
+        _check_length(f"{at}.id", c.id, rules.max_id_chars)
         if c.id in seen:
             raise InvalidRequest(f"{at}.id", f"duplicate of {where}[{seen[c.id]}].id")
         seen[c.id] = i
-        _check_length(f"{at}.text", c.text, settings.max_document_chars)
+        _check_length(f"{at}.text", c.text, rules.max_document_chars)
         if c.title is not None:
-            _check_length(f"{at}.title", c.title, settings.max_document_chars)
+            _check_length(f"{at}.title", c.title, rules.max_document_chars)
         if c.retrieval_rank < 1:
             raise InvalidRequest(f"{at}.retrieval_rank", "must be at least 1 when set")
         if c.retrieval_score is not None and not math.isfinite(c.retrieval_score):
             raise InvalidRequest(f"{at}.retrieval_score", "must be a finite number")
 
 
-def _validate_lists(query: RerankQuery, settings: Settings) -> None:
-    if len(query.lists) > settings.max_lists:
+def _validate_lists(query: RerankQuery, rules: RequestRules) -> None:
+    if len(query.lists) > rules.max_lists:
         raise InvalidRequest("lists", f"{len(query.lists)} lists exceeds the limit of "
-                                      f"{settings.max_lists}")
+                                      f"{rules.max_lists}")
     # With lists, the request's own `candidates` form one more list with this name.
     names = {IMPLICIT_LIST: "candidates"} if query.candidates else {}
     for i, lst in enumerate(query.lists):
         where = f"lists[{i}]"
-        _check_length(f"{where}.name", lst.name, settings.max_id_chars)
+        _check_length(f"{where}.name", lst.name, rules.max_id_chars)
         if lst.name in names:
             raise InvalidRequest(f"{where}.name", f"same name as {names[lst.name]}")
         names[lst.name] = where
         if lst.weight is not None and not (math.isfinite(lst.weight) and lst.weight >= 0):
             raise InvalidRequest(f"{where}.weight", "must be a finite number >= 0")
-        _validate_candidates(f"{where}.candidates", lst.candidates, settings)
+        _validate_candidates(f"{where}.candidates", lst.candidates, rules)
 
 
-def _validate_options(query: RerankQuery, settings: Settings) -> None:
+def _validate_options(query: RerankQuery, rules: RequestRules) -> None:
     if query.max_candidates is not None and not (
-            1 <= query.max_candidates <= settings.max_request_candidates):
+            1 <= query.max_candidates <= rules.max_request_candidates):
         raise InvalidRequest("options.max_candidates", "must be between 1 and "
-                                                       f"{settings.max_request_candidates}")
+                                                       f"{rules.max_request_candidates}")
     if query.timeout_s is not None and not (0 < query.timeout_s * 1000 <= MAX_TIMEOUT_MS):
         raise InvalidRequest("options.timeout_ms", f"must be between 1 and {MAX_TIMEOUT_MS}")
     if query.max_chunk_chars is not None and not (
-            MIN_CHUNK_CHARS <= query.max_chunk_chars <= settings.max_document_chars):
+            MIN_CHUNK_CHARS <= query.max_chunk_chars <= rules.max_document_chars):
         raise InvalidRequest("options.max_chunk_chars", f"must be between {MIN_CHUNK_CHARS} "
-                                                        f"and {settings.max_document_chars}")
+                                                        f"and {rules.max_document_chars}")
     if query.fusion_k is not None and not 1 <= query.fusion_k <= MAX_FUSION_K:
         raise InvalidRequest("options.fusion_k", f"must be between 1 and {MAX_FUSION_K}")
-    _check_length("options.dedup_key", query.dedup_key, settings.max_id_chars)
+    _check_length("options.dedup_key", query.dedup_key, rules.max_id_chars)
     if query.threshold is not None:
         _validate_threshold(query, query.threshold)
 

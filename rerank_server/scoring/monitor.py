@@ -1,16 +1,14 @@
 """Backend health: a `/health` poll, and a sanity probe each time the backend comes up.
 
-The probe scores one clearly relevant and one clearly irrelevant pair. Its outcome goes
-to the gRPC health service under two names, while the main service stays SERVING (a
-degraded answer is still an answer):
+The probe scores one clearly relevant and one clearly irrelevant pair. The monitor reports
+what it finds through a callback, `report(component, up)`, and knows nothing of who
+listens (the gRPC edge turns it into health service names, `api/health.py`):
 
-- `rerank.v1.Reranker/backend`: SERVING while the backend answers and yields scores.
-- `rerank.v1.Reranker/backend/HOST:PORT`: one per instance, SERVING while its `/health`
-  answers 200.
-- `rerank.v1.Reranker/backend/discriminates`: SERVING when the probe's relevant pair
-  scored clearly above the irrelevant one. A model that cannot tell them apart, or gives
-  degenerate scores (a GGUF without its classification head gives values like 1e-28),
-  is NOT_SERVING here and logged as a warning.
+- `BACKEND` (""): up while the backend answers and yields scores.
+- `HOST:PORT`: one per instance, up while its `/health` answers 200.
+- `DISCRIMINATES`: up when the probe's relevant pair scored clearly above the irrelevant
+  one. A model that cannot tell them apart, or gives degenerate scores (a GGUF without its
+  classification head gives values like 1e-28), is down here and logged as a warning.
 
 Each poll also returns ejected instances whose back-off is over and whose `/health`
 answers (`scoring/pool.py`). State changes are logged once per change, not per poll.
@@ -19,10 +17,10 @@ answers (`scoring/pool.py`). State changes are logged once per change, not per p
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
-from grpc_health.v1 import health, health_pb2
 
 from ..observability.metrics import Metrics
 from .backend_pool import BackendPool, Endpoint
@@ -37,8 +35,11 @@ PROBE_IRRELEVANT = ("Photosynthesis lets green plants turn sunlight, water and c
 MIN_SEPARATION = 0.05
 DEGENERATE_BELOW = 1e-6
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+BACKEND = ""
+DISCRIMINATES = "discriminates"
+
+Report = Callable[[str, bool], Awaitable[None]]
+"""`report(component, up)`: `BACKEND`, `DISCRIMINATES`, or an instance's `HOST:PORT`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +87,13 @@ class BackendMonitor:
     comes up from down, the model's name is asked for and the probe runs.
     """
 
-    def __init__(self, scorer: Scorer, pool: BackendPool, instruction: str,
-                 health_servicer: health.aio.HealthServicer, service_name: str,
+    def __init__(self, scorer: Scorer, pool: BackendPool, instruction: str, report: Report,
                  interval_s: float = 5.0, run_probe: bool = True,
                  metrics: Metrics | None = None) -> None:
         self._scorer = scorer
         self._pool = pool
         self._instruction = instruction
-        self._health = health_servicer
-        self.backend_name = f"{service_name}/backend"
-        self.quality_name = f"{service_name}/backend/discriminates"
+        self._report_state = report
         self._interval_s = interval_s
         self._run_probe = run_probe
         self._metrics = metrics or Metrics.noop()
@@ -106,9 +104,6 @@ class BackendMonitor:
         # Set once the backend was first seen up and its model name asked for.
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-
-    def instance_name(self, endpoint: Endpoint) -> str:
-        return f"{self.backend_name}/{endpoint.name}"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -131,19 +126,18 @@ class BackendMonitor:
         self._up = up
         if not up:
             log.warning("backend_down", backend=self._scorer.kind)
-            await self._set(NOT_SERVING, NOT_SERVING)
+            await self._set(backend=False, discriminates=False)
             return
         await self._scorer.discover_model()
         log.info("backend_up", backend=self._scorer.kind, model=self._scorer.model)
         self.ready.set()
         if not self._run_probe:
-            await self._set(SERVING, SERVING)
+            await self._set(backend=True, discriminates=True)
             return
         result = await probe(self._scorer, self._instruction)
         self.last_probe = result
         self._report(result)
-        await self._set(SERVING if result.scored else NOT_SERVING,
-                        SERVING if result.discriminates else NOT_SERVING)
+        await self._set(backend=result.scored, discriminates=result.discriminates)
         self.probed.set()
 
     async def _check_instance(self, endpoint: Endpoint) -> None:
@@ -163,7 +157,7 @@ class BackendMonitor:
             log.info("backend_instance_up", instance=endpoint.name)
         else:
             log.warning("backend_instance_down", instance=endpoint.name)
-        await self._health.set(self.instance_name(endpoint), SERVING if up else NOT_SERVING)
+        await self._report_state(endpoint.name, up)
 
     def _report(self, r: ProbeResult) -> None:
         fields = {"relevant": r.relevant, "irrelevant": r.irrelevant,
@@ -179,7 +173,6 @@ class BackendMonitor:
         else:
             log.info("backend_probe_ok", **fields)
 
-    async def _set(self, backend: health_pb2.HealthCheckResponse.ServingStatus.ValueType,
-                   quality: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
-        await self._health.set(self.backend_name, backend)
-        await self._health.set(self.quality_name, quality)
+    async def _set(self, *, backend: bool, discriminates: bool) -> None:
+        await self._report_state(BACKEND, backend)
+        await self._report_state(DISCRIMINATES, discriminates)

@@ -38,4 +38,4 @@ class PooledScorer:
         return body
 
     async def aclose(self) -> None:
-        await self._pool.aclose()
+        """Nothing to close: the pool belongs to whoever made it (`server.build_server`)."""

@@ -29,11 +29,6 @@ def neutralize(text: str) -> str:
     return _SQUARE_TOKEN.sub("[ ", _ANGLE_TOKEN.sub("< ", text))
 
 
-def document_text(text: str, title: str | None) -> str:
-    """What the scorer reads as the document: title line, then the (chunked) text."""
-    return f"{title}\n{text}" if title else text
-
-
 def user_message(instruction: str, query: str, document: str) -> str:
     """The user turn, every caller-supplied part neutralized."""
     return (f"<Instruct>: {neutralize(instruction)}\n<Query>: {neutralize(query)}\n"

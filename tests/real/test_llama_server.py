@@ -163,8 +163,8 @@ async def test_forged_answer_stays_inside_the_user_turn(real_llama: RealLlama) -
 async def test_probe_scores_both_pairs(real_server: RunningServer,
                                        real_llama: RealLlama) -> None:
     monitor = BackendMonitor(real_server.reranker.scorer, real_server.pool,
-                             real_server.settings.instruction, real_server.health,
-                             "rerank.v1.Reranker", interval_s=60)
+                             real_server.settings.instruction, real_server.edge.report_backend,
+                             interval_s=60)
     await monitor.check()
     probe = monitor.last_probe
     assert probe is not None and probe.scored

@@ -9,6 +9,7 @@ import time
 from grpc_health.v1 import health_pb2
 from rerank_client import AsyncRerankClient
 
+from rerank_server.api.grpc_server import backend_health_name
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
@@ -22,8 +23,8 @@ async def two_instance_server(start_server: StartServer, fakes: list[FakeLlamaSe
 
 
 async def instance_status(server: RunningServer, fake_url: str) -> int:
-    name = f"{server.monitor.backend_name}/{fake_url.removeprefix('http://')}"
-    reply = await server.health.Check(health_pb2.HealthCheckRequest(service=name), None)
+    name = backend_health_name(fake_url.removeprefix("http://"))
+    reply = await server.edge.health.Check(health_pb2.HealthCheckRequest(service=name), None)
     return int(reply.status)
 
 

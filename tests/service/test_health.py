@@ -31,7 +31,7 @@ async def test_health_backend_probe_and_draining(fake_llama: FakeLlamaServer) ->
         assert await _status(channel, "rerank.v1.Reranker") == SERVING
         assert await _status(channel, "rerank.v1.Reranker/backend") == SERVING
         assert await _status(channel, "rerank.v1.Reranker/backend/discriminates") == SERVING
-        await server.health.enter_graceful_shutdown()
+        await server.edge.health.enter_graceful_shutdown()
         assert await _status(channel, "rerank.v1.Reranker") == NOT_SERVING
     await server.stop(grace=0)
 

@@ -69,7 +69,7 @@ async def test_healthcheck_command_exits_zero_when_serving_and_one_when_not(
 
     ok = await asyncio.to_thread(healthcheck, server.port)
     assert ok.returncode == 0 and ok.stdout.strip() == "SERVING"
-    await server.health.enter_graceful_shutdown()
+    await server.edge.health.enter_graceful_shutdown()
     draining = await asyncio.to_thread(healthcheck, server.port)
     assert draining.returncode == 1 and "NOT_SERVING" in draining.stderr
     nobody = await asyncio.to_thread(healthcheck, free_port())

@@ -20,6 +20,8 @@ from rerank_server.domain import (
 )
 from rerank_server.ranking.pipeline import Reranker
 from rerank_server.ranking.shaping import shape
+from rerank_server.ranking.validation import resolve
+from rerank_server.server import request_rules
 from rerank_server.settings import Settings
 from tests.fakes.scorer import FunctionScorer
 
@@ -54,7 +56,7 @@ def requests(draw: st.DrawFn) -> RerankQuery:
 
 def run(query: RerankQuery, scorer: FunctionScorer,
         ) -> tuple[list[RankedCandidate], RerankSummary]:
-    reranker = Reranker(Settings(min_candidates=2), scorer)
+    reranker = Reranker(request_rules(Settings(min_candidates=2)), scorer)
 
     async def collect() -> tuple[list[RankedCandidate], RerankSummary]:
         results: list[RankedCandidate] = []
@@ -94,7 +96,7 @@ def test_output_is_the_unique_input_within_top_k(query: RerankQuery) -> None:
 def test_degraded_answer_is_exactly_the_retrieval_order(query: RerankQuery) -> None:
     results, summary = run(query, FunctionScorer(fails=lambda _doc: True))
     assert not summary.reranked
-    expected = [c.id for c in shape(query, Settings()).candidates]
+    expected = [c.id for c in shape(resolve(query, request_rules(Settings()))).candidates]
     if query.top_k:
         expected = expected[:query.top_k]
     assert [r.candidate.id for r in results] == expected

@@ -13,9 +13,11 @@ from rerank_server.domain import (
     ThresholdSpec,
 )
 from rerank_server.ranking.shaping import normalize, shape
+from rerank_server.ranking.validation import resolve
+from rerank_server.server import request_rules
 from rerank_server.settings import Settings
 
-SETTINGS = Settings()
+RULES = request_rules(Settings())
 
 
 def cands(ids: str, first_index: int = 0, scores: list[float] | None = None,
@@ -55,7 +57,7 @@ def test_rrf_with_bonus_on_a_hand_worked_example() -> None:
     b = 2/62 + .02 = .052258;               d = 2/63 + .02 = .051746
     """
     q = query(lists=(RankedList("vector", cands("abc")), RankedList("bm25", cands("cad", 3))))
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert [c.id for c in shaped.candidates] == ["a", "c", "b", "d"]
     assert [c.retrieval_rank for c in shaped.candidates] == [1, 2, 3, 4]
     a = 2 / 61 + 0.05 + 2 / 62 + 0.02
@@ -73,24 +75,24 @@ def test_expansion_lists_weigh_half_and_explicit_weights_win() -> None:
     """orig: a b; expansion: b a. a = 2/61+.05 + 1/62+.02; b = 2/62+.02 + 1/61+.05."""
     q = query(lists=(RankedList("orig", cands("ab")),
                      RankedList("exp", cands("ba", 2), expansion=True)))
-    assert [c.id for c in shape(q, SETTINGS).candidates] == ["a", "b"]
+    assert [c.id for c in shape(resolve(q, RULES)).candidates] == ["a", "b"]
     flipped = query(lists=(RankedList("orig", cands("ab"), weight=1.0),
                            RankedList("exp", cands("ba", 2), expansion=True, weight=5.0)))
-    assert [c.id for c in shape(flipped, SETTINGS).candidates] == ["b", "a"]
+    assert [c.id for c in shape(resolve(flipped, RULES)).candidates] == ["b", "a"]
 
 
 def test_fusion_k_sets_how_fast_credit_falls_with_rank() -> None:
     """One list a b c: c/a is (2/63+.02)/(2/61+.05) at k=60, (2/4+.02)/(2/2+.05) at k=1."""
     lists = (RankedList("x", cands("abc")),)
-    default = shape(query(lists=lists), SETTINGS).candidates
-    sharp = shape(query(lists=lists, fusion_k=1), SETTINGS).candidates
+    default = shape(resolve(query(lists=lists), RULES)).candidates
+    sharp = shape(resolve(query(lists=lists, fusion_k=1), RULES)).candidates
     assert default[2].normalized_score == pytest.approx((2 / 63 + 0.02) / (2 / 61 + 0.05))
     assert sharp[2].normalized_score == pytest.approx((2 / 4 + 0.02) / (2 / 2 + 0.05))
 
 
 def test_candidates_beside_lists_count_as_one_more_original_list() -> None:
     q = query(candidates=cands("xy"), lists=(RankedList("bm25", cands("yz", 2)),))
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert [c.id for c in shaped.candidates] == ["y", "x", "z"]
     assert shaped.candidates[0].found_in == ("candidates", "bm25")
 
@@ -98,7 +100,7 @@ def test_candidates_beside_lists_count_as_one_more_original_list() -> None:
 def test_dedup_key_merges_different_ids_keeping_the_best_ranked() -> None:
     meta = [{"url": "u1"}, {"url": "u2"}, {"url": "u1"}, {}]
     q = query(candidates=cands("abcd", metadata=meta), dedup_key="url")
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert [c.id for c in shaped.candidates] == ["a", "b", "d"]
     assert shaped.deduplicated == 1
 
@@ -107,7 +109,7 @@ def test_dedup_links_groups_through_ids_and_keys() -> None:
     """a~b share a key; b appears again in another list; one document in the end."""
     lists = (RankedList("v", cands("ab", metadata=[{"k": "1"}, {"k": "1"}])),
              RankedList("w", cands("b", 2)))
-    shaped = shape(query(lists=lists, dedup_key="k"), SETTINGS)
+    shaped = shape(resolve(query(lists=lists, dedup_key="k"), RULES))
     assert [c.id for c in shaped.candidates] == ["a"]
     assert shaped.candidates[0].found_in == ("v", "w")
     assert shaped.deduplicated == 2
@@ -116,7 +118,8 @@ def test_dedup_links_groups_through_ids_and_keys() -> None:
 def test_single_list_keeps_its_given_ranks() -> None:
     given = tuple(Candidate(id=c, text=c, index=i, retrieval_rank=r)
                   for i, (c, r) in enumerate([("a", 3), ("b", 1), ("c", 2)]))
-    assert [c.id for c in shape(query(candidates=given), SETTINGS).candidates] == ["b", "c", "a"]
+    shaped = shape(resolve(query(candidates=given), RULES))
+    assert [c.id for c in shaped.candidates] == ["b", "c", "a"]
 
 
 def scored(values: list[float]) -> tuple[Candidate, ...]:
@@ -127,7 +130,7 @@ def test_adaptive_threshold_converges_early() -> None:
     """top_k 4 needs ceil(0.8*4) = 4 passing: 0.75 lets 2 through, 0.70 lets 4."""
     q = query(candidates=scored([0.9, 0.8, 0.72, 0.71, 0.3, 0.1]), top_k=4,
               threshold=ThresholdSpec(ThresholdMode.ADAPTIVE))
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert shaped.threshold is not None
     assert shaped.threshold.threshold == pytest.approx(0.70)
     assert shaped.threshold.steps == 1
@@ -139,7 +142,7 @@ def test_adaptive_threshold_converges_early() -> None:
 def test_adaptive_threshold_stops_at_the_floor_and_keeps_what_passed() -> None:
     q = query(candidates=scored([0.9, 0.5, 0.36, 0.2, 0.1]), top_k=5,
               threshold=ThresholdSpec(ThresholdMode.ADAPTIVE))
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert shaped.threshold is not None
     assert shaped.threshold.threshold == pytest.approx(0.35)
     assert shaped.threshold.steps == 8
@@ -150,7 +153,7 @@ def test_adaptive_threshold_stops_at_the_floor_and_keeps_what_passed() -> None:
 def test_adaptive_threshold_keeps_the_best_when_nothing_passes_the_floor() -> None:
     q = query(candidates=scored([0.3, 0.2, 0.1, 0.05]), top_k=2,
               threshold=ThresholdSpec(ThresholdMode.ADAPTIVE))
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert [c.id for c in shaped.candidates] == ["a", "b"]
     assert shaped.threshold is not None and shaped.threshold.reached_floor
 
@@ -159,7 +162,7 @@ def test_adaptive_threshold_honours_overrides() -> None:
     spec = ThresholdSpec(ThresholdMode.ADAPTIVE, start=0.95, step=0.1, floor=0.6,
                          target_fraction=0.5)
     q = query(candidates=scored([0.99, 0.9, 0.7, 0.66, 0.5, 0.4]), top_k=6, threshold=spec)
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert shaped.threshold is not None
     # need 3: 0.95 -> 1 pass, 0.85 -> 2, 0.75 -> 2, 0.65 -> 4 >= 3.
     assert shaped.threshold.threshold == pytest.approx(0.65)
@@ -170,7 +173,7 @@ def test_adaptive_threshold_honours_overrides() -> None:
 def test_fixed_threshold() -> None:
     q = query(candidates=scored([0.9, 0.6, 0.59]),
               threshold=ThresholdSpec(ThresholdMode.FIXED, min_score=0.6))
-    shaped = shape(q, SETTINGS)
+    shaped = shape(resolve(q, RULES))
     assert [c.id for c in shaped.candidates] == ["a", "b"]
     assert shaped.threshold is not None and shaped.threshold.steps == 0
 
@@ -179,13 +182,13 @@ def test_threshold_on_lexical_scores_uses_their_normalized_values() -> None:
     """BM25 20, 15, 5, 0 -> 1, .75, .25, 0: a fixed 0.5 keeps two."""
     q = query(candidates=scored([20.0, 15.0, 5.0, 0.0]),
               threshold=ThresholdSpec(ThresholdMode.FIXED, min_score=0.5))
-    assert [c.id for c in shape(q, SETTINGS).candidates] == ["a", "b"]
+    assert [c.id for c in shape(resolve(q, RULES)).candidates] == ["a", "b"]
 
 
 def test_lexical_top_is_reported_for_the_strong_signal_rule() -> None:
     lists = (RankedList("vector", cands("ab", scores=[0.9, 0.8])),
              RankedList("bm25", cands("ba", 2, scores=[14.0, 9.0]),
                         score_kind=ScoreKind.LEXICAL))
-    shaped = shape(query(lists=lists), SETTINGS)
+    shaped = shape(resolve(query(lists=lists), RULES))
     assert shaped.lexical_top == (1.0, 0.0)
-    assert shape(query(lists=lists[:1]), SETTINGS).lexical_top is None
+    assert shape(resolve(query(lists=lists[:1]), RULES)).lexical_top is None

@@ -1,0 +1,102 @@
+"""The gRPC server: the Reranker service, health, reflection and interceptors on one port.
+
+grpc.aio objects belong to the event loop that made them (grpc/grpc#32480), so `start` is
+a coroutine called inside the running loop.
+
+Health names (`grpc.health.v1`): "" and `rerank.v1.Reranker` are the server itself;
+`rerank.v1.Reranker/backend[/COMPONENT]` follow what the backend monitor reports
+(`scoring/monitor.py`) while the main service stays SERVING: a degraded answer is still
+an answer.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..errors import BindError
+from ..observability.telemetry import Telemetry
+from ..ranking.pipeline import Reranker
+from ..settings import Settings, host_port
+from .interceptors import RpcInterceptor
+from .pb import rerank_pb2 as pb
+from .pb import rerank_pb2_grpc as pb_grpc
+from .service import RerankService
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Reranker"].full_name
+BACKEND_HEALTH = f"{SERVICE_NAME}/backend"
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def backend_health_name(component: str) -> str:
+    """The health name for a backend component ("" is the backend as a whole)."""
+    return f"{BACKEND_HEALTH}/{component}" if component else BACKEND_HEALTH
+
+
+def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.ServerInterceptor]:
+    """Tracing outermost (so the log line and metrics see the span), then ours."""
+    ours = RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs)
+    if not telemetry.tracing:
+        return [ours]
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+
+    # Health checks every few seconds would bury the traces that matter.
+    tracing = aio_server_interceptor(  # type: ignore[no-untyped-call]
+        tracer_provider=telemetry.tracer_provider,
+        filter_=filters.negate(filters.service_prefix("grpc.")))
+    return [tracing, ours]
+
+
+class GrpcEdge:
+    """A started gRPC server and its health service; `aclose` drains and stops it."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+                 port: int, grace_s: float) -> None:
+        self.server = server
+        self.health = health_servicer
+        self.port = port
+        self.grace_s = grace_s  # in-flight calls get this long on `aclose`
+
+    @classmethod
+    async def start(cls, settings: Settings, reranker: Reranker,
+                    telemetry: Telemetry) -> GrpcEdge:
+        options = [
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(interceptors=_interceptors(settings, telemetry),
+                                 options=options)
+        pb_grpc.add_RerankerServicer_to_server(
+            RerankService(reranker, settings.batch_concurrency), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        if settings.reflection:
+            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                     reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, server)
+        try:
+            port = server.add_insecure_port(settings.address)
+        except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
+            port = 0
+        if port == 0:
+            raise BindError("--port / RERANK_PORT", settings.address)
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, _SERVING)
+        return cls(server, health_servicer, port, settings.grace_period_s)
+
+    async def report_backend(self, component: str, up: bool) -> None:
+        """The backend monitor's callback (`scoring.monitor.Report`)."""
+        await self.health.set(backend_health_name(component), _SERVING if up else _NOT_SERVING)
+
+    def address(self, host: str) -> str:
+        return host_port(host, self.port)
+
+    async def aclose(self) -> None:
+        """NOT_SERVING, refuse new calls, give in-flight ones `grace_s`, then cancel them."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s)

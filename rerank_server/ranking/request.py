@@ -1,0 +1,83 @@
+"""A request resolved once: every option merged with the server's default, every cap applied.
+
+The edge hands the core a `RerankQuery` whose unset options are `None`. `validation.resolve`
+checks it against `RequestRules` and returns a `Request` in which nothing is left to look
+up: the core reads only this value, never the server's settings, for the rest of the
+request. `RequestRules` is built once at start from the settings (`server.request_rules`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..domain import BlendStrategy, Candidate, RankedList, ScoreKind, ThresholdSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRules:
+    """The operator's limits and defaults for every request."""
+
+    # Input limits: a request beyond them is INVALID_ARGUMENT.
+    max_request_candidates: int
+    max_query_chars: int
+    max_document_chars: int
+    max_id_chars: int
+    max_lists: int
+    # Defaults a request may override (and caps it may only lower).
+    blend: BlendStrategy
+    instruction: str
+    timeout_s: float
+    max_candidates: int
+    max_chunk_chars: int
+    fusion_k: int
+    original_list_weight: float
+    expansion_list_weight: float
+    skip_within_top_k: bool
+    strong_signal_skip: bool
+    # Server-wide rules no request changes.
+    disabled: bool
+    min_candidates: int
+    strong_signal_min: float
+    strong_signal_gap: float
+
+
+@dataclass(frozen=True, slots=True)
+class SkipRules:
+    """When a request is answered in retrieval order without scoring (`shaping.skip_reason`)."""
+
+    disabled: bool
+    min_candidates: int
+    within_top_k: bool
+    strong_signal: bool
+    strong_signal_min: float
+    strong_signal_gap: float
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A valid request with every option resolved; what the pipeline runs on."""
+
+    request_id: str
+    query: str
+    # The request's own candidates, then its lists; every list's weight is resolved.
+    candidates: tuple[Candidate, ...]
+    lists: tuple[RankedList, ...]
+    candidates_weight: float  # fusion weight of `candidates` when lists are fused with it
+    top_k: int
+    instruction: str
+    blend: BlendStrategy
+    max_candidates: int
+    timeout_s: float
+    max_chunk_chars: int
+    return_text: bool
+    score_kind: ScoreKind
+    fusion_k: int
+    dedup_key: str
+    threshold: ThresholdSpec | None
+    skip: SkipRules
+    bypass_cache: bool
+
+    @property
+    def occurrences(self) -> int:
+        """Candidates as received, over `candidates` and every list."""
+        return len(self.candidates) + sum(len(lst.candidates) for lst in self.lists)

@@ -1,0 +1,121 @@
+"""Scoring within a time budget: every pair's outcome exactly once, never past the budget.
+
+`score_within` runs a scorer and yields each pair's `PairOutcome` as it arrives. Pairs the
+scorer has not reported when the budget runs out come back failed as timeouts; a scorer
+that returns without reporting every pair, or crashes, fails the rest as malformed or as a
+backend error. So the caller always gets one outcome per pair and never an exception for
+backend trouble.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import structlog
+from opentelemetry import trace
+
+from .base import Failure, PairOutcome, Scorer, ScoreRequest
+
+log = structlog.get_logger(__name__)
+
+# Share of the caller's remaining deadline kept back for blending and sending the answer.
+DEADLINE_RESERVE_FRACTION = 0.1
+DEADLINE_RESERVE_MAX_S = 0.05
+
+
+def budget_s(timeout_s: float, deadline_remaining_s: float | None) -> float:
+    """Seconds the scorer may use: the request's timeout, shortened by the caller's deadline
+    less a small reserve for blending and sending."""
+    budget = timeout_s
+    if deadline_remaining_s is not None:
+        reserve = min(DEADLINE_RESERVE_MAX_S, deadline_remaining_s * DEADLINE_RESERVE_FRACTION)
+        budget = min(budget, deadline_remaining_s - reserve)
+    return max(budget, 0.0)
+
+
+async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
+                       tracer: trace.Tracer) -> AsyncIterator[PairOutcome]:
+    """Each pair's outcome, as it arrives; those left when `budget` runs out as timeouts.
+
+    The budget bounds only the waits, never the caller's work between yields: a timeout
+    that fired while the caller wrote a stream message would cancel the RPC.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget
+    outcomes: asyncio.Queue[PairOutcome] = asyncio.Queue()
+    remaining = set(range(len(request.documents)))
+    # Not a `with` block: the span must not stay current across the yields below. The
+    # scorer task copies the context at creation, so backend calls become its children.
+    span = tracer.start_span("rerank.score", attributes={
+        "rerank.backend": scorer.kind, "rerank.pairs": len(remaining)})
+    with trace.use_span(span, end_on_exit=False):
+        task = asyncio.create_task(scorer.score(request, outcomes.put_nowait))
+    scored = failed = 0
+    rest: tuple[Failure, str] | None = None
+    try:
+        while remaining:
+            try:
+                outcome = await asyncio.wait_for(_next_outcome(outcomes, task),
+                                                 max(deadline - loop.time(), 0))
+            except TimeoutError:
+                rest = (Failure.TIMEOUT, "time budget spent")
+                break
+            except _ScorerCrashed as crash:
+                log.error("scorer_crashed", backend=scorer.kind, error=crash.detail)
+                rest = (Failure.HTTP_ERROR, f"scorer crashed: {crash.detail}")
+                break
+            if outcome is None:
+                rest = (Failure.MALFORMED, "the scorer reported no outcome for this pair")
+                break
+            if outcome.pair not in remaining:
+                continue  # a scorer's second report of a pair is ignored
+            remaining.discard(outcome.pair)
+            if outcome.failure is None:
+                scored += 1
+            else:
+                failed += 1
+            yield outcome
+        if rest is not None:
+            await _stop(task)
+            failure, detail = rest
+            for pair in sorted(remaining):
+                failed += 1
+                yield PairOutcome.failed(pair, failure, detail)
+            remaining.clear()
+    finally:
+        await _stop(task)
+        span.set_attributes({"rerank.model": scorer.model, "rerank.scored": scored,
+                             "rerank.failed": failed})
+        span.end()
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+class _ScorerCrashed(Exception):
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+async def _next_outcome(outcomes: asyncio.Queue[PairOutcome],
+                        task: asyncio.Task[None]) -> PairOutcome | None:
+    """The next outcome; None once the scorer has finished and nothing is left."""
+    if not outcomes.empty():
+        return outcomes.get_nowait()
+    getter = asyncio.ensure_future(outcomes.get())
+    try:
+        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        raise _ScorerCrashed(type(exc).__name__)
+    return outcomes.get_nowait() if not outcomes.empty() else None
