@@ -42,6 +42,7 @@ test: test-assets
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/python scripts/gen_config_doc.py --check
 	$(BIN)/python scripts/check_deploy.py

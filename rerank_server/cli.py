@@ -1,48 +1,84 @@
-"""`rerank-server`: run the server (the default), or a subcommand.
+"""`rerank-server`: run the server (the default), or a subcommand (`SUBCOMMANDS`).
 
-    rerank-server [FLAGS]            serve (see --help for every setting)
-    rerank-server prepare [FLAGS]    build/fetch the managed mode's assets into the cache
-    rerank-server healthcheck        exit 0 if a running server's health says SERVING
-    rerank-server eval DATASET       ranking quality: BM25 vs reranked (needs the eval extra)
-    rerank-server bench              speed: overhead, efficiency, throughput, streaming
+Errors a user can fix (a bad setting, a port in use, a missing optional extra) end with
+one line on stderr naming what to change, and exit status 2; never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from . import settings
-from .errors import ConfigError
+from .errors import BindError, ConfigError
 from .loops import loop_factory
 from .observability import logs
 from .server import serve
 
+# name -> (module with `main(argv) -> int`, one line for --help, optional extra it needs)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "prepare": ("rerank_server.managed.assets",
+                "build llama-server and fetch the models for managed mode into the cache", ""),
+    "healthcheck": ("rerank_server.api.healthcheck",
+                    "exit 0 if a running server's gRPC health says SERVING", ""),
+    "eval": ("rerank_server.evaluation.run",
+             "ranking quality on a BEIR data set: BM25 against each blend", "eval"),
+    "bench": ("rerank_server.bench.run",
+              "speed: overhead, telemetry, efficiency, throughput, streaming", "eval"),
+}
+# What the optional extra installs (pyproject.toml, [project.optional-dependencies]), by
+# top-level module: looked for before a tool starts, so it fails before any work.
+EXTRA_MODULES = {"eval": ("bm25s", "Stemmer", "ranx", "tqdm", "matplotlib")}
+
+
+def subcommands_help() -> str:
+    lines = ["subcommands (rerank-server SUBCOMMAND --help for theirs):"]
+    lines += [f"  {name:<12} {line}" for name, (_, line, _) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules as None: blocked on purpose
+        return False
+
+
+def _subcommand(name: str) -> Callable[[Sequence[str]], int] | str:
+    """The subcommand's `main`, or the one line to print when its extra is missing."""
+    module, _, extra = SUBCOMMANDS[name]
+    missing = [m for m in EXTRA_MODULES.get(extra, ()) if not _installed(m)]
+    if missing:
+        return (f"rerank-server {name} needs the optional '{extra}' dependencies "
+                f"(missing: {', '.join(missing)}): pip install 'rerank-server[{extra}]'")
+    main: Callable[[Sequence[str]], int] = importlib.import_module(module).main
+    return main
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["prepare"]:
-        from .managed import assets
-        return assets.main(args[1:])
-    if args[:1] == ["bench"]:
-        from .bench import run as bench
-        return bench.main(args[1:])
-    if args[:1] == ["eval"]:
-        from .evaluation import run
-        return run.main(args[1:])
-    if args[:1] == ["healthcheck"]:
-        from .api import healthcheck
-        return healthcheck.main(args[1:])
+    if args[:1] and args[0] in SUBCOMMANDS:
+        command = _subcommand(args[0])
+        if isinstance(command, str):
+            print(f"rerank-server: error: {command}", file=sys.stderr)
+            return 2
+        return command(args[1:])
     try:
-        parser = settings.build_parser()
+        parser = settings.build_parser(epilog=subcommands_help())
         config = settings.load(args, parser=parser)
     except ConfigError as exc:
         print(f"rerank-server: error: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_level, config.log_format)
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(serve(config))
+    try:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(serve(config))
+    except (BindError, ConfigError) as exc:
+        print(f"rerank-server: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -22,6 +22,17 @@ class BlendStrategy(StrEnum):
     PROFILE = "profile"
 
 
+class BackendKind(StrEnum):
+    """Which protocol scores the pairs (docs/backends.md)."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+    RERANK = "rerank"
+    EMBEDDING = "embedding"
+    OLLAMA = "ollama"
+    LLM = "llm"
+
+
 class DegradedCode(StrEnum):
     """Why an answer was not (fully) reranked."""
 

@@ -16,11 +16,18 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
-from .domain import BlendStrategy
+from .domain import BackendKind, BlendStrategy
 from .errors import ConfigError
 
 ENV_PREFIX = "RERANK_"
 DEFAULT_INSTRUCTION = "Given a query, retrieve relevant passages that answer the query"
+
+
+class RerankFormat(StrEnum):
+    """Wire format of the `rerank` backend."""
+
+    COHERE = "cohere"  # {query, documents} -> results[].relevance_score
+    TEI = "tei"        # {query, texts} -> [{index, score}]
 
 
 class LogFormat(StrEnum):
@@ -59,7 +66,7 @@ class Settings:
         "Requests of one RerankBatch stream processed at once.", minimum=1))
 
     # --- backend
-    backend: str = field(default="chat", metadata=_opt(
+    backend: BackendKind = field(default=BackendKind.CHAT, metadata=_opt(
         "Scoring backend kind: chat, completion, rerank, embedding, ollama, llm "
         "(docs/backends.md).", group="backend"))
     backend_url: str = field(default="http://127.0.0.1:8080", metadata=_opt(
@@ -71,7 +78,7 @@ class Settings:
     max_batch: int = field(default=32, metadata=_opt(
         "Most documents in one backend call for the batching backends (completion, "
         "rerank, embedding, llm); larger requests are split.", minimum=1, group="backend"))
-    rerank_format: str = field(default="cohere", metadata=_opt(
+    rerank_format: RerankFormat = field(default=RerankFormat.COHERE, metadata=_opt(
         "rerank backend wire format: cohere ({query, documents} -> results[].relevance_"
         "score; llama-server, vLLM, Infinity, Jina, Cohere) or tei ({query, texts} -> "
         "[{index, score}]).", group="backend"))
@@ -222,6 +229,11 @@ class Settings:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            kind = type(_default(f))
+            if issubclass(kind, Enum) and not isinstance(value, kind):
+                # Settings(backend="chat") in code gets the same check as the flag.
+                value = _convert(kind, str(value), f"{flag_name(f.name)} / {env_name(f.name)}")
+                object.__setattr__(self, f.name, value)
             lo, hi = f.metadata.get("minimum"), f.metadata.get("maximum")
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
@@ -236,15 +248,9 @@ class Settings:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"--backend-url / {env_name('backend_url')}: each URL must "
                                   f"start with http:// or https://, got {url!r}")
-        if self.rerank_format not in RERANK_FORMATS:
-            raise ConfigError(f"--rerank-format / {env_name('rerank_format')}: choose from "
-                              f"{', '.join(RERANK_FORMATS)}, got {self.rerank_format!r}")
-        if self.backend in ("ollama", "llm") and not self.model:
+        if self.backend in (BackendKind.OLLAMA, BackendKind.LLM) and not self.model:
             raise ConfigError(f"--model / {env_name('model')}: the {self.backend} backend "
                               "needs a model name")
-        if self.backend not in BACKEND_KINDS:
-            raise ConfigError(f"--backend / {env_name('backend')}: unknown backend "
-                              f"{self.backend!r}; choose from {', '.join(BACKEND_KINDS)}")
 
     @property
     def backend_urls(self) -> list[str]:
@@ -258,10 +264,6 @@ class Settings:
 def host_port(host: str, port: int) -> str:
     """`host:port`, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-BACKEND_KINDS = ("chat", "completion", "rerank", "embedding", "ollama", "llm")
-RERANK_FORMATS = ("cohere", "tei")
 
 
 def flag_name(name: str) -> str:
@@ -313,15 +315,20 @@ def _flag_converter(kind: type[Any], name: str) -> Callable[[str], Any]:
     return convert
 
 
-def build_parser(prog: str = "rerank-server",
-                 environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Defaults beside each flag; the epilog (the subcommands) printed as written."""
+
+
+def build_parser(prog: str = "rerank-server", environ: Mapping[str, str] | None = None,
+                 epilog: str | None = None) -> argparse.ArgumentParser:
     """The parser for every setting; defaults shown are those in force (variables applied)."""
     environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Asynchronous gRPC reranking service. Every flag can also be set "
                     f"through the environment variable named beside it ({ENV_PREFIX}*).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog=epilog, formatter_class=_HelpFormatter)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(Settings):
         meta = f.metadata

@@ -11,6 +11,8 @@ an answer.
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -50,6 +52,25 @@ def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.Ser
     return [tracing, ours]
 
 
+def _check_free(host: str, port: int) -> None:
+    """Raise BindError if `host:port` cannot be bound, before grpc tries: grpc would log
+    its own multi-line error to stderr first."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError("--host / RERANK_HOST", host_port(host, port), str(exc)) from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise BindError("--port / RERANK_PORT", host_port(host, port),
+                                exc.strerror or "") from None
+
+
 class GrpcEdge:
     """A started gRPC server and its health service; `aclose` drains and stops it."""
 
@@ -78,6 +99,7 @@ class GrpcEdge:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                      reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
+        _check_free(settings.host, settings.port)
         try:
             port = server.add_insecure_port(settings.address)
         except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0

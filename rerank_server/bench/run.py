@@ -1,6 +1,6 @@
 """`rerank-server bench`: what rerank-server costs and what it delivers, side by side.
 
-    rerank-server bench [--scenarios overhead,model,throughput,streaming,backends]
+    rerank-server bench [--scenarios overhead,telemetry,model,throughput,streaming,backends]
                         [--requests 30] [--rounds 5] [--out bench-results]
 
 Every comparison runs in one invocation, alternating the things compared, and reports
@@ -9,6 +9,8 @@ ratios beside times (these machines are noisy). Scenarios:
 - overhead: an instant fake backend (`fake_backend.py`, its own process); per backend
   kind and 10/40/100 candidates, latency p50/p99 per request and rerank-server's CPU time
   per scored pair (read from /proc for the server process alone).
+- telemetry: what metrics and traces add per request (`telemetry.py`): three servers in
+  this process, off / metrics / metrics+traces, round-robin against the fake backend.
 - model: the same passages scored against llama-server directly (concurrent chat calls
   at the slot count, the best direct strategy) and through rerank-server (chat backend,
   same concurrency); through/direct is our efficiency.
@@ -45,8 +47,9 @@ from rerank_client import AsyncRerankClient, RerankError, Result, Summary
 from ..scoring import prompt
 from ..settings import DEFAULT_INSTRUCTION
 from .processes import cpu_seconds, fake_backend, llama_server, rerank_server
+from .telemetry import telemetry_cost, telemetry_markdown
 
-SCENARIOS = ("overhead", "model", "throughput", "streaming", "backends")
+SCENARIOS = ("overhead", "telemetry", "model", "throughput", "streaming", "backends")
 KINDS = ("chat", "completion", "rerank", "embedding", "ollama", "llm")
 SIZES = (10, 40, 100)
 CLIENTS = (1, 4, 16, 64)
@@ -249,6 +252,8 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {kind} | {size} | {r['p50_ms']} | {r['p99_ms']} | "
                              f"{r['cpu_us_per_pair']} |")
         lines.append("")
+    if "telemetry" in report:
+        lines += telemetry_markdown(report["telemetry"])
     if "model" in report:
         m = report["model"]
         lines += ["#### Against the model (llama-server, stand-in model)", "",
@@ -322,6 +327,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "rerank-server bench " + " ".join(sys.argv[2:])}
     if "overhead" in chosen:
         report["overhead"] = await overhead(args.requests)
+    if "telemetry" in chosen:
+        with fake_backend() as url:
+            report["telemetry"] = await telemetry_cost(url, args.requests * 10,
+                                                       passages(args.passages))
     if "throughput" in chosen:
         report["throughput"] = await throughput(args.seconds)
     needs_llama = [s for s in ("model", "streaming", "backends") if s in chosen]
@@ -341,13 +350,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--requests", type=int, default=30,
-                        help="overhead: requests per backend and size")
+                        help="overhead: requests per backend and size (telemetry: 10x)")
     parser.add_argument("--seconds", type=float, default=5.0,
                         help="throughput: seconds per concurrency level")
     parser.add_argument("--rounds", type=int, default=5,
                         help="llama-server scenarios: measured rounds (plus one warm-up)")
     parser.add_argument("--passages", type=int, default=20,
-                        help="llama-server scenarios: passages per request")
+                        help="llama-server and telemetry scenarios: passages per request")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
     report = asyncio.run(run(args))

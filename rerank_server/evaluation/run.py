@@ -32,6 +32,7 @@ import shlex
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,12 +198,19 @@ def score(dataset: Dataset, runs: dict[str, Run]) -> dict[str, Any]:
         # ranx wants every judged query present; an empty ranking scores 0.
         complete = {q: run.get(q) or {"__none__": 0.0} for q in dataset.qrels}
         ranx_runs.append(RanxRun(complete, name=name))
-    report = compare(qrels, ranx_runs, metrics=list(METRICS), stat_test="student",
-                     max_p=MAX_P).to_dict()
-    # ranx returns per-query values in its own (sorted) query order, not the data set's.
-    order = list(qrels.keys())
-    per_query = {r.name: {m: dict(zip(order, map(float, evaluate(
-        qrels, r, m, return_mean=False)), strict=True)) for m in METRICS} for r in ranx_runs}
+    with warnings.catch_warnings():
+        # Expected here, not news for the reader: a blend that keeps BM25's ranking gives
+        # two identical runs (scipy: "precision loss ... nearly identical"), and ranx's
+        # compiled metrics warn on every call about their own integer cast.
+        warnings.filterwarnings("ignore", "Precision loss occurred", RuntimeWarning)
+        warnings.filterwarnings("ignore", "unsafe cast from uint64 to int64")
+        report = compare(qrels, ranx_runs, metrics=list(METRICS), stat_test="student",
+                         max_p=MAX_P).to_dict()
+        # ranx returns per-query values in its own (sorted) query order, not the data set's.
+        order = list(qrels.keys())
+        per_query = {r.name: {m: dict(zip(order, map(float, evaluate(
+            qrels, r, m, return_mean=False)), strict=True)) for m in METRICS}
+            for r in ranx_runs}
     return {"means": {n: report[n]["scores"] for n in runs},
             "p_values": {n: report[n]["comparisons"] for n in runs},
             "per_query": per_query}

@@ -81,9 +81,9 @@ def retrieval_weight(strategy: BlendStrategy, rank: int) -> float:
 def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> float:
     """Final score under a fixed strategy; `None` (pair failed) is ordered as if the
     reranker agreed with retrieval. The adaptive strategy blends a whole request at once
-    (`final_scores`)."""
+    (`adaptive_blend`)."""
     if strategy in REQUEST_WIDE:
-        raise ValueError(f"the {strategy} blend needs the whole request: use final_scores")
+        raise ValueError(f"the {strategy} blend needs the whole request: use adaptive_blend")
     r = retrieval_input(rank)
     p = r if reranker_score is None else reranker_score
     w = retrieval_weight(strategy, rank)
@@ -128,19 +128,6 @@ def adaptive_blend(ranks: Sequence[int], scores: Sequence[float | None],
         normalized = r if p is None else ((p - lo) / (hi - lo) if hi > lo else r)
         out.append(w * normalized + (1.0 - w) * r)
     return out, w
-
-
-FIXED = (BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY)
-
-
-def final_scores(strategy: BlendStrategy, ranks: Sequence[int],
-                 scores: Sequence[float | None], params: AdaptiveParams = ADAPTIVE,
-                 ) -> list[float]:
-    """Final scores of a request's scored candidates, for any strategy; `params` are the
-    request-wide blend's (a profile's for `PROFILE`)."""
-    if strategy in REQUEST_WIDE:
-        return adaptive_scores(ranks, scores, params)
-    return [blend(strategy, r, p) for r, p in zip(ranks, scores, strict=True)]
 
 
 def upper_bound(strategy: BlendStrategy, rank: int) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ import structlog
 from opentelemetry import trace
 
 from ..observability.metrics import Metrics
-from .base import Failure, PairOutcome
+from .base import Failure
 from .http import BackendCallError, HttpBackend
 
 log = structlog.get_logger(__name__)
@@ -221,36 +221,3 @@ def _counts_against(exc: BackendCallError) -> bool:
 def _retryable(exc: BackendCallError) -> bool:
     return exc.failure is Failure.UNAVAILABLE or (
         exc.failure is Failure.HTTP_ERROR and exc.status >= 500)
-
-
-async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
-                    emit: Callable[[PairOutcome], None]) -> None:
-    """Run `one(i)` for every pair concurrently, emitting each outcome as it lands."""
-    async def run(i: int) -> None:
-        emit(await one(i))
-
-    async with asyncio.TaskGroup() as group:
-        for i in range(count):
-            group.create_task(run(i))
-
-
-def failed_all(indexes: Sequence[int], exc: BackendCallError,
-               emit: Callable[[PairOutcome], None]) -> None:
-    for i in indexes:
-        emit(PairOutcome.failed(i, exc.failure, exc.detail))
-
-
-
-def model_name(reported: str) -> str:
-    """llama-server reports the model's file path; callers need only its name."""
-    return reported.rsplit("/", 1)[-1]
-
-
-async def served_model(pool: BackendPool) -> str:
-    """The first model an OpenAI-style `/v1/models` lists, or "" when it cannot be read."""
-    body = await pool.get_json("/v1/models")
-    data = body.get("data") if isinstance(body, dict) else None
-    if isinstance(data, list) and data and isinstance(data[0], dict) \
-            and isinstance(data[0].get("id"), str):
-        return model_name(data[0]["id"])
-    return ""

@@ -1,9 +1,10 @@
-"""What the batching backends share: slices of `--max-batch` documents, sent concurrently.
+"""How scorers fan a request's pairs out: one call per pair, or slices of `--max-batch`.
 
-`score_in_batches` splits a request's documents into slices, sends each through
-`call(start, documents) -> {index within slice: score | None}`, and emits every pair's
-outcome as its slice lands. A slice whose call fails fails its pairs; a pair its answer
-leaves out fails as malformed. Nothing raises.
+`map_pairs` runs one call per pair concurrently (chat, ollama). `score_in_batches` splits
+a request's documents into slices, sends each through `call(start, documents) -> {index
+within slice: score | None}`, and emits every pair's outcome as its slice lands. A slice
+whose call fails fails its pairs; a pair its answer leaves out fails as malformed. Nothing
+raises.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-from .backend_pool import failed_all
 from .base import Emit, Failure, PairOutcome
 from .http import BackendCallError
 
@@ -20,7 +20,9 @@ SliceCall = Callable[[int, Sequence[str]], Awaitable[Mapping[int, float | None]]
 
 
 async def score_in_batches(documents: Sequence[str], max_batch: int, call: SliceCall,
-                           emit: Emit) -> None:
+                           emit: Emit, missing: str = "no score for this document") -> None:
+    """Score `documents` in slices of `max_batch`; a pair the answer leaves out fails as
+    malformed with the detail `missing`."""
     async def one(start: int) -> None:
         chunk = documents[start:start + max_batch]
         indexes = range(start, start + len(chunk))
@@ -32,7 +34,7 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
         for offset, i in enumerate(indexes):
             score = scores.get(offset)
             if score is None:
-                emit(PairOutcome.failed(i, Failure.MALFORMED, "no score for this document"))
+                emit(PairOutcome.failed(i, Failure.MALFORMED, missing))
             else:
                 emit(PairOutcome(i, score))
 
@@ -46,3 +48,20 @@ def to_unit(scores: Mapping[int, float]) -> dict[int, float]:
     if all(0.0 <= s <= 1.0 for s in scores.values()):
         return dict(scores)
     return {i: 1 / (1 + math.exp(-max(min(s, 60.0), -60.0))) for i, s in scores.items()}
+
+
+async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
+                    emit: Emit) -> None:
+    """Run `one(i)` for every pair concurrently, emitting each outcome as it lands."""
+    async def run(i: int) -> None:
+        emit(await one(i))
+
+    async with asyncio.TaskGroup() as group:
+        for i in range(count):
+            group.create_task(run(i))
+
+
+def failed_all(indexes: Sequence[int], exc: BackendCallError,
+               emit: Emit) -> None:
+    for i in indexes:
+        emit(PairOutcome.failed(i, exc.failure, exc.detail))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse, map_pairs
+from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, PairOutcome, ScoreRequest
+from .batching import map_pairs
 from .http import BackendCallError
 from .logprobs import MalformedLogprobs, chat_top_logprobs, p_yes
 from .pooled_scorer import PooledScorer
@@ -23,7 +25,7 @@ TOP_LOGPROBS = 20
 class ChatScorer(PooledScorer):
     """Scores pairs through an OpenAI-compatible chat endpoint with logprobs."""
 
-    kind = "chat"
+    kind = BackendKind.CHAT
 
     def __init__(self, pool: BackendPool, model: str = "",
                  assistant_prefill: bool = True) -> None:

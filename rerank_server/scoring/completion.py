@@ -16,11 +16,14 @@ backend (floor -10 for the missing answer, no score when neither appears).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
+from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse, failed_all
-from .base import Emit, Failure, PairOutcome, ScoreRequest
+from .backend_pool import BackendPool, MalformedResponse
+from .base import Emit, Failure, ScoreRequest
+from .batching import failed_all, score_in_batches
 from .http import BackendCallError
 from .logprobs import p_yes
 from .pooled_scorer import PooledScorer
@@ -34,7 +37,7 @@ NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")
 class CompletionScorer(PooledScorer):
     """Batched yes/no scoring through llama-server's native completion endpoint."""
 
-    kind = "completion"
+    kind = BackendKind.COMPLETION
 
     def __init__(self, pool: BackendPool, model: str = "", assistant_prefill: bool = True,
                  max_batch: int = 32) -> None:
@@ -86,25 +89,16 @@ class CompletionScorer(PooledScorer):
             return
         prompts = [prefix + prompt.neutralize(doc) + suffix for doc in request.documents]
 
-        async def batch(start: int) -> None:
-            indexes = every[start:start + self._max_batch]
-            body = self.with_model({"prompt": prompts[start:start + self._max_batch],
-                                    "n_probs": N_PROBS, "n_predict": 1, "temperature": 0.0,
-                                    "cache_prompt": True})
-            try:
-                scores = await self._pool.call(
-                    "/completion", body, lambda b: self._parse(b, ids, len(indexes)),
-                    pairs=len(indexes))
-            except BackendCallError as exc:
-                failed_all(indexes, exc, emit)
-                return
-            for i, p in zip(indexes, scores, strict=True):
-                emit(PairOutcome(i, p) if p is not None else PairOutcome.failed(
-                    i, Failure.MALFORMED, "no yes/no token in top logprobs"))
+        async def batch(_start: int, chunk: Sequence[str]) -> dict[int, float | None]:
+            body = self.with_model({"prompt": list(chunk), "n_probs": N_PROBS,
+                                    "n_predict": 1, "temperature": 0.0, "cache_prompt": True})
+            scores = await self._pool.call("/completion", body,
+                                           lambda b: self._parse(b, ids, len(chunk)),
+                                           pairs=len(chunk))
+            return dict(enumerate(scores))
 
-        async with asyncio.TaskGroup() as group:
-            for start in range(0, len(prompts), self._max_batch):
-                group.create_task(batch(start))
+        await score_in_batches(prompts, self._max_batch, batch, emit,
+                               missing="no yes/no token in top logprobs")
 
     def _parse(self, body: Any, ids: dict[int, str], expected: int) -> list[float | None]:
         results = [body] if isinstance(body, dict) else body

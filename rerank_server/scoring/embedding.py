@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..domain import BackendKind
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, Failure, ScoreRequest
 from .batching import score_in_batches
@@ -25,7 +26,7 @@ Vector = list[float]
 
 
 class EmbeddingScorer(PooledScorer):
-    kind = "embedding"
+    kind = BackendKind.EMBEDDING
 
     def __init__(self, pool: BackendPool, *, model: str = "", max_batch: int = 32) -> None:
         super().__init__(pool, model)

@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..domain import BackendKind
 from . import prompt
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, ScoreRequest
@@ -68,7 +69,7 @@ def parse_scores(body: Any, count: int) -> dict[int, float | None]:
 
 
 class LlmScorer(PooledScorer):
-    kind = "llm"
+    kind = BackendKind.LLM
 
     def __init__(self, pool: BackendPool, *, model: str, max_batch: int = 20) -> None:
         super().__init__(pool, model)  # configured: a chat server may serve several

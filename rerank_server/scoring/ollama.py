@@ -11,9 +11,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse, map_pairs
+from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, PairOutcome, ScoreRequest
+from .batching import map_pairs
 from .http import BackendCallError
 from .pooled_scorer import PooledScorer
 
@@ -39,7 +41,7 @@ def relevance(body: Any) -> float:
 
 
 class OllamaScorer(PooledScorer):
-    kind = "ollama"
+    kind = BackendKind.OLLAMA
 
     def __init__(self, pool: BackendPool, *, model: str) -> None:
         super().__init__(pool, model)  # configured: Ollama needs it in every call

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend_pool import BackendPool, model_name, served_model
+from .backend_pool import BackendPool
 
 
 class PooledScorer:
@@ -39,3 +39,18 @@ class PooledScorer:
 
     async def aclose(self) -> None:
         """Nothing to close: the pool belongs to whoever made it (`server.build_server`)."""
+
+
+def model_name(reported: str) -> str:
+    """llama-server reports the model's file path; callers need only its name."""
+    return reported.rsplit("/", 1)[-1]
+
+
+async def served_model(pool: BackendPool) -> str:
+    """The first model an OpenAI-style `/v1/models` lists, or "" when it cannot be read."""
+    body = await pool.get_json("/v1/models")
+    data = body.get("data") if isinstance(body, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) \
+            and isinstance(data[0].get("id"), str):
+        return model_name(data[0]["id"])
+    return ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..domain import BackendKind
 from ..observability.telemetry import Telemetry
 from ..settings import Settings
 from .backend_pool import BackendPool, Ejection
@@ -29,18 +30,18 @@ def build_scorer(settings: Settings, pool: BackendPool) -> Scorer:
     """The scorer for `settings.backend`, calling through `pool`."""
     s = settings
     match s.backend:
-        case "chat":
+        case BackendKind.CHAT:
             return ChatScorer(pool, model=s.model, assistant_prefill=s.assistant_prefill)
-        case "completion":
+        case BackendKind.COMPLETION:
             return CompletionScorer(pool, model=s.model, assistant_prefill=s.assistant_prefill,
                                     max_batch=s.max_batch)
-        case "rerank":
+        case BackendKind.RERANK:
             return RerankApiScorer(pool, model=s.model, wire_format=s.rerank_format,
                                    path=s.rerank_path, max_batch=s.max_batch)
-        case "embedding":
+        case BackendKind.EMBEDDING:
             return EmbeddingScorer(pool, model=s.model, max_batch=s.max_batch)
-        case "ollama":
+        case BackendKind.OLLAMA:
             return OllamaScorer(pool, model=s.model)
-        case "llm":
+        case BackendKind.LLM:
             return LlmScorer(pool, model=s.model, max_batch=s.max_batch)
     raise ValueError(f"unknown backend {s.backend!r}")  # Settings validates it first

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..domain import BackendKind
+from ..settings import RerankFormat
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches, to_unit
@@ -24,24 +26,25 @@ from .pooled_scorer import PooledScorer
 
 
 class RerankApiScorer(PooledScorer):
-    kind = "rerank"
+    kind = BackendKind.RERANK
 
-    def __init__(self, pool: BackendPool, *, model: str = "", wire_format: str = "cohere",
-                 path: str = "/v1/rerank", max_batch: int = 32) -> None:
+    def __init__(self, pool: BackendPool, *, model: str = "",
+                 wire_format: RerankFormat = RerankFormat.COHERE, path: str = "/v1/rerank",
+                 max_batch: int = 32) -> None:
         super().__init__(pool, model)
         self._format = wire_format
         self._path = path
         self._max_batch = max_batch
 
     def payload(self, query: str, documents: Sequence[str]) -> dict[str, Any]:
-        if self._format == "tei":
+        if self._format is RerankFormat.TEI:
             return {"query": query, "texts": list(documents), "raw_scores": False,
                     "truncate": True}
         return self.with_model({"query": query, "documents": list(documents),
                                 "top_n": len(documents)})
 
     def parse(self, body: Any, count: int) -> dict[int, float]:
-        if self._format == "tei":
+        if self._format is RerankFormat.TEI:
             entries, key = body, "score"
         else:
             entries = body.get("results") if isinstance(body, dict) else None

@@ -27,6 +27,7 @@ class FunctionScorer:
     kind: str = "function"
     model: str = "hash"
     seen: list[str] = field(default_factory=list)
+    closed: int = 0  # times `aclose` ran
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         for i, document in enumerate(request.documents):
@@ -40,4 +41,4 @@ class FunctionScorer:
         pass
 
     async def aclose(self) -> None:
-        pass
+        self.closed += 1

@@ -21,11 +21,12 @@ from rerank_client import AsyncRerankClient, Result, Summary
 
 from rerank_server.domain import BlendStrategy
 from rerank_server.ranking import blend_profiles
-from rerank_server.ranking.blending import ADAPTIVE, final_scores
+from rerank_server.ranking.blending import ADAPTIVE
 from rerank_server.scoring import prompt
 from rerank_server.scoring.monitor import BackendMonitor
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
+from tests.blend_oracle import final_scores
 from tests.real.conftest import SLOTS, RealLlama
 
 pytestmark = pytest.mark.real_backend

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,7 +54,9 @@ async def test_sigterm_drains_in_flight_call_and_exits_zero(fake_llama: FakeLlam
     finally:
         if proc.poll() is None:
             proc.kill()
-    output = proc.stdout.read().decode() if proc.stdout else ""
+    assert proc.stdout is not None
+    with proc.stdout:
+        output = proc.stdout.read().decode()
     events = [json.loads(line)["event"] for line in output.splitlines() if line.startswith("{")]
     assert events.index("shutting_down") < events.index("stopped")
 
@@ -76,10 +79,44 @@ async def test_healthcheck_command_exits_zero_when_serving_and_one_when_not(
     assert nobody.returncode == 1 and "UNAVAILABLE" in nobody.stderr
 
 
-def test_rerank_server_help_lists_settings() -> None:
+def test_rerank_server_help_lists_settings_and_subcommands() -> None:
     out = subprocess.run([sys.executable, "-m", "rerank_server", "--help"], check=True,
                          capture_output=True, text=True).stdout
     assert "--backend-url" in out and "RERANK_BACKEND_URL" in out and "--managed" in out
+    for name in ("prepare", "healthcheck", "eval", "bench"):
+        assert any(line.split()[:1] == [name] and len(line.split()) > 3
+                   for line in out.splitlines()), f"{name} has no line of its own in --help"
+
+
+@pytest.mark.parametrize(("variable", "flag"), [("RERANK_PORT", "--port / RERANK_PORT"),
+                                                ("RERANK_METRICS_PORT",
+                                                 "--metrics-port / RERANK_METRICS_PORT")])
+def test_port_in_use_exits_2_with_one_line_naming_the_flag(
+        fake_llama: FakeLlamaServer, variable: str, flag: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RERANK_PORT": str(free_port()), "RERANK_METRICS_PORT": "0",
+               "RERANK_BACKEND_URL": fake_llama.url, "RERANK_PROBE": "0", variable: str(port)}
+        proc = subprocess.run([sys.executable, "-m", "rerank_server"], capture_output=True,
+                              text=True, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and f"127.0.0.1:{port}" in lines[0]
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_tool_without_its_extra_names_the_extra_in_one_line(command: str) -> None:
+    """As if the eval extra were not installed: its modules cannot be imported."""
+    hide = "import sys; [sys.modules.__setitem__(m, None) for m in ('ranx', 'matplotlib')]; "
+    run = f"from rerank_server.cli import main; sys.exit(main([{command!r}, '--help']))"
+    proc = subprocess.run([sys.executable, "-c", hide + run], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'rerank-server[eval]'" in lines[0]
 
 
 def test_bad_setting_exits_2_with_message() -> None:

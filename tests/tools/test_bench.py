@@ -28,10 +28,15 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert set(report["throughput"]) == {"1", "4", "16", "64"}
     assert all(r["errors"] == 0 and r["requests_per_s"] > 0
                for r in report["throughput"].values())
+    telemetry = report["telemetry"]
+    assert telemetry["requests"] == 20 and telemetry["off"]["cpu_ratio"] == 1.0
+    assert all(telemetry[s]["cpu_ms_per_request"] > 0
+               for s in ("off", "metrics", "metrics+traces"))
     assert report["model"]["through_over_direct"] > 0
     assert 0 < report["streaming"]["first_over_whole"] <= 1.5
     assert report["backends"]["completion_over_chat"] > 0
     assert report["plots"] == ["bench-latency.png", "bench-throughput.png"]
     for plot in report["plots"]:
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "#### Overhead" in (tmp_path / "bench.md").read_text()
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "#### Overhead" in markdown and "#### Telemetry" in markdown

@@ -44,6 +44,7 @@ def mean_ndcg(rankings: dict[str, list[str]], qrels: dict[str, dict[str, int]]) 
     return sum(ndcg(ranked, qrels[q]) for q, ranked in rankings.items()) / len(rankings)
 
 
+@pytest.mark.filterwarnings("ignore:unsafe cast from uint64 to int64")  # ranx's own
 def test_ndcg_agrees_with_ranx() -> None:
     rng = random.Random(3)
     qrels, run = {}, {}

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rerank_server.domain import BlendStrategy, Candidate
-from rerank_server.ranking.blending import final_scores
 from rerank_server.ranking.ordering import IncrementalRanking
+from tests.blend_oracle import final_scores
 
 
 def _cands(n: int) -> list[Candidate]:

@@ -1,0 +1,84 @@
+"""The `telemetry` scenario: what metrics and tracing add per request, side by side.
+
+Three servers run in this process against the same instant fake backend: `off` (no
+metrics, no tracing), `metrics` (the Prometheus reader, as shipped) and `metrics+traces`
+(also every span, handed to a batch processor whose exporter drops them, so the cost is
+ours and not a collector's). Requests go round-robin over the three so machine noise hits
+each alike. CPU time is this process's (servers and client together), so the ratios to
+`off` are the figures to read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from rerank_client import AsyncRerankClient
+
+from ..observability.telemetry import Telemetry
+from ..server import RunningServer, build_server
+from ..settings import Settings
+
+SETUPS = ("off", "metrics", "metrics+traces")
+
+
+class _Drop(SpanExporter):
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
+async def _start(setup: str, backend_url: str) -> RunningServer:
+    settings = Settings(port=0, backend_url=backend_url, probe=False, metrics=setup != "off",
+                        metrics_port=0, cache_entries=0, log_level="warning")
+    # As in production: a batch processor, not the synchronous one tests use.
+    processor = BatchSpanProcessor(_Drop()) if setup == "metrics+traces" else None
+    telemetry = Telemetry.create(settings, span_processor=processor, environ={})
+    return await build_server(settings, telemetry=telemetry)
+
+
+async def telemetry_cost(backend_url: str, requests: int, docs: Sequence[str],
+                         ) -> dict[str, Any]:
+    servers = {s: await _start(s, backend_url) for s in SETUPS}
+    clients = {s: AsyncRerankClient(f"127.0.0.1:{server.port}")
+               for s, server in servers.items()}
+    latencies: dict[str, list[float]] = {s: [] for s in SETUPS}
+    cpu = dict.fromkeys(SETUPS, 0.0)
+    try:
+        for s in SETUPS:  # warm up channels and code paths
+            for i in range(10):
+                await clients[s].rerank(f"warm up {i}", docs)
+        for i in range(requests):
+            for s in SETUPS:
+                c0, t0 = time.process_time(), time.perf_counter()
+                await clients[s].rerank(f"what is measured here {i}", docs)
+                latencies[s].append(time.perf_counter() - t0)
+                cpu[s] += time.process_time() - c0
+    finally:
+        for s in SETUPS:
+            await clients[s].close()
+            await servers[s].stop(grace=0)
+    report: dict[str, Any] = {"candidates": len(docs), "requests": requests}
+    for s in SETUPS:
+        report[s] = {"p50_ms": round(statistics.median(latencies[s]) * 1000, 2),
+                     "cpu_ms_per_request": round(cpu[s] / requests * 1000, 2)}
+    for s in SETUPS:
+        report[s]["p50_ratio"] = round(report[s]["p50_ms"] / report["off"]["p50_ms"], 3)
+        report[s]["cpu_ratio"] = round(report[s]["cpu_ms_per_request"]
+                                       / report["off"]["cpu_ms_per_request"], 3)
+    return report
+
+
+def telemetry_markdown(r: dict[str, Any]) -> list[str]:
+    lines = ["#### Telemetry (instant fake backend, servers and client in one process)", "",
+             f"{r['requests']} requests x {r['candidates']} candidates per setup.", "",
+             "| setup | p50 ms | CPU ms/request | p50 vs off | CPU vs off |",
+             "|---|---|---|---|---|"]
+    for s in SETUPS:
+        x = r[s]
+        lines.append(f"| {s} | {x['p50_ms']} | {x['cpu_ms_per_request']} | "
+                     f"{x['p50_ratio']} | {x['cpu_ratio']} |")
+    return [*lines, ""]
