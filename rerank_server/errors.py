@@ -1,4 +1,8 @@
-"""Errors the core raises on purpose; the service maps each to one gRPC status."""
+"""Errors raised on purpose, each with one meaning for whoever catches it.
+
+`InvalidRequest` is the caller's fault: the edge answers INVALID_ARGUMENT. `ConfigError`
+and `BindError` are the operator's: the command prints one line and exits 2.
+"""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from rerank_server.server import SERVICE_NAME  # noqa: E402
+from rerank_server.api.grpc_server import SERVICE_NAME  # noqa: E402
 from rerank_server.settings import ENV_PREFIX, Settings, env_name  # noqa: E402
 
 KUBERNETES_VERSION = "1.30.0"

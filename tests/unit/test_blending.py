@@ -9,13 +9,15 @@ from hypothesis import strategies as st
 from rerank_server.domain import BlendStrategy
 from rerank_server.ranking.blending import (
     ADAPTIVE,
-    FIXED,
+    REQUEST_WIDE,
     AdaptiveParams,
     adaptive_scores,
     adaptive_weight,
     blend,
     upper_bound,
 )
+
+FIXED_BLENDS = [s for s in BlendStrategy if s not in REQUEST_WIDE]  # per candidate
 
 PA, LIN, RR = BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY
 
@@ -54,14 +56,14 @@ def test_top_three_hard_to_displace() -> None:
 
 
 def test_failed_pair_is_ordered_as_retrieval_agreement() -> None:
-    for strategy in FIXED:
+    for strategy in FIXED_BLENDS:
         assert blend(strategy, 4, None) == pytest.approx(0.25)
         scores = [blend(strategy, r, None) for r in range(1, 30)]
         assert scores == sorted(scores, reverse=True)
 
 
 def test_upper_bound_is_the_maximum() -> None:
-    for strategy in FIXED:
+    for strategy in FIXED_BLENDS:
         for rank in (1, 2, 5, 12):
             bound = upper_bound(strategy, rank)
             assert all(blend(strategy, rank, p / 10) <= bound for p in range(11))

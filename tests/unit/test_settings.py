@@ -40,7 +40,7 @@ def test_every_setting_has_flag_and_env_in_help() -> None:
     ({"RERANK_CONCURRENCY": "0"}, "--concurrency / RERANK_CONCURRENCY"),
     ({"RERANK_BLEND_STRATEGY": "magic"}, "position_aware"),
     ({"RERANK_BACKEND_URL": "localhost:8080"}, "--backend-url"),
-    ({"RERANK_BACKEND": "nope"}, "--backend"),
+    ({"RERANK_BACKEND": "nope"}, "RERANK_BACKEND: cannot read 'nope'"),
     ({"RERANK_LOG_LEVEL": "loud"}, "--log-level"),
     ({"RERANK_DISABLED": "maybe"}, "RERANK_DISABLED"),
 ])

@@ -269,7 +269,8 @@ class RerankOptions(_message.Message):
     """Blend strategy; UNSPECIFIED means the server default."""
     max_candidates: _builtins.int
     """How many of the best-ranked candidates (by retrieval rank) are scored. The others
-    follow the reranked ones in retrieval order. Cannot exceed the server's limit.
+    follow the reranked ones in retrieval order. A request may lower the server's
+    `--max-candidates`, not raise it: a larger value is capped to it (1..100 accepted).
     """
     timeout_ms: _builtins.int
     """Time budget for this request in milliseconds. The effective budget is the smallest of
