@@ -45,6 +45,8 @@ class DegradedCode(StrEnum):
     PARTIAL = "partial"
     WITHIN_TOP_K = "within_top_k"
     STRONG_SIGNAL = "strong_signal"
+    OVERLOADED = "overloaded"
+    SHUTTING_DOWN = "shutting_down"
 
 
 class ScoreKind(StrEnum):

@@ -46,7 +46,11 @@ def request_rules(settings: Settings) -> RequestRules:
     return RequestRules(
         max_request_candidates=s.max_request_candidates, max_query_chars=s.max_query_chars,
         max_document_chars=s.max_document_chars, max_id_chars=s.max_id_chars,
-        max_lists=s.max_lists, blend=s.blend_strategy, instruction=s.instruction,
+        max_lists=s.max_lists, max_metadata_entries=s.max_metadata_entries,
+        max_metadata_key_chars=s.max_metadata_key_chars,
+        max_metadata_value_chars=s.max_metadata_value_chars,
+        max_metadata_request_chars=s.max_metadata_request_chars,
+        blend=s.blend_strategy, instruction=s.instruction,
         timeout_s=s.timeout_ms / 1000, max_candidates=s.max_candidates,
         max_chunk_chars=s.max_chunk_chars, fusion_k=s.fusion_k,
         original_list_weight=s.original_list_weight,

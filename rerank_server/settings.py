@@ -62,6 +62,10 @@ class Settings:
         "checks are never refused).", minimum=1))
     max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_opt(
         "Largest request or response message in bytes.", minimum=1024))
+    max_inflight_bytes: int = field(default=64 * 1024 * 1024, metadata=_opt(
+        "Request bytes being worked on at once, over all calls; a request that would pass "
+        "it is refused with RESOURCE_EXHAUSTED (memory stays bounded: docs/reliability.md).",
+        minimum=1024))
     batch_concurrency: int = field(default=8, metadata=_opt(
         "Requests of one RerankBatch stream processed at once.", minimum=1))
 
@@ -174,6 +178,15 @@ class Settings:
         "Longest candidate text or title, in characters.", minimum=1, group="limits"))
     max_id_chars: int = field(default=512, metadata=_opt(
         "Longest candidate id or request id, in characters.", minimum=1, group="limits"))
+    max_metadata_entries: int = field(default=32, metadata=_opt(
+        "Most metadata entries on one candidate.", minimum=0, group="limits"))
+    max_metadata_key_chars: int = field(default=128, metadata=_opt(
+        "Longest metadata key, in characters.", minimum=1, group="limits"))
+    max_metadata_value_chars: int = field(default=2048, metadata=_opt(
+        "Longest metadata value, in characters.", minimum=1, group="limits"))
+    max_metadata_request_chars: int = field(default=262_144, metadata=_opt(
+        "Metadata keys and values of all of a request's candidates together, in "
+        "characters.", minimum=1, group="limits"))
 
     # --- logging
     log_level: str = field(default="info", metadata=_opt(

@@ -1,10 +1,14 @@
-"""Mapping between wire messages (`pb`) and domain types; the only core-facing pb user."""
+"""Mapping between wire messages (`pb`) and domain types; the only core-facing pb user.
+
+An enum number this server does not know is INVALID_ARGUMENT naming the field, not the
+default: a client built against a newer proto may have asked for something else.
+"""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 from ..domain import (
     BlendStrategy,
@@ -18,6 +22,7 @@ from ..domain import (
     ThresholdMode,
     ThresholdSpec,
 )
+from ..errors import InvalidRequest
 from .pb import rerank_pb2 as pb
 
 _BLEND_FROM_PB = {
@@ -38,9 +43,10 @@ _DEGRADED_TO_PB = {
     DegradedCode.PARTIAL: pb.DEGRADED_REASON_CODE_PARTIAL,
     DegradedCode.WITHIN_TOP_K: pb.DEGRADED_REASON_CODE_WITHIN_TOP_K,
     DegradedCode.STRONG_SIGNAL: pb.DEGRADED_REASON_CODE_STRONG_SIGNAL,
+    DegradedCode.OVERLOADED: pb.DEGRADED_REASON_CODE_OVERLOADED,
+    DegradedCode.SHUTTING_DOWN: pb.DEGRADED_REASON_CODE_SHUTTING_DOWN,
 }
 _SCORE_KIND = {
-    pb.SCORE_KIND_UNSPECIFIED: ScoreKind.AUTO,
     pb.SCORE_KIND_LEXICAL: ScoreKind.LEXICAL,
     pb.SCORE_KIND_SIMILARITY: ScoreKind.SIMILARITY,
 }
@@ -48,6 +54,19 @@ _THRESHOLD_MODE = {
     pb.Threshold.MODE_FIXED: ThresholdMode.FIXED,
     pb.Threshold.MODE_ADAPTIVE: ThresholdMode.ADAPTIVE,
 }
+
+
+E = TypeVar("E")
+
+
+def _enum(mapping: Mapping[Any, E], value: int, field: str, unset: E) -> E:
+    """The domain value of a wire enum; UNSPECIFIED (0) is `unset`, an unknown number is
+    INVALID_ARGUMENT (never quietly the default: a newer client may mean something else)."""
+    if value == 0:
+        return unset
+    if value not in mapping:
+        raise InvalidRequest(field, f"unknown value {value}")
+    return mapping[value]
 
 
 def _optional(message: Any, name: str) -> Any:
@@ -77,14 +96,17 @@ def _lists(request: pb.RerankRequest) -> tuple[RankedList, ...]:
         lists.append(RankedList(
             name=lst.name or f"list{i}", candidates=_candidates(lst.candidates, first),
             weight=_optional(lst, "weight"), expansion=lst.expansion,
-            score_kind=_SCORE_KIND.get(lst.score_kind, ScoreKind.AUTO)))
+            score_kind=_enum(_SCORE_KIND, lst.score_kind, f"lists[{i}].score_kind",
+                             ScoreKind.AUTO)))
         first += len(lst.candidates)
     return tuple(lists)
 
 
 def _threshold(options: pb.RerankOptions) -> ThresholdSpec | None:
     t = options.threshold
-    mode = _THRESHOLD_MODE.get(t.mode) if options.HasField("threshold") else None
+    if not options.HasField("threshold"):
+        return None
+    mode = _enum(_THRESHOLD_MODE, t.mode, "options.threshold.mode", None)
     if mode is None:
         return None
     return ThresholdSpec(mode, min_score=_optional(t, "min_score"), start=_optional(t, "start"),
@@ -102,13 +124,14 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
         candidates=candidates,
         top_k=request.top_k,
         instruction=request.instruction if request.HasField("instruction") else None,
-        blend=_BLEND_FROM_PB.get(options.blend_strategy),
+        blend=_enum(_BLEND_FROM_PB, options.blend_strategy, "options.blend_strategy", None),
         max_candidates=options.max_candidates if options.HasField("max_candidates") else None,
         timeout_s=options.timeout_ms / 1000 if options.HasField("timeout_ms") else None,
         max_chunk_chars=options.max_chunk_chars if options.HasField("max_chunk_chars") else None,
         return_text=options.return_text,
         lists=_lists(request),
-        score_kind=_SCORE_KIND.get(options.score_kind, ScoreKind.AUTO),
+        score_kind=_enum(_SCORE_KIND, options.score_kind, "options.score_kind",
+                         ScoreKind.AUTO),
         fusion_k=_optional(options, "fusion_k"),
         dedup_key=options.dedup_key,
         threshold=_threshold(options),

@@ -23,7 +23,6 @@ from ..ranking.pipeline import Reranker
 from ..settings import Settings, host_port
 from .interceptors import RpcInterceptor
 from .pb import rerank_pb2 as pb
-from .pb import rerank_pb2_grpc as pb_grpc
 from .service import RerankService
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Reranker"].full_name
@@ -36,6 +35,20 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def backend_health_name(component: str) -> str:
     """The health name for a backend component ("" is the backend as a whole)."""
     return f"{BACKEND_HEALTH}/{component}" if component else BACKEND_HEALTH
+
+
+def _handlers(service: RerankService) -> grpc.GenericRpcHandler:
+    """The Reranker methods, taking raw request bytes: `service` parses them itself (so a
+    message that does not decode is INVALID_ARGUMENT, and its size is known up front)."""
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Rerank": grpc.unary_unary_rpc_method_handler(
+            service.Rerank, response_serializer=pb.RerankResponse.SerializeToString),
+        "RerankStream": grpc.unary_stream_rpc_method_handler(
+            service.RerankStream,
+            response_serializer=pb.RerankStreamMessage.SerializeToString),
+        "RerankBatch": grpc.stream_stream_rpc_method_handler(
+            service.RerankBatch, response_serializer=pb.RerankResponse.SerializeToString),
+    })
 
 
 def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.ServerInterceptor]:
@@ -91,8 +104,9 @@ class GrpcEdge:
         ]
         server = grpc.aio.server(interceptors=_interceptors(settings, telemetry),
                                  options=options)
-        pb_grpc.add_RerankerServicer_to_server(
-            RerankService(reranker, settings.batch_concurrency), server)
+        service = RerankService(reranker, settings.batch_concurrency,
+                                settings.max_inflight_bytes)
+        server.add_generic_rpc_handlers((_handlers(service),))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if settings.reflection:

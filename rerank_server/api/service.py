@@ -1,9 +1,14 @@
 """The gRPC servicer: `rerank.v1.Reranker` over the pipeline.
 
 Status codes are decided in one place (`_status_for`): INVALID_ARGUMENT for requests that
-break a rule, INTERNAL only for the unexpected. Load shedding (RESOURCE_EXHAUSTED) and
-draining (UNAVAILABLE) are done by grpc itself (`maximum_concurrent_rpcs`, `server.stop`).
-Backend trouble is never a status: it is a degraded answer.
+break a rule or cannot be decoded, RESOURCE_EXHAUSTED when the bytes of requests in flight
+would pass `--max-inflight-bytes`, INTERNAL only for the unexpected. Backend trouble is
+never a status: it is a degraded answer.
+
+Requests arrive as raw bytes (`grpc_server` registers no deserializer) and are parsed
+here, so a truncated message or invalid UTF-8 in a string field is INVALID_ARGUMENT with a
+plain message, not UNKNOWN with a Python exception name; and their size is known before
+any work, for the in-flight byte budget.
 
 Each RPC writes one canonical log line (event `rpc`) with ids, counts, outcome and
 timings, and never the query or document text.
@@ -18,20 +23,26 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from ..domain import RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..ranking.pipeline import Reranker
 from . import convert
 from .pb import rerank_pb2 as pb
-from .pb import rerank_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("rerank_server.rpc")
+
+
+class Overloaded(Exception):
+    """The server-wide budget for request bytes in flight is spent."""
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
@@ -40,10 +51,42 @@ def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
     return None if remaining is None else float(remaining)
 
 
-class RerankService(pb_grpc.RerankerServicer):
-    def __init__(self, reranker: Reranker, batch_concurrency: int = 8) -> None:
+def parse_request(raw: bytes, field: str = "request") -> pb.RerankRequest:
+    """A RerankRequest from its wire bytes; InvalidRequest when they do not decode."""
+    try:
+        return pb.RerankRequest.FromString(raw)
+    except DecodeError:
+        raise InvalidRequest(field, "cannot be decoded as rerank.v1.RerankRequest "
+                                    "(truncated message, wrong type, or invalid UTF-8 "
+                                    "in a string field)") from None
+
+
+class InflightBytes:
+    """The bytes of requests being worked on, against a server-wide budget."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, size: int) -> None:
+        if self.used + size > self.limit and self.used > 0:
+            raise Overloaded(f"server busy: {self.used // 1024} KiB of requests in progress "
+                             f"(max_inflight_bytes {self.limit // 1024} KiB); retry with "
+                             "backoff")
+        self.used += size
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+
+
+class RerankService:
+    """The three RPCs; each takes the request's raw bytes (see the module docstring)."""
+
+    def __init__(self, reranker: Reranker, batch_concurrency: int = 8,
+                 max_inflight_bytes: int = 256 * 1024 * 1024) -> None:
         self._reranker = reranker
         self._batch_concurrency = batch_concurrency
+        self.inflight = InflightBytes(max_inflight_bytes)
 
     def _finish(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
         """The canonical log line and the metrics of one answered rerank request."""
@@ -59,69 +102,105 @@ class RerankService(pb_grpc.RerankerServicer):
             results.append(item)
         raise RuntimeError("pipeline ended without a summary")
 
-    async def Rerank(self, request: pb.RerankRequest,
+    async def Rerank(self, raw: bytes,
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
         started = time.perf_counter()
+        request_id = ""
+        size = len(raw)
         try:
-            query = convert.query_from_pb(request)
-            results, summary = await self._collect(query, _deadline(context))
+            self.inflight.take(size)
+            try:
+                request = parse_request(raw)
+                request_id = request.request_id
+                query = convert.query_from_pb(request)
+                del raw, request  # the domain query holds what is needed
+                results, summary = await self._collect(query, _deadline(context))
+            finally:
+                self.inflight.give_back(size)
         except Exception as exc:
-            await self._abort(context, "Rerank", request.request_id, started, exc)
+            await self._abort(context, "Rerank", request_id, started, exc)
             raise  # unreachable: abort raises
         self._finish("Rerank", summary, len(results))
         return convert.response_to_pb(results, summary)
 
-    async def RerankStream(self, request: pb.RerankRequest,
-                           context: grpc.aio.ServicerContext[Any, Any],
+    async def RerankStream(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any],
                            ) -> AsyncIterator[pb.RerankStreamMessage]:
         started = time.perf_counter()
         sent = 0
+        request_id = ""
+        size = len(raw)
         try:
-            query = convert.query_from_pb(request)
-            first_ms: float | None = None
-            async for item in self._reranker.run(query, _deadline(context)):
-                if isinstance(item, RerankSummary):
-                    self._finish("RerankStream", item, sent, first_result_ms=first_ms)
-                    yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
-                    return
-                if first_ms is None:
-                    first_ms = (time.perf_counter() - started) * 1000
-                sent += 1
-                yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
+            self.inflight.take(size)
+            try:
+                request = parse_request(raw)
+                request_id = request.request_id
+                query = convert.query_from_pb(request)
+                del raw, request
+                first_ms: float | None = None
+                async for item in self._reranker.run(query, _deadline(context)):
+                    if isinstance(item, RerankSummary):
+                        self._finish("RerankStream", item, sent, first_result_ms=first_ms)
+                        yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
+                        return
+                    if first_ms is None:
+                        first_ms = (time.perf_counter() - started) * 1000
+                    sent += 1
+                    yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
+            finally:
+                self.inflight.give_back(size)
         except Exception as exc:
-            await self._abort(context, "RerankStream", request.request_id, started, exc)
+            await self._abort(context, "RerankStream", request_id, started, exc)
 
-    async def RerankBatch(self, request_iterator: AsyncIterable[pb.RerankRequest],
+    async def RerankBatch(self, requests: AsyncIterable[bytes],
                           context: grpc.aio.ServicerContext[Any, Any],
                           ) -> AsyncIterator[pb.RerankResponse]:
-        """Runs up to `batch_concurrency` requests at once; answers as each completes."""
-        done: asyncio.Queue[pb.RerankResponse | None] = asyncio.Queue()
+        """Runs up to `batch_concurrency` requests at once; answers as each completes.
+
+        Back-pressure: a request's slot is given back only once its answer is queued, and
+        the queue holds at most `batch_concurrency` answers, so a client that stops reading
+        answers stops the server reading requests (and gRPC's flow control stops the
+        client writing them).
+        """
+        done: asyncio.Queue[pb.RerankResponse | None] = asyncio.Queue(self._batch_concurrency)
         slots = asyncio.Semaphore(self._batch_concurrency)
         tasks: set[asyncio.Task[None]] = set()
 
-        async def one(request: pb.RerankRequest) -> None:
+        async def one(raw: bytes, position: int) -> None:
             started = time.perf_counter()
+            request_id = ""
+            size = len(raw)
             try:
-                query = convert.query_from_pb(request)
-                results, summary = await self._collect(query, _deadline(context))
-                self._finish("RerankBatch", summary, len(results))
-                await done.put(convert.response_to_pb(results, summary))
-            except Exception as exc:
-                code, message = _status_for(exc)
-                _log_failure("RerankBatch", request.request_id, started, code, exc)
-                await done.put(pb.RerankResponse(
-                    request_id=request.request_id,
-                    error=pb.RequestError(code=code.value[0], message=message)))
+                try:
+                    self.inflight.take(size)
+                    try:
+                        request = parse_request(raw, f"requests[{position}]")
+                        request_id = request.request_id
+                        query = convert.query_from_pb(request)
+                        del request
+                        results, summary = await self._collect(query, _deadline(context))
+                    finally:
+                        self.inflight.give_back(size)
+                    self._finish("RerankBatch", summary, len(results))
+                    answer = convert.response_to_pb(results, summary)
+                except Exception as exc:
+                    code, message = _status_for(exc)
+                    _log_failure("RerankBatch", request_id, started, code, exc)
+                    answer = pb.RerankResponse(
+                        request_id=request_id,
+                        error=pb.RequestError(code=code.value[0], message=message))
+                await done.put(answer)
             finally:
                 slots.release()
 
         async def feed() -> None:
             try:
-                async for request in request_iterator:
+                position = 0
+                async for raw in requests:
                     await slots.acquire()
-                    task = asyncio.create_task(one(request))
+                    task = asyncio.create_task(one(raw, position))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    position += 1
                 if tasks:
                     await asyncio.gather(*tasks)
             finally:

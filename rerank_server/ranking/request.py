@@ -23,6 +23,10 @@ class RequestRules:
     max_document_chars: int
     max_id_chars: int
     max_lists: int
+    max_metadata_entries: int
+    max_metadata_key_chars: int
+    max_metadata_value_chars: int
+    max_metadata_request_chars: int
     # Defaults a request may override (and caps it may only lower).
     blend: BlendStrategy
     instruction: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..domain import Candidate, RerankQuery, ThresholdMode, ThresholdSpec
 from ..errors import InvalidRequest
@@ -74,13 +74,40 @@ def validate(query: RerankQuery, rules: RequestRules) -> None:
         if not query.instruction.strip():
             raise InvalidRequest("instruction", "must not be blank when set")
         _check_length("instruction", query.instruction, rules.max_query_chars)
-    _validate_candidates("candidates", query.candidates, rules)
-    _validate_lists(query, rules)
+    metadata = _MetadataBudget(rules)
+    _validate_candidates("candidates", query.candidates, rules, metadata)
+    _validate_lists(query, rules, metadata)
     _validate_options(query, rules)
 
 
+class _MetadataBudget:
+    """Checks each candidate's metadata and counts it against the request-wide limit."""
+
+    def __init__(self, rules: RequestRules) -> None:
+        self._rules = rules
+        self._left = rules.max_metadata_request_chars
+
+    def check(self, at: str, metadata: Mapping[str, str]) -> None:
+        r = self._rules
+        if len(metadata) > r.max_metadata_entries:
+            raise InvalidRequest(f"{at}.metadata", f"{len(metadata)} entries exceeds the "
+                                                   f"limit of {r.max_metadata_entries}")
+        for key, value in metadata.items():
+            if len(key) > r.max_metadata_key_chars:
+                raise InvalidRequest(f"{at}.metadata", f"a key of {len(key)} characters "
+                                     f"exceeds the limit of {r.max_metadata_key_chars}")
+            if len(value) > r.max_metadata_value_chars:
+                # The key is the caller's field name, not document text: safe to name.
+                _check_length(f"{at}.metadata[{key[:64]!r}]", value,
+                              r.max_metadata_value_chars)
+            self._left -= len(key) + len(value)
+        if self._left < 0:
+            raise InvalidRequest(f"{at}.metadata", "the request's metadata exceeds the "
+                                 f"limit of {r.max_metadata_request_chars} characters in all")
+
+
 def _validate_candidates(where: str, candidates: Sequence[Candidate],
-                         rules: RequestRules) -> None:
+                         rules: RequestRules, metadata: _MetadataBudget) -> None:
     if len(candidates) > rules.max_request_candidates:
         raise InvalidRequest(where, f"{len(candidates)} candidates exceeds the "
                                     f"limit of {rules.max_request_candidates}")
@@ -100,9 +127,12 @@ def _validate_candidates(where: str, candidates: Sequence[Candidate],
             raise InvalidRequest(f"{at}.retrieval_rank", "must be at least 1 when set")
         if c.retrieval_score is not None and not math.isfinite(c.retrieval_score):
             raise InvalidRequest(f"{at}.retrieval_score", "must be a finite number")
+        if c.metadata:
+            metadata.check(at, c.metadata)
 
 
-def _validate_lists(query: RerankQuery, rules: RequestRules) -> None:
+def _validate_lists(query: RerankQuery, rules: RequestRules,
+                    metadata: _MetadataBudget) -> None:
     if len(query.lists) > rules.max_lists:
         raise InvalidRequest("lists", f"{len(query.lists)} lists exceeds the limit of "
                                       f"{rules.max_lists}")
@@ -116,7 +146,7 @@ def _validate_lists(query: RerankQuery, rules: RequestRules) -> None:
         names[lst.name] = where
         if lst.weight is not None and not (math.isfinite(lst.weight) and lst.weight >= 0):
             raise InvalidRequest(f"{where}.weight", "must be a finite number >= 0")
-        _validate_candidates(f"{where}.candidates", lst.candidates, rules)
+        _validate_candidates(f"{where}.candidates", lst.candidates, rules, metadata)
 
 
 def _validate_options(query: RerankQuery, rules: RequestRules) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import grpc
 import pytest
 from rerank_client import AsyncRerankClient, Candidate, InvalidRequestError
 
+from rerank_server.api.pb import rerank_pb2 as pb
+from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 
@@ -51,3 +56,68 @@ async def test_oversized_message_is_rejected_by_transport(start_server: StartSer
         with pytest.raises(Exception) as info:
             await client.rerank("q", ["x" * 3000, "y" * 3000])
     assert getattr(info.value, "code", "") == "RESOURCE_EXHAUSTED"
+
+
+def _raw_stub(port: int) -> tuple[grpc.aio.Channel, Any]:
+    """A channel and a Rerank call that sends bytes exactly as given."""
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    call = channel.unary_unary("/rerank.v1.Reranker/Rerank", request_serializer=None,
+                               response_deserializer=pb.RerankResponse.FromString)
+    return channel, call
+
+
+def _with_options(**options: int) -> bytes:
+    request = pb.RerankRequest(query="q", candidates=[pb.Candidate(id="a", text="x")])
+    for name, value in options.items():
+        setattr(request.options, name, value)  # enum fields take any number on the wire
+    return request.SerializeToString()
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    (_with_options(blend_strategy=99), "options.blend_strategy: unknown value 99"),
+    (_with_options(score_kind=99), "options.score_kind: unknown value 99"),
+    (pb.RerankRequest(query="q", options=pb.RerankOptions(
+        threshold=pb.Threshold(mode=99))).SerializeToString(),  # type: ignore[arg-type]
+     "options.threshold.mode: unknown value 99"),
+    (pb.RerankRequest(query="q", lists=[pb.RankedList(
+        name="l", score_kind=99)]).SerializeToString(),  # type: ignore[arg-type]
+     "lists[0].score_kind: unknown value 99"),
+    # field 2 (query), length 2, not UTF-8
+    (b"\x12\x02\xff\xfe", "request: cannot be decoded"),
+    # a candidate (field 3) that claims 100 bytes and stops after 3
+    (b"\x12\x01q\x1a\x64\x0a\x01a", "request: cannot be decoded"),
+    (b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", "request: cannot be decoded"),
+])
+async def test_undecodable_or_unknown_is_invalid_argument_naming_the_field(
+        server: RunningServer, fake_llama: FakeLlamaServer, raw: bytes, field: str) -> None:
+    channel, call = _raw_stub(server.port)
+    async with channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(raw, timeout=5)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details() or ""
+    assert details.startswith(field)
+    assert "Error" not in details and "Exception" not in details  # no Python names
+    assert fake_llama.requests == []
+
+
+@pytest.mark.parametrize(("metadata", "field"), [
+    ({f"k{i}": "v" for i in range(33)}, "candidates[0].metadata: 33 entries"),
+    ({"k" * 200: "v"}, "candidates[0].metadata: a key of 200 characters"),
+    ({"url": "v" * 3000}, "candidates[0].metadata['url']: 3000 characters"),
+])
+async def test_metadata_is_capped(client: AsyncRerankClient, metadata: dict[str, str],
+                                  field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await client.rerank("q", [Candidate(id="a", text="x", metadata=metadata), "b", "c"])
+    assert info.value.message.startswith(field)
+
+
+async def test_metadata_total_per_request_is_capped(start_server: StartServer) -> None:
+    server = await start_server(max_metadata_request_chars=10_000)
+    docs = [Candidate(id=str(i), text="x", metadata={"m": "v" * 2000}) for i in range(10)]
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(InvalidRequestError) as info:
+            await client.rerank("q", docs)
+    assert info.value.message == ("candidates[4].metadata: the request's metadata exceeds "
+                                  "the limit of 10000 characters in all")

@@ -142,6 +142,14 @@ class _DegradedReasonCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_De
     """Skip rule: no more candidates than `top_k` (`skip_within_top_k`)."""
     DEGRADED_REASON_CODE_STRONG_SIGNAL: _DegradedReasonCode.ValueType  # 9
     """Skip rule: a lexical list has a clear winner (`strong_signal_skip`)."""
+    DEGRADED_REASON_CODE_OVERLOADED: _DegradedReasonCode.ValueType  # 10
+    """The backend is busy: the pairs queued ahead of this request would not be scored within
+    its time budget, so it was answered at once in retrieval order instead of waiting.
+    """
+    DEGRADED_REASON_CODE_SHUTTING_DOWN: _DegradedReasonCode.ValueType  # 11
+    """The server is shutting down (SIGTERM): pairs not scored when its grace period ran
+    short were given up, and the answer came before the server stopped.
+    """
 
 class DegradedReasonCode(_DegradedReasonCode, metaclass=_DegradedReasonCodeEnumTypeWrapper):
     """Why a response was not (fully) reranked."""
@@ -166,6 +174,14 @@ DEGRADED_REASON_CODE_WITHIN_TOP_K: DegradedReasonCode.ValueType  # 8
 """Skip rule: no more candidates than `top_k` (`skip_within_top_k`)."""
 DEGRADED_REASON_CODE_STRONG_SIGNAL: DegradedReasonCode.ValueType  # 9
 """Skip rule: a lexical list has a clear winner (`strong_signal_skip`)."""
+DEGRADED_REASON_CODE_OVERLOADED: DegradedReasonCode.ValueType  # 10
+"""The backend is busy: the pairs queued ahead of this request would not be scored within
+its time budget, so it was answered at once in retrieval order instead of waiting.
+"""
+DEGRADED_REASON_CODE_SHUTTING_DOWN: DegradedReasonCode.ValueType  # 11
+"""The server is shutting down (SIGTERM): pairs not scored when its grace period ran
+short were given up, and the answer came before the server stopped.
+"""
 Global___DegradedReasonCode: _TypeAlias = DegradedReasonCode  # noqa: Y015
 
 @_typing.final
