@@ -93,13 +93,14 @@ class Settings:
         "no polling (hosted APIs); instances count as up, ejected ones return after "
         "their back-off.", group="backend"))
     eject_after: int = field(default=3, metadata=_opt(
-        "Consecutive failed calls that take a backend instance out of the pool.",
-        minimum=1, group="backend"))
-    eject_base_s: float = field(default=5.0, metadata=_opt(
-        "First back-off of an ejected instance; doubles for each repeated ejection.",
-        minimum=0.01, group="backend"))
-    eject_max_s: float = field(default=60.0, metadata=_opt(
-        "Longest back-off of an ejected instance.", minimum=0.01, group="backend"))
+        "Consecutive failed calls (refused, 5xx, timed out, or abandoned without an answer) "
+        "that take a backend instance out of the pool.", minimum=1, group="backend"))
+    eject_base_s: float = field(default=1.0, metadata=_opt(
+        "First back-off of an ejected instance, after which one probe call decides whether "
+        "it returns; doubles for each failed probe.", minimum=0.01, group="backend"))
+    eject_max_s: float = field(default=4.0, metadata=_opt(
+        "Longest back-off of an ejected instance: a recovered backend is back within about "
+        "this long.", minimum=0.01, group="backend"))
     model: str = field(default="", metadata=_opt(
         "Model name sent to the backend and reported in responses (empty: as the backend "
         "reports it).", group="backend"))

@@ -129,6 +129,18 @@ class Metrics:
             "rerank.backend.errors", unit="{error}",
             description="Failed backend calls by instance and error.type: timeout, connect, "
                         "http_status, malformed.")
+        self.abandoned_calls = meter.create_counter(
+            "rerank.backend.abandoned_calls", unit="{call}",
+            description="Backend calls whose request stopped waiting for them (budget spent, "
+                        "client gone); each still holds its slot until it ends.")
+        self.abandoned_open = meter.create_up_down_counter(
+            "rerank.backend.abandoned_calls.open", unit="{call}",
+            description="Abandoned backend calls still running.")
+        self.abandoned_age = meter.create_histogram(
+            "rerank.backend.abandoned_call.age", unit="s",
+            description="How long an abandoned call ran on after it was abandoned (answered, "
+                        "or cancelled when its leash ran out).",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         self.backend_ejections = meter.create_counter(
             "rerank.backend.ejections", unit="{ejection}",
             description="Times an instance was taken out of the pool after failing calls "

@@ -7,17 +7,22 @@ and its own concurrency limit (`--concurrency` per instance).
 - Balancing: each call goes to the available instance with the fewest calls in flight
   (ties rotate), so a slow instance gets less work.
 - Ejection (as Envoy's outlier detection): an instance whose calls fail
-  `--eject-after` times in a row (connect errors, timeouts, HTTP 5xx) is taken out for
-  a back-off period (`--eject-base-s`, doubling per repeated ejection up to
-  `--eject-max-s`). When the period is over, the health monitor must see its `/health`
-  answer before it gets traffic again. An instance whose health polls fail twice in a
-  row with no call answered since is out too (`note_poll`: a saturated llama-server can
-  miss a poll while its calls still succeed).
+  `--eject-after` times in a row (connect errors, HTTP 5xx, timeouts, and abandoned calls
+  that got no answer within their leash, `http.py`) is taken out for a back-off period
+  (`--eject-base-s`, doubling per repeated ejection up to `--eject-max-s`). When the
+  period is over, the health monitor sends it a real scoring call (the probe pair, pinned
+  to that instance: `pinned`); only an answer returns it to the pool, since a hung backend
+  may still answer `/health`. An instance whose health polls fail twice in a row with no
+  call answered since is out too (`note_poll`: a saturated llama-server can miss a poll
+  while its calls still succeed).
 - A call refused by one instance (connection failed, HTTP 5xx) is tried once more on
   another, so losing an instance costs no pair. A timeout is not retried: the budget is
   spent.
 - With every instance out, calls fail at once (`UNAVAILABLE`) instead of waiting for
   timeouts, and the request degrades to retrieval order.
+- Admission: `estimate_s(pairs)` says how long the pairs queued and in flight, plus
+  `pairs` more, would take at the recent per-pair latency and the available slots; the
+  pipeline answers OVERLOADED at once when that is past a request's budget.
 
 State changes are logged once each (`backend_ejected`, `backend_restored`).
 """
@@ -25,9 +30,12 @@ State changes are logged once each (`backend_ejected`, `backend_restored`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -42,6 +50,9 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
+# The instance a probe must use, even while it is ejected (`BackendPool.pinned`).
+_PINNED: ContextVar[Endpoint | None] = ContextVar("rerank_pinned_endpoint", default=None)
+
 
 class MalformedResponse(ValueError):
     """The backend answered, but not with what the scorer needs (no user text inside)."""
@@ -50,8 +61,8 @@ class MalformedResponse(ValueError):
 @dataclass(frozen=True, slots=True)
 class Ejection:
     after: int = 3          # consecutive failures
-    base_s: float = 5.0     # first back-off
-    max_s: float = 60.0     # longest back-off
+    base_s: float = 1.0     # first back-off
+    max_s: float = 4.0      # longest back-off
 
 
 @dataclass
@@ -98,6 +109,8 @@ class BackendPool:
                                  tracer=tracer, headers=headers, health_path=health_path),
                      concurrency)
             for url in urls]
+        for endpoint in self.endpoints:
+            endpoint.http.on_outcome = functools.partial(self._outcome, endpoint)
         self._turn = itertools.count()
         self.polls_to_down = 2
 
@@ -123,14 +136,11 @@ class BackendPool:
                 body = await endpoint.http.post_json(path, payload, pairs)
             except BackendCallError as exc:
                 last = exc
-                if _counts_against(exc):
-                    self._failed(endpoint)
-                if _retryable(exc) and len(tried) < 2:
+                if _retryable(exc) and len(tried) < 2 and _PINNED.get() is None:
                     continue
                 raise
             finally:
                 endpoint.in_flight -= 1
-            self._succeeded(endpoint)
             try:
                 return parse(body)
             except MalformedResponse as exc:
@@ -142,7 +152,31 @@ class BackendPool:
         endpoint = self._pick([])
         return None if endpoint is None else await endpoint.http.get_json(path)
 
+    @contextlib.contextmanager
+    def pinned(self, endpoint: Endpoint) -> Iterator[None]:
+        """Calls made inside (and in tasks started inside) go to `endpoint` only, even while
+        it is ejected: the monitor's probe of an ejected instance."""
+        token = _PINNED.set(endpoint)
+        try:
+            yield
+        finally:
+            _PINNED.reset(token)
+
+    def estimate_s(self, pairs: int) -> float:
+        """Seconds until `pairs` more pairs would be scored, behind what is queued and in
+        flight, at the recent per-pair latency over the available slots; 0 with no data."""
+        ready = [e for e in self.endpoints if e.available]
+        rates = [e.http.pair_s for e in ready if e.http.pair_s is not None]
+        if not ready or not rates:
+            return 0.0
+        slots = sum(e.http.concurrency for e in ready)
+        waiting = sum(e.http.queued_pairs + e.http.in_flight_pairs for e in ready)
+        return (waiting + pairs) * (sum(rates) / len(rates)) / slots
+
     def _pick(self, exclude: list[Endpoint]) -> Endpoint | None:
+        pinned = _PINNED.get()
+        if pinned is not None:
+            return None if pinned in exclude else pinned
         ready = [e for e in self.endpoints if e.available and e not in exclude]
         if not ready:
             return None
@@ -152,6 +186,13 @@ class BackendPool:
                                          (self.endpoints.index(e) - turn) % len(self.endpoints)))
 
     # --- ejection
+
+    def _outcome(self, endpoint: Endpoint, failure: BackendCallError | None) -> None:
+        """How one call to `endpoint` ended (`HttpBackend.on_outcome`), abandoned or not."""
+        if failure is None:
+            self._succeeded(endpoint)
+        elif _counts_against(failure):
+            self._failed(endpoint)
 
     def _failed(self, endpoint: Endpoint) -> None:
         endpoint.failures_in_row += 1
@@ -203,7 +244,7 @@ class BackendPool:
 
     def extend(self, endpoint: Endpoint) -> None:
         """The probe after a back-off failed: eject again, for longer."""
-        self._eject(endpoint, "health probe failed after back-off")
+        self._eject(endpoint, "probe call after back-off got no answer")
 
     @property
     def any_available(self) -> bool:

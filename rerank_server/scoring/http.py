@@ -1,10 +1,22 @@
 """What every HTTP backend shares: bounded concurrency, one client, failure classification.
 
-Cancellation: when a request's budget runs out, pairs still waiting for a concurrency
-slot are dropped before anything is sent, but a call already on the wire is left to finish
-in the background (bounded by the per-call timeout) and its answer ignored. Cancelling
-httpx calls mid-flight can leak connection-pool slots (httpcore issue #1093) until every
-later call fails with PoolTimeout; the backend would finish the work anyway.
+Bounded calls: a call holds one of the instance's `--concurrency` slots from before it is
+sent until it has ended, whoever stopped waiting for it, so the backend never sees more
+than `--concurrency` calls from this server.
+
+Abandoned calls: when a request stops waiting (its budget ran out, its client went away),
+pairs still waiting for a slot are dropped before anything is sent, and a call already on
+the wire is abandoned: it may still finish within a short leash (four times the recent
+call latency, at least `ABANDON_MIN_S`, at most the call timeout, counted from when it was
+sent), and is cancelled when the leash runs out; that counts as a timeout of the instance
+(`backend_pool.py` ejects an instance after a few in a row). Calls are never cancelled
+while still waiting for a pool connection: a slot is taken before the httpx call starts,
+and the connection pool is larger than the slots, so httpcore's pool-slot leak on
+cancellation under contention (httpcore #1093) cannot happen. On shutdown every call still
+running is cancelled.
+
+Health polls and metadata reads go through a client of their own, so a backend saturated
+by scoring calls is not taken for a dead one because its poll waited for a connection.
 
 Every call is one `http.client.request.duration` sample and, with tracing on, one client
 span (`POST`) carrying the backend, the instance, the pair count and the status; the
@@ -16,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,6 +39,9 @@ from ..observability.metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instan
 from .base import Failure
 
 HEALTH_TIMEOUT_S = 3.0
+ABANDON_MIN_S = 1.0        # an abandoned call may always run this long
+ABANDON_UNKNOWN_S = 2.0    # ... and this long before any call has answered
+ABANDON_LATENCIES = 4.0    # ... else this many times the recent call latency
 
 # error.type values on metrics and spans, by failure kind.
 ERROR_TYPES = {
@@ -59,6 +75,9 @@ def new_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s))
 
 
+Outcome = Callable[["BackendCallError | None"], None]
+
+
 class HttpBackend:
     """Posts JSON to one base URL with at most `concurrency` calls in flight."""
 
@@ -72,43 +91,126 @@ class HttpBackend:
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
+        self._timeout_s = timeout_s
         self._client = client or new_client(concurrency, timeout_s)
         self._owns_client = client is None
+        self._side_client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),
+            timeout=httpx.Timeout(HEALTH_TIMEOUT_S))
+        self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
-        self._background: set[asyncio.Task[Any]] = set()
+        self._calls: dict[asyncio.Future[Any], float] = {}  # call on the wire -> sent at
+        self._given_up: set[asyncio.Future[Any]] = set()  # abandoned, cancelled by the leash
+        # What admission estimates read (backend_pool.BackendPool.estimate_s).
+        self.queued_pairs = 0
+        self.in_flight_pairs = 0
+        self.latency_s: float | None = None     # recent latency of answered calls (EWMA)
+        self.pair_s: float | None = None        # ... per pair in the call
+        self.abandoned = 0                      # abandoned calls still running
+        # Every call's end, for the pool's ejection bookkeeping: None = answered.
+        self.on_outcome: Outcome = lambda _failure: None
 
     async def post_json(self, path: str, payload: Any, pairs: int = 1) -> Any:
         """POST `payload` (scoring `pairs` pairs), return the decoded JSON body.
 
-        Raises BackendCallError.
+        Raises BackendCallError. If the caller is cancelled, the call is abandoned (see
+        the module docstring) and keeps its slot until it ends.
         """
-        async with self._slots:
-            call = asyncio.ensure_future(self._traced_post(path, payload, pairs))
-            self._background.add(call)
-            call.add_done_callback(self._background.discard)
-            try:
-                return await asyncio.shield(call)
-            except asyncio.CancelledError:
-                # Let the call finish; nobody will read its result or exception.
-                call.add_done_callback(_consume)
-                raise
+        self.queued_pairs += pairs
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued_pairs -= pairs
+        call = asyncio.ensure_future(self._call(path, payload, pairs))
+        self._calls[call] = asyncio.get_running_loop().time()
+        call.add_done_callback(self._forget)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if not call.done():
+                self._abandon(call)
+            raise
+
+    def _forget(self, call: asyncio.Future[Any]) -> None:
+        self._calls.pop(call, None)
+        self._given_up.discard(call)
+
+    async def _call(self, path: str, payload: Any, pairs: int) -> Any:
+        """One call, from holding its slot to releasing it; reports how it ended."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.in_flight_pairs += pairs
+        ended: tuple[BackendCallError | None] | None = None  # None: not to be reported
+        try:
+            body = await self._traced_post(path, payload, pairs)
+            elapsed = loop.time() - started
+            self.latency_s = _ewma(self.latency_s, elapsed)
+            self.pair_s = _ewma(self.pair_s, elapsed / max(pairs, 1))
+            ended = (None,)
+            return body
+        except BackendCallError as exc:
+            ended = (exc,)
+            raise
+        except asyncio.CancelledError:
+            if asyncio.current_task() in self._given_up:  # the leash ran out, not shutdown
+                ended = (BackendCallError(Failure.TIMEOUT, "abandoned call got no answer "
+                                          f"within {loop.time() - started:.1f} s"),)
+            raise
+        finally:
+            self.in_flight_pairs -= pairs
+            self._slots.release()
+            if ended is not None:
+                self.on_outcome(ended[0])
+
+    def leash_s(self) -> float:
+        """How long after it was sent an abandoned call may still run."""
+        if self.latency_s is None:
+            return min(ABANDON_UNKNOWN_S, self._timeout_s)
+        return min(max(ABANDON_LATENCIES * self.latency_s, ABANDON_MIN_S), self._timeout_s)
+
+    def _abandon(self, call: asyncio.Future[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        attributes = self.instance.attributes
+        self._metrics.abandoned_calls.add(1, attributes)
+        self._metrics.abandoned_open.add(1, attributes)
+        self.abandoned += 1
+        abandoned_at = loop.time()
+        sent_at = self._calls.get(call, abandoned_at)
+        delay = max(0.0, sent_at + self.leash_s() - abandoned_at)
+
+        def give_up() -> None:
+            if not call.done():
+                self._given_up.add(call)
+                call.cancel()
+
+        handle = loop.call_later(delay, give_up)
+
+        def ended(task: asyncio.Future[Any]) -> None:
+            handle.cancel()
+            self.abandoned -= 1
+            self._metrics.abandoned_open.add(-1, attributes)
+            self._metrics.abandoned_age.record(loop.time() - abandoned_at, attributes)
+            _consume(task)
+
+        call.add_done_callback(ended)
 
     async def get_json(self, path: str) -> Any:
-        """GET `path` outside the scoring slots (metadata, not work); None on any failure."""
+        """GET `path` on the side client (metadata, not work); None on any failure."""
         try:
-            response = await self._client.get(self.base_url + path, headers=self._headers)
+            response = await self._side_client.get(self.base_url + path,
+                                                   headers=self._headers)
             return response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError):
             return None
 
     async def health(self) -> bool:
         """Whether the health path answers 200 (llama-server's `/health`: model loaded);
-        always True when there is no health path to poll."""
+        always True when there is no health path to poll. On the side client."""
         if not self.health_path:
             return True
         try:
-            response = await self._client.get(self.base_url + self.health_path,
-                                              headers=self._headers, timeout=HEALTH_TIMEOUT_S)
+            response = await self._side_client.get(self.base_url + self.health_path,
+                                                   headers=self._headers)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -164,13 +266,20 @@ class HttpBackend:
             raise BackendCallError(Failure.MALFORMED, "response is not JSON", status) from None
 
     async def aclose(self) -> None:
-        """Wait for calls left running by cancelled requests, then close the pool."""
-        if self._background:
-            await asyncio.wait(list(self._background))
+        """Cancel the calls still running (nobody waits for them any more), then close."""
+        for call in list(self._calls):
+            call.cancel()
+        if self._calls:
+            await asyncio.wait(list(self._calls))
         if self._owns_client:
             await self._client.aclose()
+        await self._side_client.aclose()
 
 
-def _consume(task: asyncio.Task[Any]) -> None:
+def _ewma(previous: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if previous is None else (1 - weight) * previous + weight * sample
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()

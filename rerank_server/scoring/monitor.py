@@ -10,8 +10,12 @@ listens (the gRPC edge turns it into health service names, `api/health.py`):
   one. A model that cannot tell them apart, or gives degenerate scores (a GGUF without its
   classification head gives values like 1e-28), is down here and logged as a warning.
 
-Each poll also returns ejected instances whose back-off is over and whose `/health`
-answers (`scoring/pool.py`). State changes are logged once per change, not per poll.
+Between polls the monitor ticks every `TICK_S`: it reports at once when the pool loses or
+regains its last available instance (an ejection after failed calls, say), and probes
+each ejected instance whose back-off is over with one real scoring call pinned to it
+(`BackendPool.pinned`): an answer returns it to the pool, no answer ejects it again for
+longer. A backend that answers `/health` but hangs on scoring therefore stays out until
+it scores again. State changes are logged once per change, not per poll.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import structlog
 
 from ..observability.metrics import Metrics
 from .backend_pool import BackendPool, Endpoint
-from .base import PairOutcome, Scorer, ScoreRequest
+from .base import Failure, PairOutcome, Scorer, ScoreRequest
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +37,8 @@ PROBE_RELEVANT = "Paris is the capital and most populous city of France."
 PROBE_IRRELEVANT = ("Photosynthesis lets green plants turn sunlight, water and carbon dioxide "
                     "into sugar.")
 MIN_SEPARATION = 0.05
+TICK_S = 0.25
+INSTANCE_PROBE_TIMEOUT_S = 5.0
 DEGENERATE_BELOW = 1e-6
 
 BACKEND = ""
@@ -104,22 +110,44 @@ class BackendMonitor:
         # Set once the backend was first seen up and its model name asked for.
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._probes: dict[str, asyncio.Task[None]] = {}  # instance name -> its probe
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._probes.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time()
         while True:
-            await self.check()
-            await asyncio.sleep(self._interval_s)
+            try:
+                if loop.time() >= next_poll:
+                    next_poll = loop.time() + self._interval_s
+                    await self.check()
+                else:
+                    await self.tick()
+            except Exception:  # a bug here must not end health reporting for good
+                log.exception("backend_monitor_error")
+            await asyncio.sleep(min(TICK_S, self._interval_s))
 
     async def check(self) -> None:
-        await asyncio.gather(*(self._check_instance(e) for e in self._pool.endpoints))
+        """Poll every instance's `/health`, then `tick`."""
+        await asyncio.gather(*(self._poll(e) for e in self._pool.endpoints))
+        await self.tick()
+
+    async def tick(self) -> None:
+        """Probe ejected instances that are due; report state that changed."""
+        for endpoint in self._pool.due_for_probe():
+            if endpoint.name not in self._probes:
+                self._probes[endpoint.name] = asyncio.create_task(
+                    self._probe_instance(endpoint))
+        for endpoint in self._pool.endpoints:
+            await self._report_instance(endpoint)
         up = self._pool.any_available
         if up == self._up:
             return
@@ -140,16 +168,33 @@ class BackendMonitor:
         await self._set(backend=result.scored, discriminates=result.discriminates)
         self.probed.set()
 
-    async def _check_instance(self, endpoint: Endpoint) -> None:
+    async def _poll(self, endpoint: Endpoint) -> None:
         polled = await endpoint.http.health()
         up = self._pool.note_poll(endpoint, polled)
         self._metrics.backend_up.set(int(up), endpoint.http.instance.attributes)
         endpoint.healthy = up
-        if endpoint in self._pool.due_for_probe():
-            if polled:
-                self._pool.restore(endpoint)
-            else:
-                self._pool.extend(endpoint)
+
+    async def _probe_instance(self, endpoint: Endpoint) -> None:
+        """One scoring call to an ejected instance: restore it if it answers."""
+        outcomes: list[PairOutcome] = []
+        request = ScoreRequest(PROBE_QUERY, self._instruction, [PROBE_RELEVANT])
+        try:
+            with self._pool.pinned(endpoint):
+                async with asyncio.timeout(INSTANCE_PROBE_TIMEOUT_S):
+                    await self._scorer.score(request, outcomes.append)
+        except TimeoutError:
+            pass
+        finally:
+            self._probes.pop(endpoint.name, None)
+        # A malformed answer is still an answer: the instance is alive and scoring.
+        if any(o.failure in (None, Failure.MALFORMED) for o in outcomes):
+            self._pool.restore(endpoint)
+        else:
+            self._pool.extend(endpoint)
+        await self._report_instance(endpoint)
+
+    async def _report_instance(self, endpoint: Endpoint) -> None:
+        up = endpoint.available
         if self._instance_up.get(endpoint.name) == up:
             return
         self._instance_up[endpoint.name] = up
