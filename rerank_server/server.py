@@ -25,6 +25,7 @@ import structlog
 from . import __version__
 from .api.grpc_server import GrpcEdge
 from .managed.llama_server import ManagedLlamaServer, start_managed
+from .observability.loop_lag import LoopLag
 from .observability.telemetry import Telemetry
 from .ranking import blend_profiles
 from .ranking.blend_profiles import BlendResolver
@@ -38,6 +39,8 @@ from .scoring.registry import build_pool, build_scorer
 from .settings import Settings, host_port
 
 log = structlog.get_logger(__name__)
+
+SHUTDOWN_MARGIN_S = 1.0  # answers are due this long before the grace period ends
 
 
 def request_rules(settings: Settings) -> RequestRules:
@@ -89,6 +92,10 @@ class RunningServer:
         self._stopped.set()
         if grace is not None:
             self.edge.grace_s = grace
+        # In-flight requests answer (SHUTTING_DOWN) a little before the grace period ends,
+        # so their answers are out before the server cancels what is left.
+        grace_s = self.edge.grace_s
+        self.reranker.stop_scoring_after(grace_s - min(SHUTDOWN_MARGIN_S, grace_s / 4))
         await self._resources.aclose()
 
 
@@ -121,8 +128,11 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         stack.push_async_callback(pool.aclose)
         scorer = scorer or build_scorer(settings, pool)
         stack.push_async_callback(scorer.aclose)
+        lag = LoopLag()
+        lag.start()
+        stack.push_async_callback(lag.stop)
         reranker = Reranker(request_rules(settings), scorer, telemetry, cache,
-                            BlendResolver(profiles))
+                            BlendResolver(profiles), loop_lag=lambda: lag.recent_s)
         edge = await GrpcEdge.start(settings, reranker, telemetry)
         stack.push_async_callback(edge.aclose)
         monitor = BackendMonitor(scorer, pool, settings.instruction, edge.report_backend,

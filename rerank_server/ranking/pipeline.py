@@ -9,9 +9,10 @@ retrieval order with `reranked = False` and the reason.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ..domain import (
     Degraded,
@@ -38,12 +39,21 @@ class Reranker:
 
     def __init__(self, rules: RequestRules, scorer: Scorer,
                  telemetry: Telemetry | None = None, cache: ScoreCache | None = None,
-                 blends: BlendResolver | None = None) -> None:
+                 blends: BlendResolver | None = None,
+                 loop_lag: Callable[[], float] = lambda: 0.0) -> None:
         self.rules = rules
         self.scorer = scorer
         self.telemetry = telemetry or Telemetry.disabled()
         self.cache = cache if cache is not None else ScoreCache(0, 0)
         self.blends = blends or BlendResolver(blend_profiles.load())
+        self._loop_lag = loop_lag
+        # Set when the server shuts down: pairs still outstanding are given up at once.
+        self.stopping = asyncio.Event()
+
+    def stop_scoring_after(self, seconds: float) -> None:
+        """Shutdown: in `seconds`, every request still waiting for scores answers with what
+        it has (SHUTTING_DOWN), so answers leave before the grace period ends."""
+        asyncio.get_running_loop().call_later(max(seconds, 0.0), self.stopping.set)
 
     def resolve(self, query: RerankQuery) -> Request:
         """`query` validated and resolved; raises `InvalidRequest`."""
@@ -97,11 +107,16 @@ class Reranker:
         pending = [i for i in range(len(documents)) if i not in hits]
         fresh: dict[str, float] = {}
         scoring_started = time.perf_counter()
+        budget = budget_s(request.timeout_s, deadline_remaining_s, self._loop_lag())
+        overloaded = _overloaded(self.scorer.estimate_s(len(pending)), budget) \
+            if pending else None
+        if overloaded is not None:
+            ranking.fail_outstanding()  # answered at once, in retrieval order
+            pending = []
         if pending:
             pairs = ScoreRequest(request.query, request.instruction,
                                  [documents[i] for i in pending])
-            budget = budget_s(request.timeout_s, deadline_remaining_s)
-            async for pair in score_within(self.scorer, pairs, budget, tracer):
+            async for pair in score_within(self.scorer, pairs, budget, tracer, self.stopping):
                 i = pending[pair.pair]
                 ranking.resolve(scored_set[i].index, pair.score)
                 if pair.failure is None and pair.score is not None:
@@ -129,7 +144,7 @@ class Reranker:
         for item in final:
             yield item
         yield self._summary(request, shaped, settled, ranking, outcome,
-                            outcome.degraded(), started)
+                            overloaded or outcome.degraded(), started)
 
     def _summary(self, request: Request, shaped: Shaped, blend: Blend,
                  ranking: IncrementalRanking, outcome: _Outcome, degraded: Degraded | None,
@@ -167,6 +182,14 @@ class _Outcome:
             return Degraded(main.degraded_code, f"all {self.submitted} pairs failed ({kinds})")
         return Degraded(DegradedCode.PARTIAL,
                         f"{failed} of {self.submitted} pairs failed ({kinds})")
+
+
+def _overloaded(wait_s: float, budget_s: float) -> Degraded | None:
+    """OVERLOADED when the backend's queue would not score the pairs within the budget."""
+    if wait_s <= budget_s:
+        return None
+    return Degraded(DegradedCode.OVERLOADED, f"backend busy: about {wait_s:.1f} s of scoring "
+                                             f"queued, {budget_s:.1f} s of budget")
 
 
 def _shape_attributes(request: Request, shaped: Shaped, submitted: int,

@@ -17,6 +17,7 @@ class Failure(StrEnum):
     TIMEOUT = "timeout"
     HTTP_ERROR = "http_error"
     MALFORMED = "malformed"
+    SHUTTING_DOWN = "shutting_down"  # not scored because the server is stopping
 
     @property
     def degraded_code(self) -> DegradedCode:
@@ -28,6 +29,7 @@ _DEGRADED = {
     Failure.TIMEOUT: DegradedCode.TIMEOUT,
     Failure.HTTP_ERROR: DegradedCode.BACKEND_ERROR,
     Failure.MALFORMED: DegradedCode.MALFORMED_RESPONSE,
+    Failure.SHUTTING_DOWN: DegradedCode.SHUTTING_DOWN,
 }
 
 
@@ -77,6 +79,11 @@ class Scorer(Protocol):
     def model(self) -> str: ...
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None: ...
+
+    def estimate_s(self, pairs: int) -> float:
+        """Seconds until `pairs` more pairs would be scored, behind the work already queued
+        and in flight (0 when unknown). Admission compares it with a request's budget."""
+        ...
 
     async def discover_model(self) -> None:
         """Learn the model's name from the backend when it was not configured.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import structlog
 from opentelemetry import trace
@@ -19,24 +20,35 @@ from .base import Failure, PairOutcome, Scorer, ScoreRequest
 
 log = structlog.get_logger(__name__)
 
-# Share of the caller's remaining deadline kept back for blending and sending the answer.
+# Of the caller's remaining deadline, a reserve is kept back for blending and sending the
+# answer: 10% of it, at most 50 ms on an idle loop; under load, at least a few times the
+# event loop's recent lag (a late loop sends late), but never more than half the deadline.
 DEADLINE_RESERVE_FRACTION = 0.1
 DEADLINE_RESERVE_MAX_S = 0.05
+LAG_RESERVE_FACTOR = 3.0
 
 
-def budget_s(timeout_s: float, deadline_remaining_s: float | None) -> float:
+def reserve_s(deadline_remaining_s: float, loop_lag_s: float = 0.0) -> float:
+    idle = min(DEADLINE_RESERVE_MAX_S, deadline_remaining_s * DEADLINE_RESERVE_FRACTION)
+    return min(max(idle, LAG_RESERVE_FACTOR * loop_lag_s), deadline_remaining_s / 2)
+
+
+def budget_s(timeout_s: float, deadline_remaining_s: float | None,
+             loop_lag_s: float = 0.0) -> float:
     """Seconds the scorer may use: the request's timeout, shortened by the caller's deadline
-    less a small reserve for blending and sending."""
+    less the reserve for blending and sending."""
     budget = timeout_s
     if deadline_remaining_s is not None:
-        reserve = min(DEADLINE_RESERVE_MAX_S, deadline_remaining_s * DEADLINE_RESERVE_FRACTION)
-        budget = min(budget, deadline_remaining_s - reserve)
+        budget = min(budget, deadline_remaining_s - reserve_s(deadline_remaining_s,
+                                                              loop_lag_s))
     return max(budget, 0.0)
 
 
 async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
-                       tracer: trace.Tracer) -> AsyncIterator[PairOutcome]:
-    """Each pair's outcome, as it arrives; those left when `budget` runs out as timeouts.
+                       tracer: trace.Tracer, stop: asyncio.Event | None = None,
+                       ) -> AsyncIterator[PairOutcome]:
+    """Each pair's outcome, as it arrives; those left when `budget` runs out as timeouts,
+    and those left when `stop` is set (the server is shutting down) as such.
 
     The budget bounds only the waits, never the caller's work between yields: a timeout
     that fired while the caller wrote a stream message would cancel the RPC.
@@ -56,10 +68,13 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
     try:
         while remaining:
             try:
-                outcome = await asyncio.wait_for(_next_outcome(outcomes, task),
+                outcome = await asyncio.wait_for(_next_outcome(outcomes, task, stop),
                                                  max(deadline - loop.time(), 0))
             except TimeoutError:
                 rest = (Failure.TIMEOUT, "time budget spent")
+                break
+            except _Stopped:
+                rest = (Failure.SHUTTING_DOWN, "the server is shutting down")
                 break
             except _ScorerCrashed as crash:
                 log.error("scorer_crashed", backend=scorer.kind, error=crash.detail)
@@ -96,25 +111,38 @@ async def _stop(task: asyncio.Task[None]) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+class _Stopped(Exception):
+    pass
+
+
 class _ScorerCrashed(Exception):
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
 
 
-async def _next_outcome(outcomes: asyncio.Queue[PairOutcome],
-                        task: asyncio.Task[None]) -> PairOutcome | None:
+async def _next_outcome(outcomes: asyncio.Queue[PairOutcome], task: asyncio.Task[None],
+                        stop: asyncio.Event | None) -> PairOutcome | None:
     """The next outcome; None once the scorer has finished and nothing is left."""
     if not outcomes.empty():
         return outcomes.get_nowait()
+    if stop is not None and stop.is_set():
+        raise _Stopped
     getter = asyncio.ensure_future(outcomes.get())
+    waits: set[asyncio.Future[Any]] = {getter, task}
+    stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    if stopped is not None:
+        waits.add(stopped)
     try:
-        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not getter.done():
-            getter.cancel()
+        for waiter in (getter, stopped):
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
     if getter.done() and not getter.cancelled():
         return getter.result()
+    if stopped is not None and stopped.done() and not stopped.cancelled():
+        raise _Stopped
     if task.done() and not task.cancelled() and task.exception() is not None:
         exc = task.exception()
         raise _ScorerCrashed(type(exc).__name__)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +30,8 @@ NO_LOGPROBS = "no_logprobs"
 NO_YES_NO = "no_yes_no"
 ONLY_YES = "only_yes"
 DROP_CONNECTION = "drop_connection"
+HANG = "hang"                        # accept the call, never answer (until `unhang`)
+EXCEEDS_CONTEXT = "exceeds_context"  # llama-server's 400 for a prompt longer than a slot
 
 
 @dataclass
@@ -46,6 +50,9 @@ class FakeLlamaServer:
     mode_for_marked: str = HTTP_500
     model: str = "fake-reranker.gguf"
     alive: bool = True  # False: every request on a kept-alive connection is reset
+    # Documents longer than this many characters get llama-server's context error.
+    max_document_chars: int | None = None
+    released: threading.Event = field(default_factory=threading.Event)  # ends HANG
 
     requests: list[dict[str, Any]] = field(default_factory=list)
     # The W3C traceparent header of each POST ("" when absent), in arrival order.
@@ -128,6 +135,7 @@ class FakeLlamaServer:
         return self
 
     def stop(self) -> None:
+        self.released.set()  # no handler thread outlives the test
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -141,6 +149,11 @@ class FakeLlamaServer:
         self.alive = False
         self.stop()
         return port
+
+    def unhang(self) -> None:
+        """Answer normally again, and let the calls left hanging end."""
+        self.mode = OK
+        self.released.set()
 
     def revive(self, port: int) -> None:
         self.alive = True
@@ -159,6 +172,22 @@ class FakeLlamaServer:
             mode = self.mode
             if any(m in doc for m in self.failing_markers):
                 mode = self.mode_for_marked
+            if self.max_document_chars is not None and len(doc) > self.max_document_chars:
+                mode = EXCEEDS_CONTEXT
+            if mode == HANG:
+                # Hang until released or until the caller hangs up: what is counted in
+                # flight is what is open on the wire.
+                while not self.released.is_set() and not _hung_up(handler.connection):
+                    pass
+                handler.close_connection = True
+                return
+            if mode == EXCEEDS_CONTEXT:
+                handler._send(400, {"error": {
+                    "code": 400, "type": "exceed_context_size_error",
+                    "message": "request (3120 tokens) exceeds the available context size "
+                               "(2048 tokens), try increasing it",
+                    "n_prompt_tokens": 3120, "n_ctx": 2048}})
+                return
             if mode == DROP_CONNECTION:
                 handler.close_connection = True
                 handler.connection.shutdown(2)
@@ -202,6 +231,18 @@ class FakeLlamaServer:
             "usage": {"completion_tokens": 1, "prompt_tokens": 50, "total_tokens": 51},
             "id": "chatcmpl-fake",
         }
+
+
+def _hung_up(connection: socket.socket) -> bool:
+    """Whether the peer closed `connection` (readable with nothing to read); waits a few
+    milliseconds for it, so a hang-up is noticed at once."""
+    readable, _, _ = select.select([connection], [], [], 0.005)
+    if not readable:
+        return False
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def document_of(body: dict[str, Any]) -> str:

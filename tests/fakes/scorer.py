@@ -40,5 +40,8 @@ class FunctionScorer:
     async def discover_model(self) -> None:
         pass
 
+    def estimate_s(self, pairs: int) -> float:
+        return 0.0  # in process: never busy
+
     async def aclose(self) -> None:
         self.closed += 1

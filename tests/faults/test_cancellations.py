@@ -1,0 +1,52 @@
+"""Clients that give up mid-call, thousands of times: abandoned backend calls stay within
+--concurrency, end on their own, and leave the healthy backend in service."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from grpc_health.v1 import health_pb2
+from rerank_client import AsyncRerankClient
+
+from rerank_server.api.grpc_server import BACKEND_HEALTH
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
+
+DOCS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+
+
+async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.latency_s = 0.1
+    server = await start_server(concurrency=4, health_interval_s=0.5)
+    cancelled = 0
+    rng = random.Random(7)
+
+    async def churn(client: AsyncRerankClient, until: float) -> None:
+        nonlocal cancelled
+        while time.monotonic() < until:
+            call = asyncio.ensure_future(client.rerank(f"q {rng.random()}", DOCS))
+            await asyncio.sleep(rng.uniform(0.01, 0.12))
+            if not call.done():
+                call.cancel()  # the client goes away: grpc cancels the RPC
+                cancelled += 1
+            await asyncio.gather(call, return_exceptions=True)
+
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        until = time.monotonic() + 4
+        await asyncio.gather(*(churn(client, until) for _ in range(24)))
+        assert cancelled > 300, cancelled
+        assert fake_llama.max_in_flight <= 4, "abandoned calls went past --concurrency"
+        http = server.pool.endpoints[0].http
+        settle = time.monotonic() + 3
+        while http.abandoned and time.monotonic() < settle:
+            await asyncio.sleep(0.05)
+        assert http.abandoned == 0, "abandoned calls did not end"
+        assert server.pool.endpoints[0].available, "a healthy backend was taken out"
+        answers = [await client.rerank(f"normal {i}", DOCS, timeout=5) for i in range(20)]
+    assert all(a.reranked and a.summary.failed == 0 for a in answers)
+    reply = await server.edge.health.Check(
+        health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,62 @@
+"""A backend that accepts calls and never answers, while its /health still says ok.
+
+Promises (docs/reliability.md): the backend never sees more than --concurrency calls;
+after a few calls get no answer the instance is ejected and requests degrade at once
+instead of waiting for their deadline; `rerank.v1.Reranker/backend` says NOT_SERVING; once
+the backend answers again, reranked answers are back within 5 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from grpc_health.v1 import health_pb2
+from rerank_client import AsyncRerankClient
+
+from rerank_server.api.grpc_server import BACKEND_HEALTH
+from rerank_server.server import RunningServer
+from tests.conftest import StartServer
+from tests.fakes.llama import HANG, FakeLlamaServer
+
+DOCS = ["alpha", "beta", "gamma", "delta"]
+
+
+async def backend_status(server: RunningServer) -> int:
+    reply = await server.edge.health.Check(
+        health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None)
+    return int(reply.status)
+
+
+async def test_hung_backend_is_ejected_then_recovers_within_5_s(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    server = await start_server(concurrency=2, health_interval_s=0.5)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        assert (await client.rerank("warm up", DOCS, timeout=5)).reranked
+        fake_llama.mode = HANG
+        durations, answers = [], []
+        started = time.monotonic()
+        while time.monotonic() - started < 8:
+            t0 = time.monotonic()
+            answer = await client.rerank(f"q {t0}", DOCS, timeout=1.0)
+            durations.append(time.monotonic() - t0)
+            answers.append(answer)
+        assert not any(a.reranked for a in answers)
+        assert all(d < 1.0 for d in durations), "an answer came after its deadline"
+        # Ejected: the later answers come at once, and say the backend is unavailable.
+        assert max(durations[-10:]) < 0.25, durations[-10:]
+        assert answers[-1].summary.degraded_code == "backend_unavailable"
+        assert await backend_status(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert fake_llama.max_in_flight <= 2, "more calls than --concurrency reached it"
+
+        fake_llama.unhang()
+        fixed = time.monotonic()
+        while not (await client.rerank(f"after {time.monotonic()}", DOCS, timeout=1.0)).reranked:
+            assert time.monotonic() - fixed < 5, "reranking did not come back within 5 s"
+            await asyncio.sleep(0.1)
+    # The health name follows within a monitor tick (0.25 s).
+    serving = health_pb2.HealthCheckResponse.SERVING
+    until = time.monotonic() + 1
+    while await backend_status(server) != serving and time.monotonic() < until:
+        await asyncio.sleep(0.05)
+    assert await backend_status(server) == serving
