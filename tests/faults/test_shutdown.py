@@ -1,0 +1,52 @@
+"""SIGTERM while requests wait on a hung backend: every in-flight RPC gets a degraded
+answer before the grace period ends, and the process exits within grace + 1 s."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from rerank_client import AsyncRerankClient
+
+from rerank_server.managed.llama_server import free_port
+from tests.fakes.llama import HANG, FakeLlamaServer
+from tests.service.test_process import _wait_listening
+
+GRACE_S = 3.0
+
+
+async def test_sigterm_with_a_hung_backend_answers_in_flight_and_exits_in_time(
+        fake_llama: FakeLlamaServer) -> None:
+    fake_llama.mode = HANG
+    port = free_port()
+    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
+           "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": str(GRACE_S),
+           "RERANK_METRICS_PORT": "0", "RERANK_TIMEOUT_MS": "60000",
+           "RERANK_LOG_LEVEL": "warning", "RERANK_CONCURRENCY": "8"}
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await _wait_listening(port, proc)
+        async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+            calls = [asyncio.ensure_future(client.rerank(f"q{i}", ["a", "b", "c"], timeout=30))
+                     for i in range(8)]
+            deadline = time.monotonic() + 5
+            while fake_llama.in_flight < 8 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            answers = await asyncio.gather(*calls)
+            answered = time.monotonic() - signalled
+        code = await asyncio.to_thread(proc.wait, GRACE_S + 5)
+        exited = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0
+    assert all(not a.reranked and a.summary.degraded_code == "shutting_down" for a in answers)
+    assert answered < GRACE_S, f"answers came {answered:.1f} s after SIGTERM"
+    assert exited < GRACE_S + 1, f"exited {exited:.1f} s after SIGTERM"
