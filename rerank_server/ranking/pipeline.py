@@ -105,7 +105,7 @@ class Reranker:
             yield item
 
         pending = [i for i in range(len(documents)) if i not in hits]
-        fresh: dict[str, float] = {}
+        fresh: dict[str, float] = {}  # document text -> score, for the cache
         scoring_started = time.perf_counter()
         budget = budget_s(request.timeout_s, deadline_remaining_s, self._loop_lag())
         overloaded = _overloaded(self.scorer.estimate_s(len(pending)), budget) \
@@ -121,12 +121,13 @@ class Reranker:
                 ranking.resolve(scored_set[i].index, pair.score)
                 if pair.failure is None and pair.score is not None:
                     fresh[documents[i]] = pair.score
+                    outcome.scored += 1
                 else:
                     outcome.failures[pair.failure or Failure.MALFORMED] += 1
                 for item in emitter.take(ranking.release()):
                     yield item
         outcome.scoring_s = time.perf_counter() - scoring_started
-        outcome.scored = len(fresh) + len(hits)
+        outcome.scored += len(hits)
         # Keyed by the model known now: a backend that names its model only in its answers
         # (llama-server without --model) would otherwise store under "".
         self.cache.store(Scope(self.scorer.kind, self.scorer.model, request.instruction,

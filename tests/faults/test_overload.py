@@ -1,0 +1,83 @@
+"""80 clients against a backend that scores 20 pairs/s: overload is answered at once in
+retrieval order (OVERLOADED), admitted requests finish before their deadline, no call
+ends in DEADLINE_EXCEEDED, and gRPC health stays responsive. The server runs in its own
+process; the load generator (this process) shares the 2 cores with it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rerank_client import AsyncRerankClient, RerankError
+
+from rerank_server.managed.llama_server import free_port
+from tests.fakes.llama import FakeLlamaServer
+from tests.service.test_process import _wait_listening
+
+CLIENTS = 80
+DEADLINE_S = 5.0
+LOAD_S = 12.0
+DOCS = [f"passage number {i} about rivers and banks" for i in range(10)]
+
+
+async def test_overload_is_answered_fast_never_by_a_deadline(
+        fake_llama: FakeLlamaServer) -> None:
+    fake_llama.latency_s = 0.2  # with --concurrency 4: 20 pairs/s, 2 requests/s
+    port = free_port()
+    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
+           "RERANK_PROBE": "0", "RERANK_METRICS_PORT": "0", "RERANK_LOG_LEVEL": "warning",
+           "RERANK_CACHE_ENTRIES": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
+                            stdout=subprocess.DEVNULL)
+    outcomes: collections.Counter[str] = collections.Counter()
+    late = 0
+    health_ms: list[float] = []
+    try:
+        await _wait_listening(port, proc)
+        until = time.monotonic() + LOAD_S
+
+        async def client_loop(client: AsyncRerankClient, n: int) -> None:
+            nonlocal late
+            i = 0
+            while time.monotonic() < until:
+                i += 1
+                started = time.monotonic()
+                try:
+                    answer = await client.rerank(f"q {n} {i}", DOCS, timeout=DEADLINE_S)
+                except RerankError as exc:
+                    outcomes[exc.code] += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                if time.monotonic() - started > DEADLINE_S:
+                    late += 1
+                outcomes["reranked" if answer.reranked else
+                         answer.summary.degraded_code or "none"] += 1
+                if not answer.reranked:
+                    await asyncio.sleep(0.05)  # a client backs off a little when told busy
+
+        async def health_loop() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while time.monotonic() < until:
+                    t0 = time.monotonic()
+                    await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    health_ms.append((time.monotonic() - t0) * 1000)
+                    await asyncio.sleep(0.5)
+
+        async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+            await asyncio.gather(health_loop(),
+                                 *(client_loop(client, n) for n in range(CLIENTS)))
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 15)
+    print(dict(outcomes), "health ms max", max(health_ms))
+    assert outcomes["DEADLINE_EXCEEDED"] == 0, dict(outcomes)
+    assert late == 0
+    assert outcomes["reranked"] > 0 and outcomes["overloaded"] > 0, dict(outcomes)
+    assert max(health_ms) < 1000, "gRPC health was slow under load"
