@@ -122,6 +122,7 @@ class RerankQuery:
     max_candidates: int | None = None
     timeout_s: float | None = None
     max_chunk_chars: int | None = None
+    max_tokens_per_doc: int | None = None
     return_text: bool = False
     lists: tuple[RankedList, ...] = ()
     score_kind: ScoreKind = ScoreKind.AUTO

@@ -132,6 +132,10 @@ class Settings:
     max_chunk_chars: int = field(default=2000, metadata=_opt(
         "Documents longer than this are cut to their best-matching window.", minimum=100,
         group="ranking"))
+    max_tokens_per_doc: int = field(default=0, metadata=_opt(
+        "Most tokens of each document the model reads (a request may set its own); 0: "
+        "only the model's context per slot limits it (documents are always cut to fit).",
+        minimum=0, group="ranking"))
     disabled: bool = field(default=False, metadata=_opt(
         "Answer every request in retrieval order without scoring.", group="ranking"))
 
@@ -175,8 +179,9 @@ class Settings:
         "Most candidates one request may carry.", minimum=1, group="limits"))
     max_query_chars: int = field(default=4096, metadata=_opt(
         "Longest query or instruction, in characters.", minimum=1, group="limits"))
-    max_document_chars: int = field(default=32_768, metadata=_opt(
-        "Longest candidate text or title, in characters.", minimum=1, group="limits"))
+    max_document_chars: int = field(default=131_072, metadata=_opt(
+        "Longest candidate text or title, in characters. Long documents are fine: only "
+        "their best chunk is scored.", minimum=1, group="limits"))
     max_id_chars: int = field(default=512, metadata=_opt(
         "Longest candidate id or request id, in characters.", minimum=1, group="limits"))
     max_metadata_entries: int = field(default=32, metadata=_opt(

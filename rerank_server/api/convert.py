@@ -128,6 +128,7 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
         max_candidates=options.max_candidates if options.HasField("max_candidates") else None,
         timeout_s=options.timeout_ms / 1000 if options.HasField("timeout_ms") else None,
         max_chunk_chars=options.max_chunk_chars if options.HasField("max_chunk_chars") else None,
+        max_tokens_per_doc=_optional(options, "max_tokens_per_doc"),
         return_text=options.return_text,
         lists=_lists(request),
         score_kind=_enum(_SCORE_KIND, options.score_kind, "options.score_kind",

@@ -49,6 +49,7 @@ class Reranker:
         self._loop_lag = loop_lag
         # Set when the server shuts down: pairs still outstanding are given up at once.
         self.stopping = asyncio.Event()
+        self.active = 0  # requests in the pipeline now
 
     def stop_scoring_after(self, seconds: float) -> None:
         """Shutdown: in `seconds`, every request still waiting for scores answers with what
@@ -62,6 +63,15 @@ class Reranker:
 
     async def run(self, query: RerankQuery, deadline_remaining_s: float | None = None,
                   ) -> AsyncIterator[RankedCandidate | RerankSummary]:
+        self.active += 1
+        try:
+            async for item in self._run(query, deadline_remaining_s):
+                yield item
+        finally:
+            self.active -= 1
+
+    async def _run(self, query: RerankQuery, deadline_remaining_s: float | None,
+                   ) -> AsyncIterator[RankedCandidate | RerankSummary]:
         started = time.perf_counter()
         tracer = self.telemetry.tracer
         request = self.resolve(query)
@@ -107,7 +117,8 @@ class Reranker:
         pending = [i for i in range(len(documents)) if i not in hits]
         fresh: dict[str, float] = {}  # document text -> score, for the cache
         scoring_started = time.perf_counter()
-        budget = budget_s(request.timeout_s, deadline_remaining_s, self._loop_lag())
+        budget = budget_s(request.timeout_s, deadline_remaining_s, self._loop_lag(),
+                          self.active)
         overloaded = _overloaded(self.scorer.estimate_s(len(pending)), budget) \
             if pending else None
         if overloaded is not None:
@@ -115,7 +126,7 @@ class Reranker:
             pending = []
         if pending:
             pairs = ScoreRequest(request.query, request.instruction,
-                                 [documents[i] for i in pending])
+                                 [documents[i] for i in pending], request.max_tokens_per_doc)
             async for pair in score_within(self.scorer, pairs, budget, tracer, self.stopping):
                 i = pending[pair.pair]
                 ranking.resolve(scored_set[i].index, pair.score)

@@ -33,6 +33,7 @@ class RequestRules:
     timeout_s: float
     max_candidates: int
     max_chunk_chars: int
+    max_tokens_per_doc: int  # 0: no limit but the model's context
     fusion_k: int
     original_list_weight: float
     expansion_list_weight: float
@@ -73,6 +74,7 @@ class Request:
     max_candidates: int
     timeout_s: float
     max_chunk_chars: int
+    max_tokens_per_doc: int
     return_text: bool
     score_kind: ScoreKind
     fusion_k: int

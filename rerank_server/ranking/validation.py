@@ -21,6 +21,8 @@ from .shaping import ADAPTIVE_DEFAULTS, IMPLICIT_LIST
 MAX_TIMEOUT_MS = 600_000
 MAX_FUSION_K = 10_000
 MIN_CHUNK_CHARS = 100
+MIN_TOKENS_PER_DOC = 16
+MAX_TOKENS_PER_DOC = 1_000_000
 
 
 def _check_length(field: str, value: str, limit: int) -> None:
@@ -43,6 +45,7 @@ def resolve(query: RerankQuery, rules: RequestRules) -> Request:
         max_candidates=min(query.max_candidates or r.max_candidates, r.max_candidates),
         timeout_s=min(query.timeout_s or r.timeout_s, r.timeout_s),
         max_chunk_chars=query.max_chunk_chars or r.max_chunk_chars,
+        max_tokens_per_doc=query.max_tokens_per_doc or r.max_tokens_per_doc,
         return_text=query.return_text, score_kind=query.score_kind,
         fusion_k=query.fusion_k or r.fusion_k, dedup_key=query.dedup_key,
         threshold=query.threshold,
@@ -160,6 +163,10 @@ def _validate_options(query: RerankQuery, rules: RequestRules) -> None:
             MIN_CHUNK_CHARS <= query.max_chunk_chars <= rules.max_document_chars):
         raise InvalidRequest("options.max_chunk_chars", f"must be between {MIN_CHUNK_CHARS} "
                                                         f"and {rules.max_document_chars}")
+    if query.max_tokens_per_doc is not None and not (
+            MIN_TOKENS_PER_DOC <= query.max_tokens_per_doc <= MAX_TOKENS_PER_DOC):
+        raise InvalidRequest("options.max_tokens_per_doc", f"must be between "
+                             f"{MIN_TOKENS_PER_DOC} and {MAX_TOKENS_PER_DOC}")
     if query.fusion_k is not None and not 1 <= query.fusion_k <= MAX_FUSION_K:
         raise InvalidRequest("options.fusion_k", f"must be between 1 and {MAX_FUSION_K}")
     _check_length("options.dedup_key", query.dedup_key, rules.max_id_chars)

@@ -53,11 +53,16 @@ class PairOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ScoreRequest:
-    """Pairs to score: one query against `documents` (already chunked and titled)."""
+    """Pairs to score: one query against `documents` (already chunked and titled).
+
+    `max_tokens_per_doc` (0: none) caps each document's tokens; scorers also cut documents
+    to what the model's context per slot leaves (`context_fit.py`).
+    """
 
     query: str
     instruction: str
     documents: Sequence[str]
+    max_tokens_per_doc: int = 0
 
 
 Emit = Callable[[PairOutcome], None]

@@ -21,26 +21,31 @@ from .base import Failure, PairOutcome, Scorer, ScoreRequest
 log = structlog.get_logger(__name__)
 
 # Of the caller's remaining deadline, a reserve is kept back for blending and sending the
-# answer: 10% of it, at most 50 ms on an idle loop; under load, at least a few times the
-# event loop's recent lag (a late loop sends late), but never more than half the deadline.
+# answer: 10% of it, at most 50 ms on an idle loop. Under load it grows: at least a few
+# times the event loop's recent lag (a late loop sends late), and a little per request in
+# progress (requests that started together time out together, and each answer costs CPU
+# to build and send). Never more than half the deadline.
 DEADLINE_RESERVE_FRACTION = 0.1
 DEADLINE_RESERVE_MAX_S = 0.05
 LAG_RESERVE_FACTOR = 3.0
+PER_REQUEST_RESERVE_S = 0.003
 
 
-def reserve_s(deadline_remaining_s: float, loop_lag_s: float = 0.0) -> float:
+def reserve_s(deadline_remaining_s: float, loop_lag_s: float = 0.0, active: int = 0,
+              ) -> float:
     idle = min(DEADLINE_RESERVE_MAX_S, deadline_remaining_s * DEADLINE_RESERVE_FRACTION)
-    return min(max(idle, LAG_RESERVE_FACTOR * loop_lag_s), deadline_remaining_s / 2)
+    busy = max(LAG_RESERVE_FACTOR * loop_lag_s, PER_REQUEST_RESERVE_S * active)
+    return min(max(idle, busy), deadline_remaining_s / 2)
 
 
 def budget_s(timeout_s: float, deadline_remaining_s: float | None,
-             loop_lag_s: float = 0.0) -> float:
+             loop_lag_s: float = 0.0, active: int = 0) -> float:
     """Seconds the scorer may use: the request's timeout, shortened by the caller's deadline
     less the reserve for blending and sending."""
     budget = timeout_s
     if deadline_remaining_s is not None:
         budget = min(budget, deadline_remaining_s - reserve_s(deadline_remaining_s,
-                                                              loop_lag_s))
+                                                              loop_lag_s, active))
     return max(budget, 0.0)
 
 

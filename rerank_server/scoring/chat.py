@@ -15,6 +15,7 @@ from . import prompt
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, PairOutcome, ScoreRequest
 from .batching import map_pairs
+from .context_fit import ContextFit, shorter
 from .http import BackendCallError
 from .logprobs import MalformedLogprobs, chat_top_logprobs, p_yes
 from .pooled_scorer import PooledScorer
@@ -31,6 +32,7 @@ class ChatScorer(PooledScorer):
                  assistant_prefill: bool = True) -> None:
         super().__init__(pool, model)
         self._prefill = assistant_prefill
+        self._fit = ContextFit(pool)
 
     def payload(self, request: ScoreRequest, document: str) -> dict[str, Any]:
         messages = [
@@ -60,15 +62,30 @@ class ChatScorer(PooledScorer):
             raise MalformedResponse("no yes/no token in top logprobs")
         return score
 
-    async def score(self, request: ScoreRequest, emit: Emit) -> None:
-        async def one(i: int) -> PairOutcome:
-            try:
-                score = await self._pool.call("/v1/chat/completions",
-                                              self.payload(request, request.documents[i]),
-                                              self._parse)
-            except BackendCallError as exc:
-                return PairOutcome.failed(i, exc.failure, exc.detail)
-            return PairOutcome(i, score)
+    def around(self, request: ScoreRequest) -> str:
+        """The prompt text besides the document, for the context budget."""
+        return (prompt.SYSTEM_PROMPT + prompt.user_message(request.instruction, request.query,
+                                                           "")
+                + (prompt.ASSISTANT_PREFILL if self._prefill else ""))
 
-        await map_pairs(len(request.documents), one, emit)
+    async def score(self, request: ScoreRequest, emit: Emit) -> None:
+        documents = await self._fit.fit(list(request.documents), self.around(request),
+                                        request.max_tokens_per_doc)
+
+        async def one(i: int) -> PairOutcome:
+            document = documents[i]
+            for last_try in (False, True):
+                try:
+                    score = await self._pool.call("/v1/chat/completions",
+                                                  self.payload(request, document),
+                                                  self._parse)
+                except BackendCallError as exc:
+                    if exc.too_long and not last_try:
+                        document = shorter(document)
+                        continue
+                    return PairOutcome.failed(i, exc.failure, exc.detail)
+                return PairOutcome(i, score)
+            raise AssertionError("unreachable")
+
+        await map_pairs(len(documents), one, emit)
 

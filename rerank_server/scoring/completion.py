@@ -24,6 +24,7 @@ from . import prompt
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, Failure, ScoreRequest
 from .batching import failed_all, score_in_batches
+from .context_fit import ContextFit, token_list
 from .http import BackendCallError
 from .logprobs import p_yes
 from .pooled_scorer import PooledScorer
@@ -45,6 +46,7 @@ class CompletionScorer(PooledScorer):
         self._prefill = assistant_prefill
         self._max_batch = max_batch
         self._answer_ids: dict[int, str] | None = None
+        self._fit = ContextFit(pool)
         self._ids_lock = asyncio.Lock()
 
     async def answer_ids(self) -> dict[int, str]:
@@ -55,7 +57,7 @@ class CompletionScorer(PooledScorer):
                 for answer, variants in (("yes", YES_VARIANTS), ("no", NO_VARIANTS)):
                     for variant in variants:
                         tokens = await self._pool.call("/tokenize", {"content": variant},
-                                                       _tokens, pairs=0)
+                                                       token_list, pairs=0)
                         if len(tokens) == 1:
                             ids[tokens[0]] = answer
                 if "yes" not in ids.values() or "no" not in ids.values():
@@ -87,7 +89,9 @@ class CompletionScorer(PooledScorer):
         except BackendCallError as exc:
             failed_all(every, exc, emit)
             return
-        prompts = [prefix + prompt.neutralize(doc) + suffix for doc in request.documents]
+        documents = await self._fit.fit(list(request.documents), prefix + suffix,
+                                        request.max_tokens_per_doc)
+        prompts = [prefix + prompt.neutralize(doc) + suffix for doc in documents]
 
         async def batch(_start: int, chunk: Sequence[str]) -> dict[int, float | None]:
             body = self.with_model({"prompt": list(chunk), "n_probs": N_PROBS,
@@ -121,13 +125,6 @@ def _answers(result: dict[str, Any], ids: dict[int, str]) -> list[tuple[str, flo
                 for entry in top if entry.get("id") in ids]
     except (KeyError, IndexError, TypeError, ValueError):
         raise MalformedResponse("completion result has no top_logprobs") from None
-
-
-def _tokens(body: Any) -> list[int]:
-    tokens = body.get("tokens") if isinstance(body, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise MalformedResponse("/tokenize answer has no token list")
-    return tokens
 
 
 def _rendered(body: Any) -> str:

@@ -53,13 +53,20 @@ ERROR_TYPES = {
 
 
 class BackendCallError(Exception):
-    """One backend call failed; `failure` says how, `detail` says what (no user text)."""
+    """One backend call failed; `failure` says how, `detail` says what (no user text).
 
-    def __init__(self, failure: Failure, detail: str, status: int = 0) -> None:
+    `too_long`: the backend refused the input as longer than its context (llama-server's
+    `exceed_context_size_error`, or "too large" for embeddings): worth one more try with a
+    shorter document.
+    """
+
+    def __init__(self, failure: Failure, detail: str, status: int = 0,
+                 too_long: bool = False) -> None:
         super().__init__(detail)
         self.failure = failure
         self.detail = detail
         self.status = status
+        self.too_long = too_long
 
 
 def instance_of(kind: str, base_url: str) -> Instance:
@@ -259,6 +266,9 @@ class HttpBackend:
             raise BackendCallError(Failure.UNAVAILABLE, type(exc).__name__) from None
         status = response.status_code
         if status >= 400:
+            if status < 500 and _too_long(response):
+                raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
+                                       "exceeds the model's context", status, too_long=True)
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
         try:
             return response.json(), status
@@ -274,6 +284,19 @@ class HttpBackend:
         if self._owns_client:
             await self._client.aclose()
         await self._side_client.aclose()
+
+
+def _too_long(response: httpx.Response) -> bool:
+    """Whether an error answer says the input was longer than the model's context."""
+    try:
+        error = response.json().get("error", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+    if not isinstance(error, dict):
+        return False
+    message = str(error.get("message", "")).lower()
+    return error.get("type") == "exceed_context_size_error" or \
+        "exceeds the available context" in message or "too large" in message
 
 
 def _ewma(previous: float | None, sample: float, weight: float = 0.2) -> float:

@@ -204,3 +204,26 @@ async def test_managed_backend_killed_degrades_then_recovers(real_llama: RealLla
     assert last_pid is not None
     with pytest.raises(ProcessLookupError):
         os.kill(last_pid, 0)
+
+
+@pytest.mark.parametrize("backend", ["chat", "completion"])
+async def test_long_documents_are_cut_to_the_context_and_scored(
+        real_llama: RealLlama, backend: str) -> None:
+    """Managed defaults (2,000-character chunks, 2,048-token slots): a 3,000-character
+    Chinese document (about 4,000 tokens whole) and a 40,000-character English one."""
+    chinese = "长江是亚洲最长的河流，流经中国多个省份，最终注入东海。" * 112
+    english = ("The river runs through the valley and feeds the farms along its banks. "
+               * 600)[:40_000]
+    assert len(chinese) >= 3000 and len(english) == 40_000
+    server = await build_server(_settings(real_llama, backend=backend, metrics_port=0))
+    try:
+        async with _client(server) as client:
+            answer = await client.rerank("长江流入哪里?", [chinese, english, "短文档。"],
+                                         bypass_cache=True)
+            capped = await client.rerank("river", [english, chinese, "short"],
+                                         max_tokens_per_doc=64, bypass_cache=True)
+    finally:
+        await server.stop(grace=0)
+    for a in (answer, capped):
+        assert a.reranked and a.summary.failed == 0, a.summary
+        assert a.summary.scored == 3

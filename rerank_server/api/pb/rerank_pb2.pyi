@@ -281,6 +281,7 @@ class RerankOptions(_message.Message):
     STRONG_SIGNAL_SKIP_FIELD_NUMBER: _builtins.int
     BYPASS_CACHE_FIELD_NUMBER: _builtins.int
     SCORE_KIND_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_PER_DOC_FIELD_NUMBER: _builtins.int
     blend_strategy: Global___BlendStrategy.ValueType
     """Blend strategy; UNSPECIFIED means the server default."""
     max_candidates: _builtins.int
@@ -318,6 +319,12 @@ class RerankOptions(_message.Message):
     """Do not read the score cache for this request (fresh scores are still stored)."""
     score_kind: Global___ScoreKind.ValueType
     """How the `retrieval_score`s of `RerankRequest.candidates` are normalized to 0..1."""
+    max_tokens_per_doc: _builtins.int
+    """Most tokens of each document (its chosen chunk and title) the model reads; longer
+    ones are cut. Unset: the server's `--max-tokens-per-doc` (0: only the model's context
+    per slot limits it). The name vLLM and Cohere use. Documents are always cut to fit the
+    context, whatever this says.
+    """
     @_builtins.property
     def threshold(self) -> Global___Threshold:
         """Filter on the normalized retrieval score before scoring. Off unless set."""
@@ -337,10 +344,11 @@ class RerankOptions(_message.Message):
         strong_signal_skip: _builtins.bool | None = ...,
         bypass_cache: _builtins.bool = ...,
         score_kind: Global___ScoreKind.ValueType = ...,
+        max_tokens_per_doc: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_max_tokens_per_doc", b"_max_tokens_per_doc", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "max_tokens_per_doc", b"max_tokens_per_doc", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "blend_strategy", b"blend_strategy", "bypass_cache", b"bypass_cache", "dedup_key", b"dedup_key", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "return_text", b"return_text", "score_kind", b"score_kind", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_max_tokens_per_doc", b"_max_tokens_per_doc", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "blend_strategy", b"blend_strategy", "bypass_cache", b"bypass_cache", "dedup_key", b"dedup_key", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "max_tokens_per_doc", b"max_tokens_per_doc", "return_text", b"return_text", "score_kind", b"score_kind", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fusion_k: _TypeAlias = _typing.Literal["fusion_k"]  # noqa: Y015
     _WhichOneofArgType__fusion_k: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k"]  # noqa: Y015
@@ -348,6 +356,8 @@ class RerankOptions(_message.Message):
     _WhichOneofArgType__max_candidates: _TypeAlias = _typing.Literal["_max_candidates", b"_max_candidates"]  # noqa: Y015
     _WhichOneofReturnType__max_chunk_chars: _TypeAlias = _typing.Literal["max_chunk_chars"]  # noqa: Y015
     _WhichOneofArgType__max_chunk_chars: _TypeAlias = _typing.Literal["_max_chunk_chars", b"_max_chunk_chars"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens_per_doc: _TypeAlias = _typing.Literal["max_tokens_per_doc"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens_per_doc: _TypeAlias = _typing.Literal["_max_tokens_per_doc", b"_max_tokens_per_doc"]  # noqa: Y015
     _WhichOneofReturnType__skip_within_top_k: _TypeAlias = _typing.Literal["skip_within_top_k"]  # noqa: Y015
     _WhichOneofArgType__skip_within_top_k: _TypeAlias = _typing.Literal["_skip_within_top_k", b"_skip_within_top_k"]  # noqa: Y015
     _WhichOneofReturnType__strong_signal_skip: _TypeAlias = _typing.Literal["strong_signal_skip"]  # noqa: Y015
@@ -360,6 +370,8 @@ class RerankOptions(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_candidates) -> _WhichOneofReturnType__max_candidates | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_chunk_chars) -> _WhichOneofReturnType__max_chunk_chars | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens_per_doc) -> _WhichOneofReturnType__max_tokens_per_doc | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_within_top_k) -> _WhichOneofReturnType__skip_within_top_k | None: ...
     @_typing.overload

@@ -1,0 +1,107 @@
+"""Documents cut to what the model can read, in tokens (llama-server).
+
+A model reads tokens, not characters: a 2,000-character chunk is about 500 tokens of
+English but 2,700 of Chinese for SmolLM2's tokenizer, more than a 2,048-token slot holds.
+So before scoring, each document is cut to its token budget: the smaller of
+`max_tokens_per_doc` and what the slot's context (`/props`: `n_ctx` per slot) leaves
+after the prompt around the document.
+
+Counting is cheap where it can be: a tokenizer makes at most one token per UTF-8 byte (GPT-2
+style byte-level BPE, SentencePiece with byte fallback), so a document of no more bytes
+than the budget fits and is sent as it is; the prompt around it is counted by the same
+bound. Only longer documents are sent to `/tokenize`, and those over the budget are cut at
+a token boundary with `/detokenize`. A backend without these endpoints gets its documents
+as they are; the scorer then retries a pair the backend refuses as too long once with the
+document halved (`shorter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from .backend_pool import BackendPool, MalformedResponse
+from .http import BackendCallError
+
+log = structlog.get_logger(__name__)
+
+# Template tokens around the turns, the answer token, and boundary effects of counting a
+# document apart from its prompt.
+SAFETY_TOKENS = 32
+MIN_BUDGET = 16
+RELEARN_S = 30.0  # a backend that did not report its context is asked again after this
+
+
+class ContextFit:
+    """Cuts a request's documents to their token budget; learns the slot size once."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self._pool = pool
+        self._slot_tokens: int | None = None
+        self._next_try = 0.0
+        self._lock = asyncio.Lock()
+
+    async def slot_tokens(self) -> int | None:
+        """Context tokens per slot (llama-server `/props`), or None when not reported."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            if self._slot_tokens is None and loop.time() >= self._next_try:
+                self._next_try = loop.time() + RELEARN_S
+                props = await self._pool.get_json("/props")
+                settings = props.get("default_generation_settings") \
+                    if isinstance(props, dict) else None
+                n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+                if isinstance(n_ctx, int) and n_ctx > 0:
+                    self._slot_tokens = n_ctx
+            return self._slot_tokens
+
+    async def fit(self, documents: list[str], around: str, max_tokens_per_doc: int = 0,
+                  ) -> list[str]:
+        """`documents`, each cut to its budget; `around` is the prompt text besides it."""
+        budget = await self.budget(around, max_tokens_per_doc)
+        if budget is None:
+            return documents
+        return list(await asyncio.gather(*(self._cut(doc, budget) for doc in documents)))
+
+    async def budget(self, around: str, max_tokens_per_doc: int = 0) -> int | None:
+        slot = await self.slot_tokens()
+        limits = [max_tokens_per_doc] if max_tokens_per_doc else []
+        if slot is not None:
+            limits.append(slot - len(around.encode()) - SAFETY_TOKENS)
+        return max(min(limits), MIN_BUDGET) if limits else None
+
+    async def _cut(self, document: str, budget: int) -> str:
+        if len(document.encode()) <= budget:
+            return document  # at most one token per byte: it fits
+        try:
+            tokens = await self._pool.call("/tokenize", {"content": document}, token_list,
+                                           pairs=0)
+            if len(tokens) <= budget:
+                return document
+            return str(await self._pool.call("/detokenize", {"tokens": tokens[:budget]},
+                                              _content, pairs=0))
+        except BackendCallError as exc:
+            # No tokenizer endpoint: cut by the byte bound, which is always safe.
+            log.debug("tokenize_unavailable", error=exc.detail)
+            return document.encode()[:budget].decode(errors="ignore")
+
+
+def shorter(document: str) -> str:
+    """The document halved, for one more try after the backend said it was too long."""
+    return document[: len(document) // 2]
+
+
+def token_list(body: Any) -> list[int]:
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise MalformedResponse("/tokenize answer has no token list")
+    return tokens
+
+
+def _content(body: Any) -> str:
+    content = body.get("content") if isinstance(body, dict) else None
+    if not isinstance(content, str):
+        raise MalformedResponse("/detokenize answer has no content")
+    return content
