@@ -67,6 +67,7 @@ async def test_unread_answers_do_not_grow_server_memory(fake_llama: FakeLlamaSer
     finally:
         proc.terminate()
         await asyncio.to_thread(proc.wait, 15)
+    print(f"batch unread: {scored} requests scored, server RSS {before:.0f} -> {peak:.0f} MiB")
     assert scored > 200, "the test did not load the server"
     assert peak - before < 40, f"server RSS grew {peak - before:.0f} MiB with answers unread"
     assert isinstance(first, pb.RerankResponse) and first.reranked

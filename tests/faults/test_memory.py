@@ -18,8 +18,8 @@ from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.managed.llama_server import free_port
 from tests.conftest import StartServer
-from tests.faults.test_batch_backpressure import rss_mib
 from tests.fakes.llama import FakeLlamaServer
+from tests.faults.test_batch_backpressure import rss_mib
 from tests.service.test_process import _wait_listening
 
 IN_FLIGHT_MIB = 64

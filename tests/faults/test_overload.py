@@ -20,6 +20,7 @@ from rerank_client import AsyncRerankClient, RerankError
 from rerank_server.managed.llama_server import free_port
 from tests.fakes.llama import FakeLlamaServer
 from tests.service.test_process import _wait_listening
+from tests.waiting import eventually
 
 CLIENTS = 80
 DEADLINE_S = 5.0
@@ -44,8 +45,7 @@ async def test_overload_is_answered_fast_never_by_a_deadline(
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     try:
         await _wait_listening(port, proc)
-        while fake_llama.completed < 2:  # the start-up probe's two pairs
-            await asyncio.sleep(0.05)
+        assert await eventually(lambda: fake_llama.completed >= 2, 30)  # start-up probe
         until = time.monotonic() + LOAD_S
 
         async def client_loop(client: AsyncRerankClient, n: int) -> None:
