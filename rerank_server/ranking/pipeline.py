@@ -134,7 +134,9 @@ class Reranker:
                     fresh[documents[i]] = pair.score
                     outcome.scored += 1
                 else:
-                    outcome.failures[pair.failure or Failure.MALFORMED] += 1
+                    kind = pair.failure or Failure.MALFORMED
+                    outcome.failures[kind] += 1
+                    outcome.details.setdefault(kind, pair.detail)
                 for item in emitter.take(ranking.release()):
                     yield item
         outcome.scoring_s = time.perf_counter() - scoring_started
@@ -182,13 +184,17 @@ class _Outcome:
         self.scored = 0
         self.cached = 0
         self.failures: Counter[Failure] = Counter()
+        self.details: dict[Failure, str] = {}  # the first failure's detail, by kind
         self.scoring_s = 0.0
 
     def degraded(self) -> Degraded | None:
         failed = sum(self.failures.values())
         if failed == 0:
             return None
-        kinds = ", ".join(f"{kind.value}: {n}" for kind, n in self.failures.most_common())
+        # Details name exceptions, HTTP statuses and limits, never request text.
+        kinds = ", ".join(f"{kind.value}: {n}" + (f", {self.details[kind]}"
+                                                  if self.details.get(kind) else "")
+                          for kind, n in self.failures.most_common())
         if self.scored == 0:
             main = self.failures.most_common(1)[0][0]
             return Degraded(main.degraded_code, f"all {self.submitted} pairs failed ({kinds})")
