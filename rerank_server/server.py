@@ -24,10 +24,13 @@ import structlog
 
 from . import __version__
 from .api.grpc_server import GrpcEdge
+from .http_api.app import create_app
+from .http_api.server import HttpEdge
 from .managed.llama_server import ManagedLlamaServer, start_managed
 from .observability.loop_lag import LoopLag
 from .observability.telemetry import Telemetry
 from .ranking import blend_profiles
+from .ranking.admission import InflightBytes
 from .ranking.blend_profiles import BlendResolver
 from .ranking.pipeline import Reranker
 from .ranking.request import RequestRules
@@ -36,6 +39,8 @@ from .scoring.backend_pool import BackendPool
 from .scoring.base import Scorer
 from .scoring.monitor import BackendMonitor
 from .scoring.registry import build_pool, build_scorer
+from .security.tls import CertificateFiles
+from .security.tokens import TokenSet
 from .settings import Settings, host_port
 
 log = structlog.get_logger(__name__)
@@ -76,6 +81,7 @@ class RunningServer:
     telemetry: Telemetry
     managed: ManagedLlamaServer | None
     _resources: contextlib.AsyncExitStack
+    http: HttpEdge | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -85,6 +91,10 @@ class RunningServer:
     @property
     def address(self) -> str:
         return host_port(self.settings.host, self.port)
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, refuse new calls, let in-flight ones finish."""
@@ -116,6 +126,13 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
     and closes it on stop.
     """
     profiles = blend_profiles.load(settings.blend_profile)  # before minutes of setup
+    tokens = TokenSet.load(settings.auth_tokens, settings.auth_tokens_file)
+    CertificateFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    if settings.api_key:
+        log.warning("deprecated_setting", setting="--api-key / RERANK_API_KEY",
+                    use="--backend-api-key / RERANK_BACKEND_API_KEY",
+                    meaning="the key rerank-server sends TO its backend; callers of "
+                            "rerank-server authenticate with --auth-tokens")
     async with contextlib.AsyncExitStack() as stack:
         telemetry = telemetry or Telemetry.create(settings)
         stack.push_async_callback(asyncio.to_thread, telemetry.shutdown)
@@ -134,22 +151,38 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         stack.push_async_callback(lag.stop)
         reranker = Reranker(request_rules(settings), scorer, telemetry, cache,
                             BlendResolver(profiles), loop_lag=lambda: lag.recent_s)
-        edge = await GrpcEdge.start(settings, reranker, telemetry)
+        inflight = InflightBytes(settings.max_inflight_bytes)  # both edges share it
+        edge = await GrpcEdge.start(
+            settings, reranker, telemetry, tokens, inflight=inflight,
+            tls=CertificateFiles.from_paths(settings.tls_cert, settings.tls_key,
+                                            settings.tls_client_ca))
         stack.push_async_callback(edge.aclose)
         monitor = BackendMonitor(scorer, pool, settings.instruction, edge.report_backend,
                                  settings.health_interval_s, run_probe=settings.probe,
                                  metrics=telemetry.metrics)
         monitor.start()
         stack.push_async_callback(monitor.stop)
+        http = None
+        if settings.http_port:
+            app = create_app(reranker, tokens=tokens, inflight=inflight,
+                             backend_up=lambda: monitor.backend_up,
+                             max_body_bytes=settings.max_message_bytes)
+            http = await HttpEdge.start(
+                app, settings, CertificateFiles.from_paths(
+                    settings.tls_cert, settings.tls_key, settings.tls_client_ca))
+            stack.push_async_callback(http.aclose)
         return RunningServer(edge, reranker, settings, monitor, pool, telemetry, managed,
-                             stack.pop_all())
+                             stack.pop_all(), http)
     raise AssertionError("unreachable")  # the stack re-raises whatever broke the start
 
 
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order."""
     running = await build_server(settings)
-    log.info("serving", address=running.address, backend=running.settings.backend,
+    log.info("serving", address=running.address, http_port=running.http_port,
+             tls=bool(settings.tls_cert), auth=bool(settings.auth_tokens or
+                                                     settings.auth_tokens_file),
+             backend=running.settings.backend,
              backend_url=running.settings.backend_url, managed=settings.managed,
              metrics_port=running.telemetry.metrics_port, tracing=running.telemetry.tracing,
              blend=settings.blend_strategy.value,

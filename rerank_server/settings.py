@@ -54,6 +54,23 @@ class Settings:
     port: int = field(default=50051, metadata=_opt(
         "gRPC port (0 picks a free one).", minimum=0, maximum=65535))
     reflection: bool = field(default=True, metadata=_opt("Serve gRPC server reflection."))
+    http_port: int = field(default=50052, metadata=_opt(
+        "Port of the JSON rerank API (Cohere/Jina /v1/rerank and /v2/rerank, TEI /rerank; "
+        "docs/http.md) on --host; 0 turns it off.", minimum=0, maximum=65535))
+    tls_cert: str = field(default="", metadata=_opt(
+        "PEM certificate chain for TLS on the gRPC and HTTP ports (with --tls-key); "
+        "re-read when the file changes.", group="security"))
+    tls_key: str = field(default="", metadata=_opt(
+        "PEM private key for --tls-cert.", group="security"))
+    tls_client_ca: str = field(default="", metadata=_opt(
+        "PEM CA bundle: when set, callers must present a client certificate it signed "
+        "(mutual TLS).", group="security"))
+    auth_tokens: str = field(default="", metadata=_opt(
+        "Bearer tokens callers must present (comma-separated, 16+ characters each); empty: "
+        "no authentication. Health checks stay open.", group="security"))
+    auth_tokens_file: str = field(default="", metadata=_opt(
+        "File of bearer tokens, one per line (mount a Kubernetes Secret here).",
+        group="security"))
     grace_period_s: float = field(default=10.0, metadata=_opt(
         "On SIGTERM/SIGINT, how long in-flight calls may run before they are cancelled.",
         minimum=0))
@@ -76,8 +93,12 @@ class Settings:
     backend_url: str = field(default="http://127.0.0.1:8080", metadata=_opt(
         "Base URL of the model server; several instances comma-separated.",
         group="backend"))
+    backend_api_key: str = field(default="", metadata=_opt(
+        "Sent as `Authorization: Bearer ...` to the backend (hosted rerank and LLM APIs). "
+        "Not for callers of this server: see --auth-tokens.", group="backend"))
     api_key: str = field(default="", metadata=_opt(
-        "Sent as `Authorization: Bearer ...` to the backend (hosted rerank and LLM APIs).",
+        "Deprecated name of --backend-api-key (the key sent TO the backend; in TEI, vLLM "
+        "and llama-server the same flag means the opposite). Still works, with a warning.",
         group="backend"))
     max_batch: int = field(default=32, metadata=_opt(
         "Most documents in one backend call for the batching backends (completion, "
@@ -267,9 +288,22 @@ class Settings:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"--backend-url / {env_name('backend_url')}: each URL must "
                                   f"start with http:// or https://, got {url!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert / RERANK_TLS_CERT and --tls-key / RERANK_TLS_KEY "
+                              "go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca / RERANK_TLS_CLIENT_CA needs --tls-cert and "
+                              "--tls-key")
+        if self.http_port and self.http_port == self.port:
+            raise ConfigError("--http-port / RERANK_HTTP_PORT: must differ from --port")
         if self.backend in (BackendKind.OLLAMA, BackendKind.LLM) and not self.model:
             raise ConfigError(f"--model / {env_name('model')}: the {self.backend} backend "
                               "needs a model name")
+
+    @property
+    def outbound_key(self) -> str:
+        """The key sent to the backend: --backend-api-key, else the deprecated --api-key."""
+        return self.backend_api_key or self.api_key
 
     @property
     def backend_urls(self) -> list[str]:

@@ -35,7 +35,7 @@ async def start_server(fake_llama: FakeLlamaServer) -> AsyncIterator[StartServer
     async def start(**overrides: Any) -> RunningServer:
         # No probe: it would add two scored pairs to what the fake records.
         base = Settings(port=0, backend_url=fake_llama.url, grace_period_s=1.0, probe=False,
-                        metrics_port=0)
+                        http_port=0, metrics_port=0)
         running = await build_server(dataclasses.replace(base, **overrides))
         started.append(running)
         return running

@@ -19,7 +19,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ..errors import BindError
 from ..observability.telemetry import Telemetry
+from ..ranking.admission import InflightBytes
 from ..ranking.pipeline import Reranker
+from ..security.tls import CertificateFiles
+from ..security.tokens import TokenSet
 from ..settings import Settings, host_port
 from .interceptors import RpcInterceptor
 from .pb import rerank_pb2 as pb
@@ -51,9 +54,11 @@ def _handlers(service: RerankService) -> grpc.GenericRpcHandler:
     })
 
 
-def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.ServerInterceptor]:
+def _interceptors(settings: Settings, telemetry: Telemetry, tokens: TokenSet,
+                  ) -> list[grpc.aio.ServerInterceptor]:
     """Tracing outermost (so the log line and metrics see the span), then ours."""
-    ours = RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs)
+    ours = RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs,
+                          tokens)
     if not telemetry.tracing:
         return [ours]
     from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
@@ -63,6 +68,25 @@ def _interceptors(settings: Settings, telemetry: Telemetry) -> list[grpc.aio.Ser
         tracer_provider=telemetry.tracer_provider,
         filter_=filters.negate(filters.service_prefix("grpc.")))
     return [tracing, ours]
+
+
+def _credentials(tls: CertificateFiles) -> grpc.ServerCredentials:
+    """TLS credentials that pick up new certificate files at the next handshake."""
+    def configuration() -> grpc.ServerCertificateConfiguration:
+        cert, key, ca = tls.read()
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # grpc calls this before each handshake: None keeps the current certificate.
+        if not tls.changed():
+            return None
+        try:
+            return configuration()
+        except OSError:
+            return None
+
+    return grpc.dynamic_ssl_server_credentials(
+        configuration(), fetch, require_client_authentication=tls.mutual)
 
 
 def _check_free(host: str, port: int) -> None:
@@ -95,17 +119,19 @@ class GrpcEdge:
         self.grace_s = grace_s  # in-flight calls get this long on `aclose`
 
     @classmethod
-    async def start(cls, settings: Settings, reranker: Reranker,
-                    telemetry: Telemetry) -> GrpcEdge:
+    async def start(cls, settings: Settings, reranker: Reranker, telemetry: Telemetry,
+                    tokens: TokenSet | None = None, tls: CertificateFiles | None = None,
+                    inflight: InflightBytes | None = None) -> GrpcEdge:
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(interceptors=_interceptors(settings, telemetry),
-                                 options=options)
+        server = grpc.aio.server(
+            interceptors=_interceptors(settings, telemetry, tokens or TokenSet()),
+            options=options)
         service = RerankService(reranker, settings.batch_concurrency,
-                                settings.max_inflight_bytes)
+                                inflight or InflightBytes(settings.max_inflight_bytes))
         server.add_generic_rpc_handlers((_handlers(service),))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -115,7 +141,8 @@ class GrpcEdge:
             reflection.enable_server_reflection(names, server)
         _check_free(settings.host, settings.port)
         try:
-            port = server.add_insecure_port(settings.address)
+            port = (server.add_secure_port(settings.address, _credentials(tls))
+                    if tls is not None else server.add_insecure_port(settings.address))
         except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
             port = 0
         if port == 0:

@@ -1,4 +1,10 @@
-"""The server interceptor every RPC passes: fresh log context, load shedding, RPC metrics.
+"""The server interceptor every RPC passes: fresh log context, authentication, load
+shedding, RPC metrics.
+
+Authentication (`--auth-tokens`): every method but `grpc.health.v1.Health` needs
+`authorization: Bearer <token>` metadata; without an accepted one the call ends
+UNAUTHENTICATED before any work. Health stays open for probes; reflection needs a token
+(it describes the service to whoever asks).
 
 Load shedding is done here rather than by grpc's `maximum_concurrent_rpcs` for two
 reasons: grpc refuses those calls before any interceptor runs, so they could not be
@@ -19,6 +25,12 @@ import grpc
 import structlog
 
 from ..observability.metrics import RPC_METHOD, RPC_STATUS, RPC_SYSTEM_NAME, Metrics
+from ..security.tokens import TokenSet
+
+log = structlog.get_logger("rerank_server.rpc")
+
+# Methods open without a token: health, for load balancers and kubelet probes.
+OPEN_PREFIX = "/grpc.health.v1.Health/"
 
 Behavior = Callable[..., Any]
 
@@ -26,10 +38,12 @@ Behavior = Callable[..., Any]
 class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Binds log context, sheds load above `max_active` Reranker RPCs, records each call."""
 
-    def __init__(self, metrics: Metrics, limited_service: str, max_active: int) -> None:
+    def __init__(self, metrics: Metrics, limited_service: str, max_active: int,
+                 tokens: TokenSet | None = None) -> None:
         self._metrics = metrics
         self._limited_prefix = f"/{limited_service}/"
         self._max_active = max_active
+        self._tokens = tokens or TokenSet()
         self.active = 0
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
@@ -42,10 +56,12 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None
         method = details.method.lstrip("/")
         limited = details.method.startswith(self._limited_prefix)
+        allowed = details.method.startswith(OPEN_PREFIX) or self._tokens.accepts(
+            _metadata(details, "authorization"))
         if handler.response_streaming:
-            wrapped = self._streaming(handler_behavior(handler), method, limited)
+            wrapped = self._streaming(handler_behavior(handler), method, limited, allowed)
         else:
-            wrapped = self._unary(handler_behavior(handler), method, limited)
+            wrapped = self._unary(handler_behavior(handler), method, limited, allowed)
         return replace_behavior(handler, wrapped)
 
     def _admit(self, method: str, limited: bool) -> bool:
@@ -69,10 +85,18 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: code.name})
 
     @contextlib.asynccontextmanager
-    async def _tracked(self, method: str, limited: bool,
+    async def _tracked(self, method: str, limited: bool, allowed: bool,
                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
-        """Admit the call (or abort it with RESOURCE_EXHAUSTED), then record how it ended."""
+        """Admit the call (or abort it with UNAUTHENTICATED or RESOURCE_EXHAUSTED), then
+        record how it ended."""
         started = time.perf_counter()
+        if not allowed:
+            self._record(method, started, grpc.StatusCode.UNAUTHENTICATED)
+            log.info("rpc", rpc=method, status="UNAUTHENTICATED",
+                     error="missing or invalid bearer token")  # never the token itself
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid bearer token: send "
+                                "'authorization: Bearer <token>' metadata")
         if not self._admit(method, limited):
             self._record(method, started, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -88,19 +112,28 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self._release(method, limited)
             self._record(method, started, code)
 
-    def _unary(self, behavior: Behavior, method: str, limited: bool) -> Behavior:
+    def _unary(self, behavior: Behavior, method: str, limited: bool,
+               allowed: bool) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            async with self._tracked(method, limited, context):
+            async with self._tracked(method, limited, allowed, context):
                 return await behavior(request, context)
         return call
 
-    def _streaming(self, behavior: Behavior, method: str, limited: bool) -> Behavior:
+    def _streaming(self, behavior: Behavior, method: str, limited: bool,
+                   allowed: bool) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any],
                        ) -> AsyncIterator[Any]:
-            async with self._tracked(method, limited, context):
+            async with self._tracked(method, limited, allowed, context):
                 async for response in behavior(request, context):
                     yield response
         return call
+
+
+def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
+    for name, value in details.invocation_metadata or ():
+        if name == key:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
 
 
 def _code_of(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any],

@@ -22,20 +22,15 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 import grpc
-import structlog
 from google.protobuf.message import DecodeError
 
 from ..domain import RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
+from ..observability.logs import rpc_answered, rpc_failed
+from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from . import convert
 from .pb import rerank_pb2 as pb
-
-log = structlog.get_logger("rerank_server.rpc")
-
-
-class Overloaded(Exception):
-    """The server-wide budget for request bytes in flight is spent."""
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -61,36 +56,18 @@ def parse_request(raw: bytes, field: str = "request") -> pb.RerankRequest:
                                     "in a string field)") from None
 
 
-class InflightBytes:
-    """The bytes of requests being worked on, against a server-wide budget."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, size: int) -> None:
-        if self.used + size > self.limit and self.used > 0:
-            raise Overloaded(f"server busy: {self.used // 1024} KiB of requests in progress "
-                             f"(max_inflight_bytes {self.limit // 1024} KiB); retry with "
-                             "backoff")
-        self.used += size
-
-    def give_back(self, size: int) -> None:
-        self.used -= size
-
-
 class RerankService:
     """The three RPCs; each takes the request's raw bytes (see the module docstring)."""
 
-    def __init__(self, reranker: Reranker, batch_concurrency: int = 8,
-                 max_inflight_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(self, reranker: Reranker, batch_concurrency: int,
+                 inflight: InflightBytes) -> None:
         self._reranker = reranker
         self._batch_concurrency = batch_concurrency
-        self.inflight = InflightBytes(max_inflight_bytes)
+        self.inflight = inflight
 
     def _finish(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
         """The canonical log line and the metrics of one answered rerank request."""
-        _log_summary(rpc, summary, returned, **extra)
+        rpc_answered(rpc, summary, returned, **extra)
         self._reranker.telemetry.metrics.record_rerank(summary)
 
     async def _collect(self, query: RerankQuery, deadline: float | None,
@@ -184,7 +161,8 @@ class RerankService:
                     answer = convert.response_to_pb(results, summary)
                 except Exception as exc:
                     code, message = _status_for(exc)
-                    _log_failure("RerankBatch", request_id, started, code, exc)
+                    rpc_failed("RerankBatch", request_id, started, code.name, exc,
+                               internal=code is grpc.StatusCode.INTERNAL)
                     answer = pb.RerankResponse(
                         request_id=request_id,
                         error=pb.RequestError(code=code.value[0], message=message))
@@ -218,29 +196,6 @@ class RerankService:
     async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str,
                      request_id: str, started: float, exc: Exception) -> None:
         code, message = _status_for(exc)
-        _log_failure(rpc, request_id, started, code, exc)
+        rpc_failed(rpc, request_id, started, code.name, exc,
+                   internal=code is grpc.StatusCode.INTERNAL)
         await context.abort(code, message)
-
-
-def _log_summary(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> None:
-    log.info("rpc", rpc=rpc, status="OK", request_id=s.request_id, candidates=s.candidates,
-             submitted=s.submitted, scored=s.scored, failed=s.failed, returned=returned,
-             reranked=s.reranked, degraded=s.degraded.code.value if s.degraded else None,
-             degraded_detail=s.degraded.message if s.degraded else None,
-             failures=dict(s.failures) or None, blend=s.blend.value,
-             blend_profile=s.blend_profile or None,
-             reranker_weight=None if s.reranker_weight is None else round(s.reranker_weight, 3),
-             backend=s.backend,
-             total_ms=round(s.total_ms, 2), scoring_ms=round(s.scoring_ms, 2), **extra)
-
-
-def _log_failure(rpc: str, request_id: str, started: float, code: grpc.StatusCode,
-                 exc: Exception) -> None:
-    elapsed = round((time.perf_counter() - started) * 1000, 2)
-    if code is grpc.StatusCode.INTERNAL:
-        # The traceback names our code, not user text; the message may not, so drop it.
-        log.error("rpc", rpc=rpc, status=code.name, request_id=request_id,
-                  error=type(exc).__name__, total_ms=elapsed, exc_info=exc)
-    else:
-        log.info("rpc", rpc=rpc, status=code.name, request_id=request_id, error=str(exc),
-                 total_ms=elapsed)

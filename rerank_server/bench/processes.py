@@ -82,7 +82,8 @@ def rerank_server(args: Sequence[str]) -> Iterator[tuple[int, int]]:
     unless `args` say otherwise)."""
     port = free_port()
     env = {**os.environ, "RERANK_PORT": str(port), "RERANK_CACHE_ENTRIES": "0",
-           "RERANK_METRICS": "0", "RERANK_PROBE": "0", "RERANK_LOG_LEVEL": "warning"}
+           "RERANK_HTTP_PORT": "0", "RERANK_METRICS": "0", "RERANK_PROBE": "0",
+           "RERANK_LOG_LEVEL": "warning"}
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server", *args], env=env,
                             stdout=subprocess.DEVNULL)
     try:

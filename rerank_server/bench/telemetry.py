@@ -33,7 +33,7 @@ class _Drop(SpanExporter):
 
 async def _start(setup: str, backend_url: str) -> RunningServer:
     settings = Settings(port=0, backend_url=backend_url, probe=False, metrics=setup != "off",
-                        metrics_port=0, cache_entries=0, log_level="warning")
+                        http_port=0, metrics_port=0, cache_entries=0, log_level="warning")
     # As in production: a batch processor, not the synchronous one tests use.
     processor = BatchSpanProcessor(_Drop()) if setup == "metrics+traces" else None
     telemetry = Telemetry.create(settings, span_processor=processor, environ={})

@@ -293,7 +293,7 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
 
         # The server's own budget must not cut a long evaluation request short.
         settings = load(["--port", "0", "--timeout-ms", str(int(args.timeout_s * 1000)),
-                         *shlex.split(args.server)])
+                         "--http-port", "0", *shlex.split(args.server)])
         server = await build_server(settings)
         target = f"127.0.0.1:{server.port}"
     outcome: dict[str, dict[str, int]] = {}

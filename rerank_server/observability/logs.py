@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from typing import Any
 
 import structlog
 from opentelemetry import trace
 
+from ..domain import RerankSummary
 from ..settings import LogFormat
+
+rpc_log = structlog.get_logger("rerank_server.rpc")
 
 
 def add_trace_ids(_logger: object, _name: str,
@@ -48,3 +53,31 @@ def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO) -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stdout),
         cache_logger_on_first_use=False,
     )
+
+
+def rpc_answered(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> None:
+    """The canonical log line of an answered rerank request (both edges): ids, counts,
+    outcome and timings, never query or document text."""
+    rpc_log.info(
+        "rpc", rpc=rpc, status="OK", request_id=s.request_id, candidates=s.candidates,
+        submitted=s.submitted, scored=s.scored, failed=s.failed, returned=returned,
+        reranked=s.reranked, degraded=s.degraded.code.value if s.degraded else None,
+        degraded_detail=s.degraded.message if s.degraded else None,
+        failures=dict(s.failures) or None, blend=s.blend.value,
+        blend_profile=s.blend_profile or None,
+        reranker_weight=None if s.reranker_weight is None else round(s.reranker_weight, 3),
+        backend=s.backend, total_ms=round(s.total_ms, 2), scoring_ms=round(s.scoring_ms, 2),
+        **extra)
+
+
+def rpc_failed(rpc: str, request_id: str, started: float, status: str, exc: Exception, *,
+               internal: bool) -> None:
+    """The log line of a request that ended with an error status."""
+    elapsed = round((time.perf_counter() - started) * 1000, 2)
+    if internal:
+        # The traceback names our code, not user text; the message may not, so drop it.
+        rpc_log.error("rpc", rpc=rpc, status=status, request_id=request_id,
+                      error=type(exc).__name__, total_ms=elapsed, exc_info=exc)
+    else:
+        rpc_log.info("rpc", rpc=rpc, status=status, request_id=request_id, error=str(exc),
+                     total_ms=elapsed)

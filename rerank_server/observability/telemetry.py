@@ -21,9 +21,13 @@ for one signal, and `OTEL_SDK_DISABLED=true` turns the SDK off altogether.
 from __future__ import annotations
 
 import os
+import socket
+import socketserver
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 import structlog
 from opentelemetry import trace
@@ -34,7 +38,7 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from .. import __version__
 from ..errors import BindError
@@ -115,7 +119,7 @@ class Telemetry:
     def _serve_metrics(self, settings: Settings, registry: CollectorRegistry) -> None:
         host = settings.metrics_host or settings.host
         try:
-            server, _thread = start_http_server(settings.metrics_port, host, registry=registry)
+            server = _metrics_server(host, settings.metrics_port, make_wsgi_app(registry))
         except OSError as exc:
             self.shutdown()
             raise BindError("--metrics-port / RERANK_METRICS_PORT",
@@ -147,3 +151,33 @@ def _otlp_wanted(signal: str, endpoint: str, environ: Mapping[str, str]) -> bool
         return False
     return bool(endpoint or environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
                 or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # scrapes every few seconds would flood the log
+
+
+def _only_metrics(app: WSGIApplication) -> WSGIApplication:
+    """`app` at `/metrics`, 404 everywhere else: an HTTP probe or a typo must fail."""
+    def serve(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: this port serves /metrics only\n"]
+        return list(app(environ, start_response))
+    return serve
+
+
+def _metrics_server(host: str, port: int, app: WSGIApplication) -> WSGIServer:
+    """The Prometheus endpoint in a daemon thread."""
+    server_class = type("_Server", (_ThreadingServer,), {
+        "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+    server: WSGIServer = make_server(host, port, _only_metrics(app), server_class,
+                                     handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, daemon=True,
+                     name="metrics-endpoint").start()
+    return server

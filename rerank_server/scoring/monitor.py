@@ -112,6 +112,11 @@ class BackendMonitor:
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[None]] = {}  # instance name -> its probe
 
+    @property
+    def backend_up(self) -> bool | None:
+        """Whether the backend can score: None until the first check."""
+        return self._up
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 

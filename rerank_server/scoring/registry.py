@@ -17,7 +17,8 @@ from .rerank_api import RerankApiScorer
 
 def build_pool(settings: Settings, telemetry: Telemetry | None = None) -> BackendPool:
     telemetry = telemetry or Telemetry.disabled()
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
+    key = settings.outbound_key
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     return BackendPool(
         settings.backend_urls, concurrency=settings.concurrency,
         timeout_s=settings.backend_timeout_ms / 1000, kind=settings.backend,

@@ -38,7 +38,8 @@ def rss_mib(pid: int) -> float:
 async def test_unread_answers_do_not_grow_server_memory(fake_llama: FakeLlamaServer) -> None:
     port = free_port()
     env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_PROBE": "0", "RERANK_METRICS_PORT": "0", "RERANK_LOG_LEVEL": "warning"}
+           "RERANK_HTTP_PORT": "0", "RERANK_PROBE": "0", "RERANK_METRICS_PORT": "0",
+           "RERANK_LOG_LEVEL": "warning"}
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
                             stdout=subprocess.DEVNULL)
     candidates = [pb.Candidate(id=str(i), text=f"passage {i}. " + "word " * 2400)

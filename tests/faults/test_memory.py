@@ -37,7 +37,8 @@ async def test_big_requests_at_once_keep_memory_bounded(fake_llama: FakeLlamaSer
     fake_llama.latency_s = 0.05
     port = free_port()
     env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_PROBE": "0", "RERANK_METRICS_PORT": "0", "RERANK_LOG_LEVEL": "warning",
+           "RERANK_HTTP_PORT": "0", "RERANK_PROBE": "0", "RERANK_METRICS_PORT": "0",
+           "RERANK_LOG_LEVEL": "warning",
            "RERANK_MAX_INFLIGHT_BYTES": str(IN_FLIGHT_MIB * 1024 * 1024)}
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
                             stdout=subprocess.DEVNULL)

@@ -35,7 +35,7 @@ async def test_overload_is_answered_fast_never_by_a_deadline(
     # Default settings, as an operator runs it (the start-up probe included: its call is
     # the first latency sample admission works from).
     env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_METRICS_PORT": "0", "RERANK_LOG_LEVEL": "warning",
+           "RERANK_HTTP_PORT": "0", "RERANK_METRICS_PORT": "0", "RERANK_LOG_LEVEL": "warning",
            "RERANK_CACHE_ENTRIES": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
                             stdout=subprocess.DEVNULL)

@@ -25,7 +25,7 @@ async def test_sigterm_with_a_hung_backend_answers_in_flight_and_exits_in_time(
     fake_llama.mode = HANG
     port = free_port()
     env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": str(GRACE_S),
+           "RERANK_HTTP_PORT": "0", "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": str(GRACE_S),
            "RERANK_METRICS_PORT": "0", "RERANK_TIMEOUT_MS": "60000",
            "RERANK_LOG_LEVEL": "warning", "RERANK_CONCURRENCY": "8"}
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220

@@ -43,7 +43,7 @@ DOCS = [
 
 def _settings(real: RealLlama, **overrides: Any) -> Settings:
     base = Settings(port=0, backend_url=real.url, concurrency=SLOTS, assistant_prefill=False,
-                    timeout_ms=60_000, grace_period_s=2.0, probe=False)
+                    http_port=0, timeout_ms=60_000, grace_period_s=2.0, probe=False)
     return dataclasses.replace(base, **overrides)
 
 

@@ -101,6 +101,6 @@ async def test_a_bad_profile_file_stops_the_server_from_starting(
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps({"profiles": [profile("p", "m", 2.0)]}))
     settings = Settings(port=0, backend_url=fake_llama.url, probe=False, metrics_port=0,
-                        blend_profile=str(path))
+                        http_port=0, blend_profile=str(path))
     with pytest.raises(ConfigError, match=r"profiles\[0\].*max_weight <= 1"):
         await build_server(settings)

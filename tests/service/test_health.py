@@ -23,7 +23,7 @@ async def _status(channel: grpc.aio.Channel, service: str) -> int:
 
 async def test_health_backend_probe_and_draining(fake_llama: FakeLlamaServer) -> None:
     fake_llama.scores = {"Paris": 0.95, "Photosynthesis": 0.02}
-    settings = Settings(port=0, backend_url=fake_llama.url, health_interval_s=0.1)
+    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, health_interval_s=0.1)
     server = await build_server(settings)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         await server.monitor.probed.wait()
@@ -39,7 +39,7 @@ async def test_health_backend_probe_and_draining(fake_llama: FakeLlamaServer) ->
 async def test_indistinct_model_is_flagged_but_main_service_serves(
         fake_llama: FakeLlamaServer) -> None:
     fake_llama.default_score = 0.5  # same score for every document
-    settings = Settings(port=0, backend_url=fake_llama.url, health_interval_s=0.1)
+    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, health_interval_s=0.1)
     server = await build_server(settings)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         await server.monitor.probed.wait()
@@ -51,7 +51,7 @@ async def test_indistinct_model_is_flagged_but_main_service_serves(
 
 async def test_reflection_lists_services_and_can_be_turned_off(
         fake_llama: FakeLlamaServer) -> None:
-    base = Settings(port=0, backend_url=fake_llama.url, probe=False)
+    base = Settings(port=0, http_port=0, backend_url=fake_llama.url, probe=False)
     for enabled in (True, False):
         server = await build_server(dataclasses.replace(base, reflection=enabled))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:

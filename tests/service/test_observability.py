@@ -174,7 +174,7 @@ async def test_overload_is_shed_counted_and_health_still_answers(
 async def traced(fake_llama: FakeLlamaServer,
                  ) -> AsyncIterator[tuple[RunningServer, InMemorySpanExporter]]:
     exporter = InMemorySpanExporter()
-    settings = Settings(port=0, backend_url=fake_llama.url, probe=False, metrics=False)
+    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, probe=False, metrics=False)
     server = await build_server(settings, telemetry=Telemetry.create(
         settings, span_processor=SimpleSpanProcessor(exporter), environ={}))
     yield server, exporter
@@ -245,7 +245,7 @@ async def test_health_checks_are_not_traced(
 
 def test_otlp_export_follows_the_standard_variables() -> None:
     """No endpoint: no tracing. OTEL_EXPORTER_OTLP_ENDPOINT turns it on; *_EXPORTER=none off."""
-    settings = Settings(metrics=False)
+    settings = Settings(metrics=False, http_port=0)
     assert not Telemetry.create(settings, environ={}).tracing
     on = Telemetry.create(settings, environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
     assert on.tracing

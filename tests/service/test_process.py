@@ -37,7 +37,8 @@ async def test_sigterm_drains_in_flight_call_and_exits_zero(fake_llama: FakeLlam
     fake_llama.latency_s = 0.8
     port = free_port()
     env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": "5", "RERANK_LOG_FORMAT": "json",
+           "RERANK_HTTP_PORT": "0", "RERANK_PROBE": "0", "RERANK_GRACE_PERIOD_S": "5",
+           "RERANK_LOG_FORMAT": "json",
            "RERANK_METRICS_PORT": "0"}
     # Popen returns at once; the test awaits everything that waits on the process.
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
@@ -98,6 +99,7 @@ def test_port_in_use_exits_2_with_one_line_naming_the_flag(
         taken.listen()
         port = taken.getsockname()[1]
         env = {**os.environ, "RERANK_PORT": str(free_port()), "RERANK_METRICS_PORT": "0",
+               "RERANK_HTTP_PORT": "0",
                "RERANK_BACKEND_URL": fake_llama.url, "RERANK_PROBE": "0", variable: str(port)}
         proc = subprocess.run([sys.executable, "-m", "rerank_server"], capture_output=True,
                               text=True, env=env, timeout=60)

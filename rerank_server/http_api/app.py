@@ -1,0 +1,213 @@
+"""The FastAPI application: routes, authentication, errors (docs/http.md).
+
+(No `from __future__ import annotations` here: FastAPI reads the route annotations at
+runtime, and some name closures.)
+
+Each rerank route converts its JSON body to a domain `RerankQuery`, runs the same
+pipeline as gRPC, and converts the ranked candidates back. Errors are JSON
+`{"message": ...}` with the status a client expects: 422 for a request that breaks a rule
+(the message names the field as the client wrote it, `documents[3].text: ...`), 401
+without an accepted token, 429 when the server is busy, 413 for a body over
+`--max-message-bytes`.
+"""
+
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from .. import __version__
+from ..domain import BlendStrategy, Candidate, RankedCandidate, RerankQuery, RerankSummary
+from ..errors import InvalidRequest
+from ..observability.logs import rpc_answered, rpc_failed
+from ..ranking.admission import InflightBytes, Overloaded
+from ..ranking.pipeline import Reranker
+from ..security.tokens import TokenSet
+from . import models as m
+
+BackendState = Callable[[], bool | None]  # True up, False down, None not known yet
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None,
+                 ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
+               backend_up: BackendState, max_body_bytes: int) -> FastAPI:
+    app = FastAPI(
+        title="rerank-server", version=__version__,
+        description="Cohere/Jina- and TEI-compatible rerank API over rerank-server's "
+                    "pipeline: results are the model's scores blended with the retrieval "
+                    "order, and a failing model degrades an answer instead of failing it.",
+        docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+
+    async def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+        if not tokens.accepts(authorization):
+            raise HttpError(401, "missing or invalid bearer token: send "
+                                 "'Authorization: Bearer <token>'",
+                            {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(HttpError)
+    async def http_error(_request: Request, exc: HttpError) -> JSONResponse:
+        return JSONResponse({"message": exc.message}, exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
+        return JSONResponse({"message": f"{_field(first.get('loc', ()))}: {first['msg']}"},
+                            422)
+
+    async def run(rpc: str, request: Request, query: RerankQuery, field: str,
+                  ) -> tuple[list[RankedCandidate], RerankSummary]:
+        """The pipeline's answer, within the server-wide byte budget."""
+        started = time.perf_counter()
+        body = await request.body()
+        if len(body) > max_body_bytes:
+            raise HttpError(413, f"body of {len(body)} bytes exceeds max_message_bytes "
+                                 f"{max_body_bytes}")
+        try:
+            inflight.take(len(body))
+            try:
+                results: list[RankedCandidate] = []
+                async for item in reranker.run(query):
+                    if isinstance(item, RerankSummary):
+                        rpc_answered(rpc, item, len(results))
+                        reranker.telemetry.metrics.record_rerank(item)
+                        return results, item
+                    results.append(item)
+                raise RuntimeError("pipeline ended without a summary")
+            finally:
+                inflight.give_back(len(body))
+        except InvalidRequest as exc:
+            rpc_failed(rpc, query.request_id, started, "422", exc, internal=False)
+            raise HttpError(422, str(exc).replace("candidates", field)) from None
+        except Overloaded as exc:
+            rpc_failed(rpc, query.request_id, started, "429", exc, internal=False)
+            raise HttpError(429, str(exc), {"Retry-After": "1"}) from None
+
+    def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
+        async def rerank(body: m.CohereRerankRequest, request: Request,
+                         _: Annotated[None, Depends(authorized)]) -> m.CohereRerankResponse:
+            query = _cohere_query(body)
+            results, summary = await run(f"POST /v{version}/rerank", request, query,
+                                         "documents")
+            texts = _texts(body) if body.return_documents else None
+            return m.CohereRerankResponse(
+                id=summary.request_id,
+                results=[m.CohereResult(
+                    index=r.candidate.index, relevance_score=r.score,
+                    document=m.ResultDocument(text=texts[r.candidate.index])
+                    if texts is not None else None,
+                    id=r.candidate.id, reranker_score=r.reranker_score,
+                    retrieval_rank=r.candidate.retrieval_rank) for r in results],
+                meta=_meta(summary, version))
+        return rerank
+
+    for version in ("1", "2"):
+        app.post(f"/v{version}/rerank", response_model=m.CohereRerankResponse,
+                 response_model_exclude_none=True, tags=["rerank"],
+                 summary=f"Rerank, Cohere/Jina API v{version} shape",
+                 responses={401: {"model": m.Error}, 422: {"model": m.Error},
+                            429: {"model": m.Error}})(cohere(version))
+
+    @app.post("/rerank", response_model=list[m.TeiResult], response_model_exclude_none=True,
+              tags=["rerank"], summary="Rerank, text-embeddings-inference shape",
+              responses={401: {"model": m.Error}, 422: {"model": m.Error},
+                         429: {"model": m.Error}})
+    async def tei_rerank(body: m.TeiRerankRequest, request: Request,
+                         _: Annotated[None, Depends(authorized)]) -> list[m.TeiResult]:
+        query = RerankQuery(request_id=uuid.uuid4().hex, query=body.query,
+                            candidates=tuple(Candidate(id=str(i), text=t, index=i,
+                                                       retrieval_rank=i + 1)
+                                             for i, t in enumerate(body.texts)))
+        results, _summary = await run("POST /rerank", request, query, "texts")
+        return [m.TeiResult(
+            index=r.candidate.index,
+            score=(r.reranker_score if body.raw_scores and r.reranker_score is not None
+                   else r.score),
+            text=r.candidate.text if body.return_text else None) for r in results]
+
+    @app.get("/health", response_model=m.Health, tags=["operations"],
+             responses={503: {"model": m.Health}})
+    async def health() -> JSONResponse:
+        up = backend_up()
+        state = "starting" if up is None else "up" if up else "down"
+        body = m.Health(status="ok" if up else "unavailable", backend=state,  # type: ignore[arg-type]
+                        model=reranker.scorer.model)
+        return JSONResponse(body.model_dump(), 200 if up else 503)
+
+    @app.get("/v1/models", response_model=m.ModelList, tags=["operations"],
+             responses={401: {"model": m.Error}})
+    async def list_models(_: Annotated[None, Depends(authorized)]) -> m.ModelList:
+        return m.ModelList(data=[m.ModelCard(id=reranker.scorer.model or "unknown",
+                                             backend=reranker.scorer.kind)])
+
+    return app
+
+
+def _field(loc: Sequence[Any]) -> str:
+    """A pydantic error location as the client wrote it: `documents[3].text`."""
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "Document"):  # which member of a union failed: not a field
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def _text(doc: str | m.Document, rank_fields: list[str] | None) -> str:
+    if isinstance(doc, str):
+        return doc
+    if rank_fields:
+        values = {**(doc.model_extra or {}), **doc.model_dump(exclude_none=True)}
+        return "\n".join(f"{f}: {values[f]}" for f in rank_fields if f in values)
+    return doc.text or ""
+
+
+def _texts(body: m.CohereRerankRequest) -> list[str]:
+    return [_text(d, body.rank_fields) for d in body.documents]
+
+
+def _cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
+    candidates = []
+    for i, doc in enumerate(body.documents):
+        obj = doc if isinstance(doc, m.Document) else None
+        candidates.append(Candidate(
+            id=(obj.id if obj is not None and obj.id else str(i)),
+            text=_text(doc, body.rank_fields), index=i,
+            retrieval_rank=(obj.retrieval_rank if obj is not None and obj.retrieval_rank
+                            else i + 1),
+            title=obj.title if obj is not None else None,
+            retrieval_score=obj.retrieval_score if obj is not None else None))
+    return RerankQuery(
+        request_id=body.request_id or uuid.uuid4().hex, query=body.query,
+        candidates=tuple(candidates), top_k=body.top_n or 0, instruction=body.instruction,
+        blend=BlendStrategy(body.blend_strategy) if body.blend_strategy else None,
+        max_candidates=body.max_candidates,
+        timeout_s=body.timeout_ms / 1000 if body.timeout_ms else None,
+        max_tokens_per_doc=body.max_tokens_per_doc)
+
+
+def _meta(s: RerankSummary, version: str) -> m.Meta:
+    return m.Meta(
+        api_version=m.ApiVersion(version=version),
+        billed_units=m.BilledUnits(search_units=1), reranked=s.reranked,
+        degraded=m.Degraded(code=s.degraded.code.value, message=s.degraded.message)
+        if s.degraded else None,
+        backend=s.backend, model=s.model, blend_strategy=s.blend.value,
+        blend_profile=s.blend_profile or None, scored=s.scored, failed=s.failed)

@@ -1,0 +1,146 @@
+"""The JSON shapes of the HTTP API (pydantic): what the OpenAPI document is made from.
+
+Cohere/Jina fields keep their names and meaning; our extras are optional fields that a
+Cohere client never sends and ignores in answers. Unknown request fields are ignored, as
+the hosted APIs do, so clients that send more (Jina's `model`-specific knobs, say) work.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+BlendName = Literal["position_aware", "linear", "rerank_only", "adaptive", "profile"]
+
+
+class Document(BaseModel):
+    """A document as an object: `text` (or the `rank_fields`), plus our optional extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | None = Field(None, description="The document text.")
+    title: str | None = Field(None, description="Extra: a title, read before the text.")
+    id: str | None = Field(None, description="Extra: your id for it; default its index.")
+    retrieval_score: float | None = Field(None, description="Extra: its retrieval score.")
+    retrieval_rank: int | None = Field(
+        None, ge=1, description="Extra: its retrieval rank; default its position + 1.")
+
+
+class Extras(BaseModel):
+    """What rerank-server adds to the Cohere request; all optional."""
+
+    instruction: str | None = Field(None, description="Task instruction for the scorer.")
+    blend_strategy: BlendName | None = Field(
+        None, description="How the model's score and the retrieval rank combine "
+                          "(docs/blending.md); default: the server's.")
+    request_id: str | None = Field(None, description="Echoed as `id`; generated if unset.")
+    max_candidates: int | None = Field(None, ge=1, description="Documents scored at most.")
+    timeout_ms: int | None = Field(None, ge=1, description="Time budget for this request.")
+
+
+class CohereRerankRequest(Extras):
+    model_config = ConfigDict(extra="ignore")
+
+    query: str = Field(description="The search query.")
+    documents: list[str | Document] = Field(
+        description="Candidates in retrieval order, as strings or objects.")
+    model: str | None = Field(
+        None, description="Accepted for compatibility; the server scores with its model.")
+    top_n: int | None = Field(None, ge=0, description="Results to return; default all.")
+    return_documents: bool = Field(False, description="Include each document's text.")
+    rank_fields: list[str] | None = Field(
+        None, description="v1: the fields of object documents to read, as `field: value`.")
+    max_tokens_per_doc: int | None = Field(
+        None, ge=1, description="Most tokens of each document the model reads.")
+    max_chunks_per_doc: int | None = Field(None, description="v1: accepted and ignored.")
+
+
+class ResultDocument(BaseModel):
+    text: str
+
+
+class CohereResult(BaseModel):
+    index: int = Field(description="Position of the document in the request.")
+    relevance_score: float = Field(
+        description="The final score results are ordered by: the model's score blended "
+                    "with the retrieval rank (docs/http.md). Higher is more relevant.")
+    document: ResultDocument | None = None
+    id: str = Field(description="Extra: the document's id (its index unless given).")
+    reranker_score: float | None = Field(
+        None, description="Extra: the model's own score on 0..1; absent if not scored.")
+    retrieval_rank: int = Field(description="Extra: the document's retrieval rank.")
+
+
+class Degraded(BaseModel):
+    code: str
+    message: str
+
+
+class ApiVersion(BaseModel):
+    version: str
+
+
+class BilledUnits(BaseModel):
+    search_units: int
+
+
+class Meta(BaseModel):
+    api_version: ApiVersion
+    billed_units: BilledUnits
+    reranked: bool = Field(description="Extra: false means the results are in retrieval "
+                                       "order; `degraded` says why.")
+    degraded: Degraded | None = None
+    backend: str
+    model: str
+    blend_strategy: str
+    blend_profile: str | None = None
+    scored: int
+    failed: int
+
+
+class CohereRerankResponse(BaseModel):
+    id: str
+    results: list[CohereResult]
+    meta: Meta
+
+
+class TeiRerankRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    query: str
+    texts: list[str]
+    raw_scores: bool = Field(False, description="Score each text with the model's own "
+                                                "score instead of the blended one.")
+    return_text: bool = False
+    truncate: bool = Field(False, description="Accepted: documents are always cut to fit "
+                                              "the model's context.")
+    truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
+
+
+class TeiResult(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "rerank-server"
+    backend: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    backend: Literal["up", "down", "starting"]
+    model: str
+
+
+class Error(BaseModel):
+    message: str

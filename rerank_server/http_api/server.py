@@ -1,0 +1,99 @@
+"""The HTTP edge's server: uvicorn, in this process and event loop, beside gRPC.
+
+uvicorn's own signal handling is turned off (`_EmbeddedServer`): rerank-server catches
+SIGTERM/SIGINT itself and stops both edges in order (`server.py`). The listening socket is
+bound before uvicorn starts, so a port in use is a `BindError` naming the flag. With TLS,
+the certificate files are checked every few seconds and reloaded into the live context:
+new connections get the new certificate without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Iterator
+
+import structlog
+import uvicorn
+from fastapi import FastAPI
+
+from ..errors import BindError
+from ..security.tls import CertificateFiles
+from ..settings import Settings, host_port
+
+log = structlog.get_logger(__name__)
+
+RELOAD_EVERY_S = 5.0
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # signals belong to rerank-server, which stops this server itself
+
+
+class HttpEdge:
+    """A started uvicorn server; `aclose` stops it, letting requests in flight finish."""
+
+    def __init__(self, server: _EmbeddedServer, task: asyncio.Task[None], port: int,
+                 reload: asyncio.Task[None] | None) -> None:
+        self._server = server
+        self._task = task
+        self.port = port
+        self._reload = reload
+
+    @classmethod
+    async def start(cls, app: FastAPI, settings: Settings,
+                    tls: CertificateFiles | None = None) -> HttpEdge:
+        sock = _bind(settings.host, settings.http_port)
+        config = uvicorn.Config(
+            app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+            limit_concurrency=settings.max_concurrent_rpcs,
+            timeout_graceful_shutdown=max(int(settings.grace_period_s), 1),
+            ssl_certfile=str(tls.cert) if tls else None,
+            ssl_keyfile=str(tls.key) if tls else None,
+            ssl_ca_certs=str(tls.client_ca) if tls and tls.client_ca else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE)
+        server = _EmbeddedServer(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                sock.close()
+                task.result()  # raises what stopped it
+                raise OSError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        reload = asyncio.create_task(_reload_certificates(config, tls)) if tls else None
+        return cls(server, task, sock.getsockname()[1], reload)
+
+    async def aclose(self) -> None:
+        if self._reload is not None:
+            self._reload.cancel()
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise BindError("--http-port / RERANK_HTTP_PORT", host_port(host, port),
+                        exc.strerror or "") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _reload_certificates(config: uvicorn.Config, tls: CertificateFiles) -> None:
+    while True:
+        await asyncio.sleep(RELOAD_EVERY_S)
+        if config.ssl is not None and tls.changed():
+            try:
+                tls.load_into(config.ssl)
+                log.info("tls_certificate_reloaded", port="http")
+            except (OSError, ssl.SSLError) as exc:
+                log.warning("tls_certificate_reload_failed", error=type(exc).__name__)

@@ -1,0 +1,34 @@
+"""Server-wide admission: the bytes of requests being worked on, against a budget.
+
+Both edges take a request's wire size from the same `InflightBytes` before any work and
+give it back when the answer is out, so `--max-inflight-bytes` bounds the memory of the
+requests in progress over gRPC and HTTP together (docs/reliability.md). Refusing is
+`Overloaded`: RESOURCE_EXHAUSTED on gRPC, 429 on HTTP. The backend-side admission
+(answering OVERLOADED when the backend's queue would outlast a request's budget) is in
+the pipeline.
+"""
+
+from __future__ import annotations
+
+
+class Overloaded(Exception):
+    """The server-wide budget for request bytes in flight is spent."""
+
+
+class InflightBytes:
+    """The bytes of requests being worked on, against a server-wide budget. A request
+    larger than the whole budget is still taken when nothing else is in flight."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, size: int) -> None:
+        if self.used + size > self.limit and self.used > 0:
+            raise Overloaded(f"server busy: {self.used // 1024} KiB of requests in progress "
+                             f"(max_inflight_bytes {self.limit // 1024} KiB); retry with "
+                             "backoff")
+        self.used += size
+
+    def give_back(self, size: int) -> None:
+        self.used -= size

@@ -1,0 +1,74 @@
+"""TLS certificate files (`--tls-cert`, `--tls-key`, `--tls-client-ca`), re-read on change.
+
+Certificates are replaced without a restart: each edge asks `CertificateFiles.changed()`
+(cheap: file modification times) and loads the new files for new connections; existing
+connections keep the certificate they were made with. A cert-manager or a mounted Secret
+that rotates the files is enough. A file pair caught half-written (new certificate, old
+key) fails to load; the old one stays in use and the next check tries again.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+@dataclass
+class CertificateFiles:
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+    _seen: tuple[float, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def from_paths(cls, cert: str, key: str, client_ca: str = "") -> CertificateFiles | None:
+        """The files, checked readable now; None when TLS is off (no certificate)."""
+        if not cert:
+            return None
+        files = cls(Path(cert).expanduser(), Path(key).expanduser(),
+                    Path(client_ca).expanduser() if client_ca else None)
+        for name, path in (("--tls-cert", files.cert), ("--tls-key", files.key),
+                           ("--tls-client-ca", files.client_ca)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{name}: {path} is not a readable file")
+        files.changed()  # remember the times the first load sees
+        return files
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca is not None
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        """(certificate chain, private key, client CA or None), as PEM bytes."""
+        ca = self.client_ca.read_bytes() if self.client_ca is not None else None
+        return self.cert.read_bytes(), self.key.read_bytes(), ca
+
+    def changed(self) -> bool:
+        """Whether any file changed since the last call (True on the first)."""
+        paths = [p for p in (self.cert, self.key, self.client_ca) if p is not None]
+        try:
+            seen = tuple(p.stat().st_mtime_ns for p in paths)
+        except OSError:
+            return False  # being replaced: keep what works
+        if seen == self._seen:
+            return False
+        self._seen = seen
+        return True
+
+    def server_context(self) -> ssl.SSLContext:
+        """A server-side context with these files (for the HTTP edge)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.load_into(context)
+        if self.client_ca is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def load_into(self, context: ssl.SSLContext) -> None:
+        """Load the files into `context`; new handshakes use them."""
+        context.load_cert_chain(self.cert, self.key)
+        if self.client_ca is not None:
+            context.load_verify_locations(cafile=self.client_ca)
