@@ -39,6 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true",
                    help="use RerankStream and print results as they arrive")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--token", default=os.environ.get("RERANK_TOKEN"),
+                   help="bearer token for a server run with --auth-tokens "
+                        "(env RERANK_TOKEN)")
+    p.add_argument("--tls-ca", default=os.environ.get("RERANK_CLIENT_CA"),
+                   help="PEM CA to verify the server with; turns TLS on (env RERANK_CLIENT_CA)")
+    p.add_argument("--tls-cert", default=os.environ.get("RERANK_CLIENT_CERT"),
+                   help="client certificate for mutual TLS (env RERANK_CLIENT_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("RERANK_CLIENT_KEY"),
+                   help="client key for mutual TLS (env RERANK_CLIENT_KEY)")
     return p
 
 
@@ -99,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TypeError as exc:
         raise SystemExit(f"rerank-client: bad candidate: {exc}") from None
     try:
-        with RerankClient(args.target) as client:
+        with RerankClient(args.target, token=args.token, tls_ca=args.tls_ca,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             if args.stream:
                 return _print_stream(client, args, candidates, texts, options)
             answer = client.rerank(args.query, candidates, timeout=args.timeout, **options)

@@ -6,6 +6,10 @@ check `answer.reranked` and `answer.summary.degraded_code`.
 
 For a server behind a headless Kubernetes Service, pass `load_balancing="round_robin"` and
 a `dns:///` target so calls spread over every pod instead of sticking to the first one.
+
+Security: `token` is sent as `authorization: Bearer <token>` with every call (servers run
+with `--auth-tokens`); `tls_ca` (a PEM file or bytes) turns on TLS and verifies the server
+against that CA, and `tls_cert` + `tls_key` add a client certificate for mutual TLS.
 """
 
 from __future__ import annotations
@@ -36,12 +40,47 @@ def channel_options(load_balancing: str | None = None,
     return options
 
 
-class AsyncRerankClient:
+Pem = str | bytes | None  # a PEM file's path, or its bytes
+
+
+def _pem(value: Pem) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
+def tls_credentials(tls_ca: Pem = None, tls_cert: Pem = None,
+                    tls_key: Pem = None) -> grpc.ChannelCredentials | None:
+    """Channel credentials for TLS (None when no CA is given: plaintext)."""
+    if tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca),
+                                        private_key=_pem(tls_key),
+                                        certificate_chain=_pem(tls_cert))
+
+
+class _Calls:
+    """What both clients share: the metadata every call carries."""
+
+    def __init__(self, token: str | None) -> None:
+        self._auth = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def metadata(self, extra: Metadata | None) -> Metadata | None:
+        if not self._auth:
+            return extra
+        return (*self._auth, *(extra or ()))
+
+
+class AsyncRerankClient(_Calls):
     """grpc.aio client; create and use it inside one running event loop."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 load_balancing: str | None = None) -> None:
+                 load_balancing: str | None = None, token: str | None = None,
+                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None) -> None:
+        super().__init__(token)
         options = channel_options(load_balancing)
+        credentials = credentials or tls_credentials(tls_ca, tls_cert, tls_key)
         self._channel = (grpc.aio.secure_channel(target, credentials, options=options)
                          if credentials else grpc.aio.insecure_channel(target, options=options))
         self._stub = pb_grpc.RerankerStub(self._channel)
@@ -63,7 +102,8 @@ class AsyncRerankClient:
         `metadata` goes out with the call (a W3C `traceparent` continues your trace)."""
         request = build_request(query, candidates, **options)
         try:
-            response = await self._stub.Rerank(request, timeout=timeout, metadata=metadata)
+            response = await self._stub.Rerank(request, timeout=timeout,
+                                               metadata=self.metadata(metadata))
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
@@ -74,7 +114,7 @@ class AsyncRerankClient:
                      ) -> AsyncIterator[Result | Summary]:
         """Results in final order as each becomes certain, then the `Summary`."""
         request = build_request(query, candidates, **options)
-        call = self._stub.RerankStream(request, timeout=timeout, metadata=metadata)
+        call = self._stub.RerankStream(request, timeout=timeout, metadata=self.metadata(metadata))
         try:
             async for message in call:
                 yield stream_item(message)
@@ -94,7 +134,8 @@ class AsyncRerankClient:
         """
         requests = [build_request(q, c, request_id=rid, **options)
                     for rid, (q, c) in queries.items()]
-        call = self._stub.RerankBatch(iter(requests), timeout=timeout, metadata=metadata)
+        call = self._stub.RerankBatch(iter(requests), timeout=timeout,
+                                      metadata=self.metadata(metadata))
         try:
             async for response in call:
                 if response.HasField("error"):
@@ -105,12 +146,15 @@ class AsyncRerankClient:
             raise errors.from_rpc_error(exc) from None
 
 
-class RerankClient:
+class RerankClient(_Calls):
     """Blocking client over a plain grpc channel; usable from any thread."""
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 load_balancing: str | None = None) -> None:
+                 load_balancing: str | None = None, token: str | None = None,
+                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None) -> None:
+        super().__init__(token)
         options = channel_options(load_balancing)
+        credentials = credentials or tls_credentials(tls_ca, tls_cert, tls_key)
         self._channel = (grpc.secure_channel(target, credentials, options=options)
                          if credentials else grpc.insecure_channel(target, options=options))
         self._stub = pb_grpc.RerankerStub(self._channel)
@@ -130,7 +174,7 @@ class RerankClient:
         """As `AsyncRerankClient.rerank`."""
         request = build_request(query, candidates, **options)
         try:
-            response = self._stub.Rerank(request, timeout=timeout, metadata=metadata)
+            response = self._stub.Rerank(request, timeout=timeout, metadata=self.metadata(metadata))
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
@@ -140,7 +184,7 @@ class RerankClient:
                **options: Any) -> Iterator[Result | Summary]:
         """As `AsyncRerankClient.stream`."""
         request = build_request(query, candidates, **options)
-        call = self._stub.RerankStream(request, timeout=timeout, metadata=metadata)
+        call = self._stub.RerankStream(request, timeout=timeout, metadata=self.metadata(metadata))
         try:
             for message in call:
                 yield stream_item(message)

@@ -1,0 +1,143 @@
+"""Inbound security over real sockets: bearer tokens on gRPC, TLS and mutual TLS on both
+ports (plaintext refused), certificate rotation without a restart, and a metrics port
+that answers only /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from rerank_client import AsyncRerankClient, RerankError
+
+from rerank_server.managed.llama_server import free_port
+from rerank_server.server import RunningServer
+from tests.conftest import StartServer
+
+TOKEN = "grpc-token-0123456789abcdef"
+DOCS = ["alpha", "beta", "gamma"]
+
+
+async def test_grpc_needs_a_valid_token_but_health_stays_open(
+        start_server: StartServer) -> None:
+    server = await start_server(auth_tokens=f"other-token-0123456789,{TOKEN}")
+    target = f"127.0.0.1:{server.port}"
+    for token in (None, "wrong-token-0123456789abc", f"{TOKEN}x"):
+        async with AsyncRerankClient(target, token=token) as client:
+            with pytest.raises(RerankError) as info:
+                await client.rerank("q", DOCS)
+            assert info.value.code == "UNAUTHENTICATED"
+    async with AsyncRerankClient(target, token=TOKEN) as client:
+        assert (await client.rerank("q", DOCS)).reranked
+    async with grpc.aio.insecure_channel(target) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in reflect:
+                pass
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def trusting(ca_file: Path, client: tuple[str, str] | None = None) -> ssl.SSLContext:
+    """A client TLS context that trusts `ca_file` (and presents `client`, if given)."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    if client is not None:
+        context.load_cert_chain(*client)
+    return context
+
+
+def _files(tmp: Path, ca: trustme.CA, name: str) -> tuple[str, str]:
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    cert, key = tmp / f"{name}.crt", tmp / f"{name}.key"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    return str(cert), str(key)
+
+
+@contextlib.asynccontextmanager
+async def tls_server(start_server: StartServer, tmp: Path, *, mutual: bool = False,
+                     ) -> AsyncIterator[tuple[RunningServer, trustme.CA, Path]]:
+    ca = trustme.CA()
+    cert, key = _files(tmp, ca, "server")
+    ca_file = tmp / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    server = await start_server(tls_cert=cert, tls_key=key, http_port=free_port(),
+                                tls_client_ca=str(ca_file) if mutual else "")
+    yield server, ca, ca_file
+
+
+async def test_tls_on_both_ports_and_plaintext_is_refused(
+        start_server: StartServer, tmp_path: Path) -> None:
+    async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
+        target = f"127.0.0.1:{server.port}"
+        async with AsyncRerankClient(target, tls_ca=str(ca_file)) as client:
+            assert (await client.rerank("q", DOCS)).reranked
+        async with AsyncRerankClient(target) as plaintext:
+            with pytest.raises(RerankError) as info:
+                await plaintext.rerank("q", DOCS, timeout=3)
+            assert info.value.code == "UNAVAILABLE"
+        body = {"query": "q", "documents": DOCS}
+        async with httpx.AsyncClient(verify=trusting(ca_file)) as https:
+            answer = await https.post(f"https://127.0.0.1:{server.http_port}/v1/rerank",
+                                      json=body)
+        assert answer.status_code == 200 and answer.json()["meta"]["reranked"]
+        async with httpx.AsyncClient() as plain:
+            with pytest.raises(httpx.HTTPError):
+                await plain.post(f"http://127.0.0.1:{server.http_port}/v1/rerank",
+                                 json=body)
+
+
+async def test_mutual_tls_needs_a_client_certificate(start_server: StartServer,
+                                                     tmp_path: Path) -> None:
+    async with tls_server(start_server, tmp_path, mutual=True) as (server, ca, ca_file):
+        client_cert, client_key = _files(tmp_path, ca, "client")
+        target = f"127.0.0.1:{server.port}"
+        async with AsyncRerankClient(target, tls_ca=str(ca_file)) as anonymous:
+            with pytest.raises(RerankError):
+                await anonymous.rerank("q", DOCS, timeout=3)
+        async with AsyncRerankClient(target, tls_ca=str(ca_file), tls_cert=client_cert,
+                                     tls_key=client_key) as client:
+            assert (await client.rerank("q", DOCS)).reranked
+        url = f"https://127.0.0.1:{server.http_port}/v1/rerank"
+        body = {"query": "q", "documents": DOCS}
+        async with httpx.AsyncClient(verify=trusting(ca_file)) as anonymous_http:
+            with pytest.raises(httpx.HTTPError):
+                await anonymous_http.post(url, json=body)
+        async with httpx.AsyncClient(
+                verify=trusting(ca_file, (client_cert, client_key))) as https:
+            assert (await https.post(url, json=body)).status_code == 200
+
+
+async def test_grpc_certificate_is_replaced_without_a_restart(
+        start_server: StartServer, tmp_path: Path) -> None:
+    async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
+        target = f"127.0.0.1:{server.port}"
+        new_ca = trustme.CA()
+        # As a cert-manager renewal does: new files at the same paths.
+        _files(Path(server.settings.tls_cert).parent, new_ca, "server")
+        new_ca_file = tmp_path / "new-ca.pem"
+        new_ca.cert_pem.write_to_path(str(new_ca_file))
+        async with AsyncRerankClient(target, tls_ca=str(new_ca_file)) as client:
+            assert (await client.rerank("q", DOCS)).reranked
+        async with AsyncRerankClient(target, tls_ca=str(ca_file)) as old:
+            with pytest.raises(RerankError):
+                await old.rerank("q", DOCS, timeout=3)
+
+
+async def test_metrics_port_answers_only_metrics(server: RunningServer) -> None:
+    port = server.telemetry.metrics_port
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        metrics = await http.get("/metrics")
+        elsewhere = [await http.get(path) for path in ("/", "/healthz", "/metrics/x")]
+    assert metrics.status_code == 200 and "target_info" in metrics.text
+    assert [r.status_code for r in elsewhere] == [404, 404, 404]
