@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..domain import BackendKind
+from . import prompt
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, Failure, ScoreRequest
 from .batching import score_in_batches
@@ -53,7 +54,9 @@ class EmbeddingScorer(PooledScorer):
         return [v for v in vectors if v is not None]
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
-        query = asyncio.ensure_future(self.embed([request.query]))
+        # Caller text is neutralized here too: BERT-style tokenizers parse [SEP], [CLS],
+        # [MASK] in input text as special tokens (llama-server does).
+        query = asyncio.ensure_future(self.embed([prompt.neutralize(request.query)]))
 
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
             vectors = await self.embed(documents)
@@ -64,7 +67,8 @@ class EmbeddingScorer(PooledScorer):
                 raise BackendCallError(Failure.MALFORMED, str(exc)) from None
 
         try:
-            await score_in_batches(request.documents, self._max_batch, call, emit)
+            await score_in_batches([prompt.neutralize(d) for d in request.documents],
+                                   self._max_batch, call, emit)
         finally:
             if not query.done():
                 query.cancel()

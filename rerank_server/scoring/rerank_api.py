@@ -19,6 +19,7 @@ from typing import Any
 
 from ..domain import BackendKind
 from ..settings import RerankFormat
+from . import prompt
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches, to_unit
@@ -37,10 +38,14 @@ class RerankApiScorer(PooledScorer):
         self._max_batch = max_batch
 
     def payload(self, query: str, documents: Sequence[str]) -> dict[str, Any]:
+        """The request body, caller text neutralized (a cross-encoder's tokenizer would
+        read `[SEP]` in a document as the real separator)."""
+        query = prompt.neutralize(query)
+        documents = [prompt.neutralize(d) for d in documents]
         if self._format is RerankFormat.TEI:
-            return {"query": query, "texts": list(documents), "raw_scores": False,
+            return {"query": query, "texts": documents, "raw_scores": False,
                     "truncate": True}
-        return self.with_model({"query": query, "documents": list(documents),
+        return self.with_model({"query": query, "documents": documents,
                                 "top_n": len(documents)})
 
     def parse(self, body: Any, count: int) -> dict[int, float]:
