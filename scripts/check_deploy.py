@@ -136,6 +136,11 @@ def check_deployment(where: str, deployment: dict[str, Any],
             problems.check(port in declared, where, f"gRPC port {port} is not declared")
         problems.check(metrics_port in declared, where,
                        f"metrics port {metrics_port} is not declared")
+        http_port = int(env.get(env_name("http_port"), DEFAULTS.http_port))
+        if host != "127.0.0.1" and http_port:
+            problems.check(http_port in declared, where, f"HTTP port {http_port} is not "
+                           "declared")
+        check_secrets(where, pod, container, env, problems)
         check_security(where, pod, container, problems)
 
 
@@ -180,6 +185,28 @@ def check_probes(where: str, container: dict[str, Any], port: int, host: str,
         else:
             problems.append(f"{where}: {kind} probe must use gRPC health or the "
                             "healthcheck command")
+
+
+def check_secrets(where: str, pod: dict[str, Any], container: dict[str, Any],
+                  env: dict[str, str], problems: Problems) -> None:
+    """Files the settings name (TLS certificates, token files) are mounted from volumes."""
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts", [])]
+    volumes = {v["name"] for v in pod.get("volumes", [])}
+    for m in container.get("volumeMounts", []):
+        problems.check(m["name"] in volumes, where, f"mount of missing volume {m['name']}")
+    for setting in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
+        path = env.get(env_name(setting), "")
+        if path:
+            problems.check(any(path.startswith(m) for m in mounts), where,
+                           f"{env_name(setting)}={path} is not on a mounted volume")
+    problems.check(not env.get(env_name("auth_tokens")), where,
+                   "RERANK_AUTH_TOKENS in a ConfigMap exposes the tokens: mount a Secret "
+                   "and use RERANK_AUTH_TOKENS_FILE")
+    if env.get(env_name("tls_cert")):
+        probes = [container.get("readinessProbe", {}), container.get("livenessProbe", {})]
+        problems.check(all("grpc" not in p for p in probes), where,
+                       "kubelet's gRPC probes speak plaintext: with TLS use the exec "
+                       "healthcheck with --tls-ca")
 
 
 def _flag(command: list[str], flag: str) -> str | None:
@@ -265,9 +292,10 @@ def check_dockerfile(problems: Problems) -> None:
         for key in env:
             problems.check(not key.startswith(ENV_PREFIX) or key in SETTINGS, at,
                            f"{key} is not a setting")
-        for setting in ("port", "metrics_port"):
+        for setting in ("port", "metrics_port", "http_port"):
             port = int(env.get(env_name(setting), getattr(DEFAULTS, setting)))
-            problems.check(port in exposed, at, f"{env_name(setting)}={port} not EXPOSEd")
+            problems.check(port == 0 or port in exposed, at,
+                           f"{env_name(setting)}={port} not EXPOSEd")
 
 
 def _env_instructions(args: list[str]) -> dict[str, str]:
@@ -302,9 +330,10 @@ def check_compose(problems: Problems) -> None:
     problems.check(dependency.get("condition") == "service_healthy", where,
                    "rerank must wait for the backend to be healthy")
     published = {int(str(p).rsplit(":", 1)[-1]) for p in rerank.get("ports", [])}
-    for setting in ("port", "metrics_port"):
+    for setting in ("port", "metrics_port", "http_port"):
         port = int(env.get(env_name(setting), getattr(DEFAULTS, setting)))
-        problems.check(port in published, where, f"{env_name(setting)}={port} not published")
+        problems.check(port == 0 or port in published, where,
+                       f"{env_name(setting)}={port} not published")
     problems.check(rerank.get("healthcheck", {}).get("test") ==
                    ["CMD", "rerank-server", "healthcheck"], where,
                    "rerank healthcheck must run `rerank-server healthcheck`")

@@ -4,6 +4,7 @@ that answers only /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ssl
 from collections.abc import AsyncIterator
@@ -17,8 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from rerank_client import AsyncRerankClient, RerankError
 
+from rerank_server.api import healthcheck
 from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
+from rerank_server.settings import Settings
 from tests.conftest import StartServer
 
 TOKEN = "grpc-token-0123456789abcdef"
@@ -134,10 +137,27 @@ async def test_grpc_certificate_is_replaced_without_a_restart(
                 await old.rerank("q", DOCS, timeout=3)
 
 
-async def test_metrics_port_answers_only_metrics(server: RunningServer) -> None:
+async def test_metrics_port_answers_only_metrics(server: RunningServer,
+                                                 client: AsyncRerankClient) -> None:
+    assert (await client.rerank("q", DOCS)).reranked  # something to report
     port = server.telemetry.metrics_port
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         metrics = await http.get("/metrics")
         elsewhere = [await http.get(path) for path in ("/", "/healthz", "/metrics/x")]
-    assert metrics.status_code == 200 and "target_info" in metrics.text
+    assert metrics.status_code == 200 and "rpc_server_call_duration" in metrics.text
     assert [r.status_code for r in elsewhere] == [404, 404, 404]
+
+
+async def test_healthcheck_command_speaks_tls(start_server: StartServer,
+                                              tmp_path: Path) -> None:
+    async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
+        port = str(server.port)
+        secure = await asyncio.to_thread(healthcheck.main, [
+            "--port", port, "--tls-ca", str(ca_file), "--server-name", "localhost"])
+        plaintext = await asyncio.to_thread(healthcheck.main, ["--port", port])
+    assert (secure, plaintext) == (0, 1)
+
+
+def test_backend_api_key_replaces_the_old_name() -> None:
+    assert Settings(api_key="old").outbound_key == "old"  # still works, with a warning
+    assert Settings(api_key="old", backend_api_key="new").outbound_key == "new"
