@@ -23,6 +23,7 @@ from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
 from rerank_server.settings import Settings
 from tests.conftest import StartServer
+from tests.waiting import eventually
 
 TOKEN = "grpc-token-0123456789abcdef"
 DOCS = ["alpha", "beta", "gamma"]
@@ -161,3 +162,23 @@ async def test_healthcheck_command_speaks_tls(start_server: StartServer,
 def test_backend_api_key_replaces_the_old_name() -> None:
     assert Settings(api_key="old").outbound_key == "old"  # still works, with a warning
     assert Settings(api_key="old", backend_api_key="new").outbound_key == "new"
+
+
+async def test_http_certificate_is_replaced_without_a_restart(
+        start_server: StartServer, tmp_path: Path) -> None:
+    async with tls_server(start_server, tmp_path) as (server, _ca, _ca_file):
+        new_ca = trustme.CA()
+        _files(Path(server.settings.tls_cert).parent, new_ca, "server")
+        new_ca_file = tmp_path / "new-ca.pem"
+        new_ca.cert_pem.write_to_path(str(new_ca_file))
+        url = f"https://127.0.0.1:{server.http_port}/health"
+
+        async def new_certificate_served() -> bool:
+            try:
+                async with httpx.AsyncClient(verify=trusting(new_ca_file)) as https:
+                    await https.get(url)
+            except httpx.HTTPError:
+                return False
+            return True
+
+        assert await eventually(new_certificate_served, 8, poll_s=0.5)  # checked every 5 s
