@@ -17,6 +17,7 @@ timings, and never the query or document text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
@@ -31,6 +32,12 @@ from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from . import convert
 from .pb import rerank_pb2 as pb
+
+
+class _Seen:
+    """What is known of a call's request for its log line, even if it fails early."""
+
+    request_id = ""
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -79,41 +86,41 @@ class RerankService:
             results.append(item)
         raise RuntimeError("pipeline ended without a summary")
 
+    @contextlib.asynccontextmanager
+    async def _admitted(self, raw: bytes, seen: _Seen, field: str = "request",
+                        ) -> AsyncIterator[RerankQuery]:
+        """The request as a domain query, its bytes counted in flight while it runs."""
+        size = len(raw)
+        self.inflight.take(size)
+        try:
+            request = parse_request(raw, field)
+            del raw
+            seen.request_id = request.request_id
+            yield convert.query_from_pb(request)
+        finally:
+            self.inflight.give_back(size)
+
     async def Rerank(self, raw: bytes,
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
-        started = time.perf_counter()
-        request_id = ""
-        size = len(raw)
+        started, seen = time.perf_counter(), _Seen()
         try:
-            self.inflight.take(size)
-            try:
-                request = parse_request(raw)
-                request_id = request.request_id
-                query = convert.query_from_pb(request)
-                del raw, request  # the domain query holds what is needed
+            async with self._admitted(raw, seen) as query:
+                del raw  # the domain query holds what is needed
                 results, summary = await self._collect(query, _deadline(context))
-            finally:
-                self.inflight.give_back(size)
         except Exception as exc:
-            await self._abort(context, "Rerank", request_id, started, exc)
+            await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
         self._finish("Rerank", summary, len(results))
         return convert.response_to_pb(results, summary)
 
     async def RerankStream(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any],
                            ) -> AsyncIterator[pb.RerankStreamMessage]:
-        started = time.perf_counter()
+        started, seen = time.perf_counter(), _Seen()
         sent = 0
-        request_id = ""
-        size = len(raw)
+        first_ms: float | None = None
         try:
-            self.inflight.take(size)
-            try:
-                request = parse_request(raw)
-                request_id = request.request_id
-                query = convert.query_from_pb(request)
-                del raw, request
-                first_ms: float | None = None
+            async with self._admitted(raw, seen) as query:
+                del raw
                 async for item in self._reranker.run(query, _deadline(context)):
                     if isinstance(item, RerankSummary):
                         self._finish("RerankStream", item, sent, first_result_ms=first_ms)
@@ -123,10 +130,8 @@ class RerankService:
                         first_ms = (time.perf_counter() - started) * 1000
                     sent += 1
                     yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
-            finally:
-                self.inflight.give_back(size)
         except Exception as exc:
-            await self._abort(context, "RerankStream", request_id, started, exc)
+            await self._abort(context, "RerankStream", seen.request_id, started, exc)
 
     async def RerankBatch(self, requests: AsyncIterable[bytes],
                           context: grpc.aio.ServicerContext[Any, Any],
@@ -143,28 +148,19 @@ class RerankService:
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(raw: bytes, position: int) -> None:
-            started = time.perf_counter()
-            request_id = ""
-            size = len(raw)
+            started, seen = time.perf_counter(), _Seen()
             try:
                 try:
-                    self.inflight.take(size)
-                    try:
-                        request = parse_request(raw, f"requests[{position}]")
-                        request_id = request.request_id
-                        query = convert.query_from_pb(request)
-                        del request
+                    async with self._admitted(raw, seen, f"requests[{position}]") as query:
                         results, summary = await self._collect(query, _deadline(context))
-                    finally:
-                        self.inflight.give_back(size)
                     self._finish("RerankBatch", summary, len(results))
                     answer = convert.response_to_pb(results, summary)
                 except Exception as exc:
                     code, message = _status_for(exc)
-                    rpc_failed("RerankBatch", request_id, started, code.name, exc,
+                    rpc_failed("RerankBatch", seen.request_id, started, code.name, exc,
                                internal=code is grpc.StatusCode.INTERNAL)
                     answer = pb.RerankResponse(
-                        request_id=request_id,
+                        request_id=seen.request_id,
                         error=pb.RequestError(code=code.value[0], message=message))
                 await done.put(answer)
             finally:

@@ -11,18 +11,14 @@ side, not the server's (docs/reliability.md).
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 
 import grpc
 
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
-from rerank_server.managed.llama_server import free_port
 from tests.fakes.llama import FakeLlamaServer
-from tests.service.test_process import _wait_listening
+from tests.server_process import server_process
 
 REQUESTS = 1500  # answers of about 36 KB: 54 MB unread
 
@@ -36,12 +32,6 @@ def rss_mib(pid: int) -> float:
 
 
 async def test_unread_answers_do_not_grow_server_memory(fake_llama: FakeLlamaServer) -> None:
-    port = free_port()
-    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_HTTP_PORT": "0", "RERANK_PROBE": "0", "RERANK_METRICS_PORT": "0",
-           "RERANK_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
-                            stdout=subprocess.DEVNULL)
     candidates = [pb.Candidate(id=str(i), text=f"passage {i}. " + "word " * 2400)
                   for i in range(3)]
 
@@ -50,24 +40,20 @@ async def test_unread_answers_do_not_grow_server_memory(fake_llama: FakeLlamaSer
             yield pb.RerankRequest(request_id=str(i), query=f"q{i}", candidates=candidates,
                                    options=pb.RerankOptions(return_text=True))
 
-    try:
-        await _wait_listening(port, proc)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            warm = pb_grpc.RerankerStub(channel).Rerank(
-                pb.RerankRequest(query="warm up", candidates=candidates))
-            assert (await warm).reranked
-            before = rss_mib(proc.pid)
-            call = pb_grpc.RerankerStub(channel).RerankBatch(requests())
-            peak = before
-            for _ in range(40):  # 8 s of writing and not reading
-                await asyncio.sleep(0.2)
-                peak = max(peak, rss_mib(proc.pid))
-            scored = len(fake_llama.requests) // len(candidates)
-            first = await call.read()
-            call.cancel()
-    finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 15)
+    async with server_process(fake_llama.url, RERANK_PROBE="0") as (port, proc), \
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        warm = pb_grpc.RerankerStub(channel).Rerank(
+            pb.RerankRequest(query="warm up", candidates=candidates))
+        assert (await warm).reranked
+        before = rss_mib(proc.pid)
+        call = pb_grpc.RerankerStub(channel).RerankBatch(requests())
+        peak = before
+        for _ in range(40):  # 8 s of writing and not reading
+            await asyncio.sleep(0.2)
+            peak = max(peak, rss_mib(proc.pid))
+        scored = len(fake_llama.requests) // len(candidates)
+        first = await call.read()
+        call.cancel()
     print(f"batch unread: {scored} requests scored, server RSS {before:.0f} -> {peak:.0f} MiB")
     assert scored > 200, "the test did not load the server"
     assert peak - before < 40, f"server RSS grew {peak - before:.0f} MiB with answers unread"

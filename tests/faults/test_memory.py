@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -16,11 +13,10 @@ from rerank_client import AsyncRerankClient, RerankError
 
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
-from rerank_server.managed.llama_server import free_port
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 from tests.faults.test_batch_backpressure import rss_mib
-from tests.service.test_process import _wait_listening
+from tests.server_process import server_process
 
 IN_FLIGHT_MIB = 64
 
@@ -35,48 +31,39 @@ def big_request(i: int) -> pb.RerankRequest:
 
 async def test_big_requests_at_once_keep_memory_bounded(fake_llama: FakeLlamaServer) -> None:
     fake_llama.latency_s = 0.05
-    port = free_port()
-    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_HTTP_PORT": "0", "RERANK_PROBE": "0", "RERANK_METRICS_PORT": "0",
-           "RERANK_LOG_LEVEL": "warning",
-           "RERANK_MAX_INFLIGHT_BYTES": str(IN_FLIGHT_MIB * 1024 * 1024)}
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
-                            stdout=subprocess.DEVNULL)
     requests = [big_request(i) for i in range(16)]
     size_mib = requests[0].ByteSize() / 2**20
     codes: collections.Counter[str] = collections.Counter()
-    try:
-        await _wait_listening(port, proc)
+    options = [("grpc.max_send_message_length", 32 * 2**20)]
+    async with server_process(fake_llama.url, RERANK_PROBE="0", RERANK_MAX_INFLIGHT_BYTES=str(
+            IN_FLIGHT_MIB * 1024 * 1024)) as (port, proc), \
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         before = rss_mib(proc.pid)
         peak = before
-        options = [("grpc.max_send_message_length", 32 * 2**20)]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-            stub = pb_grpc.RerankerStub(channel)
+        stub = pb_grpc.RerankerStub(channel)
 
-            async def one(request: pb.RerankRequest) -> None:
-                try:
-                    answer = await stub.Rerank(request, timeout=60)
-                    codes["OK reranked" if answer.reranked else "OK degraded"] += 1
-                except grpc.aio.AioRpcError as exc:
-                    codes[exc.code().name] += 1
+        async def one(request: pb.RerankRequest) -> None:
+            try:
+                answer = await stub.Rerank(request, timeout=60)
+                codes["OK reranked" if answer.reranked else "OK degraded"] += 1
+            except grpc.aio.AioRpcError as exc:
+                codes[exc.code().name] += 1
 
-            calls = asyncio.gather(*(one(r) for r in requests))
-            while not calls.done():
-                peak = max(peak, rss_mib(proc.pid))
-                await asyncio.sleep(0.05)
-            await calls
-    finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 15)
+        calls = asyncio.gather(*(one(r) for r in requests))
+        while not calls.done():
+            peak = max(peak, rss_mib(proc.pid))
+            await asyncio.sleep(0.05)
+        await calls
     grown = peak - before
     print(f"{size_mib:.1f} MB requests, {dict(codes)}, RSS {before:.0f} -> {peak:.0f} MiB")
     assert 11 < size_mib < 16
     assert codes["OK reranked"] > 0, dict(codes)
     assert sum(codes.values()) == 16 and set(codes) <= {
         "OK reranked", "OK degraded", "RESOURCE_EXHAUSTED"}, dict(codes)
-    # gRPC receives every message before the server can refuse it; what the server then
-    # works on is bounded by the budget. Before the budget: about 50 MiB per such request.
-    assert grown < 2.5 * 16 * size_mib, f"RSS grew {grown:.0f} MiB"
+    # gRPC receives every message (and copies it once into Python) before the server can
+    # refuse it; what the server then works on is bounded by the budget. Measured: 2.1 to
+    # 2.6 MiB of RSS per MB received. Before the budget: about 50 MiB per such request.
+    assert grown < 3.5 * 16 * size_mib, f"RSS grew {grown:.0f} MiB"
 
 
 async def test_request_bytes_past_the_budget_are_refused(

@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rerank_client import AsyncRerankClient, RerankError
 
-from rerank_server.managed.llama_server import free_port
 from tests.fakes.llama import FakeLlamaServer
-from tests.service.test_process import _wait_listening
+from tests.server_process import server_process
 from tests.waiting import eventually
 
 CLIENTS = 80
@@ -31,20 +27,13 @@ DOCS = [f"passage number {i} about rivers and banks" for i in range(10)]
 async def test_overload_is_answered_fast_never_by_a_deadline(
         fake_llama: FakeLlamaServer) -> None:
     fake_llama.latency_s = 0.2  # with --concurrency 4: 20 pairs/s, 2 requests/s
-    port = free_port()
-    # Default settings, as an operator runs it (the start-up probe included: its call is
-    # the first latency sample admission works from).
-    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_BACKEND_URL": fake_llama.url,
-           "RERANK_HTTP_PORT": "0", "RERANK_METRICS_PORT": "0", "RERANK_LOG_LEVEL": "warning",
-           "RERANK_CACHE_ENTRIES": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
-                            stdout=subprocess.DEVNULL)
     outcomes: collections.Counter[str] = collections.Counter()
     late = 0
     health_ms: list[float] = []
     seconds: dict[str, list[float]] = collections.defaultdict(list)
-    try:
-        await _wait_listening(port, proc)
+    # Default settings, as an operator runs it (the start-up probe included: its call is
+    # the first latency sample admission works from).
+    async with server_process(fake_llama.url, RERANK_CACHE_ENTRIES="0") as (port, _proc):
         assert await eventually(lambda: fake_llama.completed >= 2, 30)  # start-up probe
         until = time.monotonic() + LOAD_S
 
@@ -80,9 +69,6 @@ async def test_overload_is_answered_fast_never_by_a_deadline(
         async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
             await asyncio.gather(health_loop(),
                                  *(client_loop(client, n) for n in range(CLIENTS)))
-    finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 15)
     p50 = {k: round(statistics.median(v), 3) for k, v in seconds.items()}
     print(dict(outcomes), "p50 s", p50, "health ms max", round(max(health_ms), 1))
     assert outcomes["DEADLINE_EXCEEDED"] == 0, dict(outcomes)

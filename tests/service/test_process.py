@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from rerank_client import AsyncRerankClient
@@ -18,19 +17,7 @@ from rerank_client.cli import main as client_main
 from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
 from tests.fakes.llama import FakeLlamaServer
-
-
-async def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.1)
-    raise AssertionError("server did not start listening")
+from tests.server_process import wait_listening
 
 
 async def test_sigterm_drains_in_flight_call_and_exits_zero(fake_llama: FakeLlamaServer) -> None:
@@ -44,7 +31,7 @@ async def test_sigterm_drains_in_flight_call_and_exits_zero(fake_llama: FakeLlam
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=env,  # noqa: ASYNC220
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        await _wait_listening(port, proc)
+        await wait_listening(port, proc)
         async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
             call = asyncio.create_task(client.rerank("q", ["a", "b", "c"]))
             await asyncio.sleep(0.3)  # the call is now waiting on the backend
