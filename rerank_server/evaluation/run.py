@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import io
 import json
 import math
 import platform
@@ -52,14 +53,29 @@ from .first_stage import Hit, bm25_top
 from .fit import ScoredQuery, fit, ndcg
 
 METRICS = ("ndcg@10", "recall@10", "recall@100", "mrr@10")
-STRATEGIES = ("position_aware", "linear", "rerank_only", "adaptive")
+STRATEGIES = ("position_aware", "linear", "rerank_only", "adaptive", "profile")
 MAX_P = 0.05
 
 Run = dict[str, dict[str, float]]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _strategy_list(raw: str) -> str:
+    """`--blend`: checked before any work, so a typo does not cost an evaluation."""
+    unknown = [s for s in (x.strip() for x in raw.split(",")) if s and s not in STRATEGIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown)}; choose "
+                                         f"from {', '.join(STRATEGIES)}")
+    return raw
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rerank-server eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="rerank-server eval", description=__doc__,
+                                formatter_class=_HelpFormatter)
     p.add_argument("dataset", type=Path, help="folder in BEIR layout")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--target", help="a running rerank-server, HOST:PORT")
@@ -69,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=100, help="BM25 candidates per query")
     p.add_argument("--rerank-depth", type=int, default=20,
                    help="of those, how many are sent to be reranked")
-    p.add_argument("--blend", default=",".join(STRATEGIES),
-                   help="comma-separated blend strategies to evaluate")
+    p.add_argument("--blend", default=",".join(STRATEGIES), type=_strategy_list,
+                   help="comma-separated blend strategies to evaluate; "
+                        f"choose from {', '.join(STRATEGIES)}")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--max-queries", type=int, default=0, help="first N queries only (0: all)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="deadline per request")
@@ -283,7 +300,6 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
         keep = list(dataset.queries)[:args.max_queries]
         dataset = Dataset(dataset.name, dataset.corpus, {q: dataset.queries[q] for q in keep},
                           {q: dataset.qrels[q] for q in keep})
-    started = time.perf_counter()
     hits = bm25_top(dataset, args.depth)
     runs: dict[str, Run] = {"bm25": bm25_run(hits)}
     server = None
@@ -312,6 +328,8 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if server is not None:
             await server.stop(grace=0)
+    print(f"computing metrics and paired significance tests for {len(runs)} runs...",
+          file=sys.stderr)
     fitted = None
     if args.fit_profile:
         fitted = fit_profile(args, dataset, scored, backend, model, runs)
@@ -322,24 +340,59 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
         "documents": len(dataset.corpus), "depth": args.depth,
         "rerank_depth": args.rerank_depth, "backend": backend, "model": model,
         "requests": outcome, "blended_by": blended_by, "fit": fitted,
-        "seconds": round(time.perf_counter() - started, 1),
         "machine": f"{platform.machine()}, {platform.python_implementation()} "
                    f"{platform.python_version()}",
         **score(dataset, runs),
     }
 
 
+class _AboveTheBar(io.TextIOBase):
+    """A text stream that prints above tqdm's progress bars instead of through them."""
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            tqdm.write(text.rstrip("\n"), file=sys.stderr)
+        return len(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _no_nan(value: Any) -> Any:
+    """`value` with every NaN as None: JSON has no NaN (ranx gives one for two identical
+    runs, whose difference cannot be tested)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
-    logs.configure("warning", LogFormat.JSON)
+    logs.configure("warning", LogFormat.JSON, stream=_AboveTheBar())
     try:
         result = asyncio.run(evaluate_dataset(args))
     except (DatasetError, ConfigError, RerankError) as exc:
         print(f"rerank-server eval: error: {exc}", file=sys.stderr)
         return 1
+    if not any(counts["reranked"] for counts in result["requests"].values()):
+        print(f"rerank-server eval: error: no pair was scored ({result['queries']} queries "
+              f"per strategy, all answered in BM25 order): is the backend up, at the right "
+              f"URL, and of the --backend kind it speaks? The server log says why.",
+              file=sys.stderr)
+        return 1
+    result["seconds"] = round(time.perf_counter() - started, 1)  # the whole run
     name = args.name or result["dataset"]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"eval-{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"eval-{name}.json").write_text(
+        json.dumps(_no_nan(result), indent=1, allow_nan=False) + "\n")
     header = (f"{result['queries']} queries, {result['documents']} documents; BM25 top "
               f"{result['depth']}, top {result['rerank_depth']} reranked by "
               f"`{result['backend']}` ({result['model']}).")

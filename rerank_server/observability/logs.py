@@ -7,10 +7,11 @@ query and document text, which must not reach the logs. While a sampled span is 
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO, cast
 
 import structlog
 from opentelemetry import trace
@@ -31,8 +32,11 @@ def add_trace_ids(_logger: object, _name: str,
     return event
 
 
-def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO) -> None:
-    use_json = fmt is LogFormat.JSON or (fmt is LogFormat.AUTO and not sys.stdout.isatty())
+def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
+              stream: TextIO | io.TextIOBase | None = None) -> None:
+    """Log lines to `stream` (default stdout)."""
+    stream = cast(TextIO, stream or sys.stdout)
+    use_json = fmt is LogFormat.JSON or (fmt is LogFormat.AUTO and not stream.isatty())
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         add_trace_ids,
@@ -50,7 +54,7 @@ def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO) -> None:
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
 

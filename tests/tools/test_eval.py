@@ -104,3 +104,53 @@ def test_fit_profile_then_evaluate_with_it(tmp_path: Path, fake_llama: FakeLlama
     assert sum(per_query.values()) / 3 == pytest.approx(bm25)
     table = (out / "eval-again.md").read_text()
     assert "share of rerank gain" in table and "profile as `profile fake`" in table
+
+
+def test_a_run_with_no_pair_scored_fails_with_one_line(
+        tmp_path: Path, fake_llama: FakeLlamaServer, capsys: pytest.CaptureFixture[str],
+        ) -> None:
+    port = fake_llama.kill()  # nothing listens there: every pair fails
+    data = write_dataset(tmp_path / "tiny", header=True)
+    code = main([str(data), "--server", f"--backend-url http://127.0.0.1:{port} --no-probe "
+                 "--metrics-port 0", "--depth", "6", "--rerank-depth", "6",
+                 "--blend", "rerank_only", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert [line for line in err.splitlines() if "error:" in line] == [
+        next(line for line in err.splitlines() if "no pair was scored" in line)]
+    assert not (tmp_path / "out" / "eval-tiny.md").exists()
+
+
+def test_unknown_blend_is_an_argument_error_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "missing"), "--blend", "rerank_only,magic"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown strategy magic; choose from position_aware, linear, rerank_only, " \
+           "adaptive, profile" in err
+
+
+def test_defaults_include_profile_and_help_shows_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # as wrapped for the terminal
+    assert "(default: position_aware,linear,rerank_only,adaptive,profile)" in out
+    assert "(default: 100)" in out  # --depth
+
+
+def test_json_has_no_bare_nan_and_time_is_the_whole_run(
+        tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    """A blend that keeps BM25's order gives identical runs, whose p-value ranx reports as
+    NaN: the file must still be valid JSON."""
+    fake_llama.default_score = 0.5  # no signal: position_aware keeps BM25's ranking
+    data = write_dataset(tmp_path / "tiny", header=True)
+    out = tmp_path / "out"
+    assert main([str(data), "--server", f"--backend-url {fake_llama.url} --no-probe "
+                 "--metrics-port 0", "--depth", "6", "--rerank-depth", "6",
+                 "--blend", "position_aware", "--out", str(out)]) == 0
+    text = (out / "eval-tiny.json").read_text()
+    result = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    assert result["p_values"]["bm25"]["position_aware"]["ndcg@10"] is None
+    assert result["seconds"] > 0
