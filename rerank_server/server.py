@@ -166,7 +166,8 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         if settings.http_port:
             app = create_app(reranker, tokens=tokens, inflight=inflight,
                              backend_up=lambda: monitor.backend_up,
-                             max_body_bytes=settings.max_message_bytes)
+                             max_body_bytes=settings.max_message_bytes,
+                             max_active=settings.max_concurrent_rpcs)
             http = await HttpEdge.start(
                 app, settings, CertificateFiles.from_paths(
                     settings.tls_cert, settings.tls_key, settings.tls_client_ca))

@@ -81,9 +81,11 @@ def _credentials(tls: CertificateFiles) -> grpc.ServerCredentials:
         if not tls.changed():
             return None
         try:
-            return configuration()
+            fresh = configuration()
         except OSError:
-            return None
+            return None  # half-written: the next handshake tries again
+        tls.loaded()
+        return fresh
 
     return grpc.dynamic_ssl_server_credentials(
         configuration(), fetch, require_client_authentication=tls.mutual)

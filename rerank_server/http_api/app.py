@@ -15,11 +15,13 @@ without an accepted token, 429 when the server is busy, 413 for a body over
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from ..domain import BlendStrategy, Candidate, RankedCandidate, RerankQuery, RerankSummary
@@ -42,20 +44,77 @@ class HttpError(Exception):
         self.headers = headers
 
 
+# Open without a token: load balancers and probes carry none; the API description says
+# nothing about the deployment (docs/security.md).
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+RERANK_PATHS = frozenset({"/v1/rerank", "/v2/rerank", "/rerank"})
+
+
+class _Gate:
+    """ASGI middleware: the token and the concurrency cap are checked from the headers,
+    before any byte of the body is read (FastAPI reads and parses the body before a
+    route's dependencies run). The body's size is FastAPI's `max_body_size`, checked as
+    the body arrives (413), so no body over `--max-message-bytes` is ever held."""
+
+    def __init__(self, app: ASGIApp, *, tokens: TokenSet, max_active: int) -> None:
+        self._app = app
+        self._tokens = tokens
+        self._max_active = max_active
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        path = scope["path"]
+        if path not in OPEN_PATHS and not self._tokens.accepts(headers.get("authorization")):
+            await _refuse(send, 401, "missing or invalid bearer token: send "
+                                     "'Authorization: Bearer <token>'",
+                          {"WWW-Authenticate": "Bearer"})
+            return
+        if path not in RERANK_PATHS:
+            await self._app(scope, receive, send)
+            return
+        if self.active >= self._max_active:
+            await _refuse(send, 429, f"server busy: {self.active} rerank requests in "
+                                     "progress (max_concurrent_rpcs); retry with backoff",
+                          {"Retry-After": "1"})
+            return
+        self.active += 1
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
+async def _refuse(send: Send, status: int, message: str,
+                  headers: dict[str, str] | None = None) -> None:
+    await JSONResponse({"message": message}, status, headers=headers)(
+        {"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
 def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
-               backend_up: BackendState, max_body_bytes: int) -> FastAPI:
+               backend_up: BackendState, max_body_bytes: int,
+               max_active: int = 256) -> FastAPI:
     app = FastAPI(
         title="rerank-server", version=__version__,
         description="Cohere/Jina- and TEI-compatible rerank API over rerank-server's "
                     "pipeline: results are the model's scores blended with the retrieval "
                     "order, and a failing model degrades an answer instead of failing it.",
-        docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+        docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+        max_body_size=max_body_bytes)  # bodies without Content-Length, checked as read
+    app.add_middleware(_Gate, tokens=tokens, max_active=max_active)
 
-    async def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
-        if not tokens.accepts(authorization):
-            raise HttpError(401, "missing or invalid bearer token: send "
-                                 "'Authorization: Bearer <token>'",
-                            {"WWW-Authenticate": "Bearer"})
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rpc_failed(f"{request.method} {request.url.path}", "", time.perf_counter(), "500",
+                   exc, internal=True)
+        return JSONResponse({"message": "internal error"}, 500)
 
     @app.exception_handler(HttpError)
     async def http_error(_request: Request, exc: HttpError) -> JSONResponse:
@@ -71,11 +130,9 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
                   ) -> tuple[list[RankedCandidate], RerankSummary]:
         """The pipeline's answer, within the server-wide byte budget."""
         started = time.perf_counter()
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            raise HttpError(413, f"body of {len(body)} bytes exceeds max_message_bytes "
-                                 f"{max_body_bytes}")
+        body = await request.body()  # already read: FastAPI parsed it
         try:
+            _check_unicode(query, field)
             inflight.take(len(body))
             try:
                 results: list[RankedCandidate] = []
@@ -90,14 +147,14 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
                 inflight.give_back(len(body))
         except InvalidRequest as exc:
             rpc_failed(rpc, query.request_id, started, "422", exc, internal=False)
-            raise HttpError(422, str(exc).replace("candidates", field)) from None
+            raise HttpError(422, _as_written(exc, field)) from None
         except Overloaded as exc:
             rpc_failed(rpc, query.request_id, started, "429", exc, internal=False)
             raise HttpError(429, str(exc), {"Retry-After": "1"}) from None
 
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
-        async def rerank(body: m.CohereRerankRequest, request: Request,
-                         _: Annotated[None, Depends(authorized)]) -> m.CohereRerankResponse:
+        async def rerank(body: m.CohereRerankRequest,
+                         request: Request) -> m.CohereRerankResponse:
             query = _cohere_query(body)
             results, summary = await run(f"POST /v{version}/rerank", request, query,
                                          "documents")
@@ -124,8 +181,7 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
               tags=["rerank"], summary="Rerank, text-embeddings-inference shape",
               responses={401: {"model": m.Error}, 422: {"model": m.Error},
                          429: {"model": m.Error}})
-    async def tei_rerank(body: m.TeiRerankRequest, request: Request,
-                         _: Annotated[None, Depends(authorized)]) -> list[m.TeiResult]:
+    async def tei_rerank(body: m.TeiRerankRequest, request: Request) -> list[m.TeiResult]:
         query = RerankQuery(request_id=uuid.uuid4().hex, query=body.query,
                             candidates=tuple(Candidate(id=str(i), text=t, index=i,
                                                        retrieval_rank=i + 1)
@@ -148,11 +204,40 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
 
     @app.get("/v1/models", response_model=m.ModelList, tags=["operations"],
              responses={401: {"model": m.Error}})
-    async def list_models(_: Annotated[None, Depends(authorized)]) -> m.ModelList:
+    async def list_models() -> m.ModelList:
         return m.ModelList(data=[m.ModelCard(id=reranker.scorer.model or "unknown",
                                              backend=reranker.scorer.kind)])
 
     return app
+
+
+def _as_written(exc: InvalidRequest, documents: str) -> str:
+    """The core's field name as an HTTP client wrote it: `documents[3].text`, and the
+    top-level options (`max_candidates`, not `options.max_candidates`)."""
+    def rename(name: str) -> str:
+        name = name.removeprefix("options.")
+        return documents + name[len("candidates"):] if name.startswith("candidates") else name
+
+    problem = exc.problem.replace("candidates[", f"{documents}[")
+    return f"{rename(exc.field)}: {problem}"
+
+
+def _check_unicode(query: RerankQuery, documents: str) -> None:
+    """JSON can carry lone surrogates ("\\ud800"), which no UTF-8 encoder takes: refuse them
+    here, naming the field, rather than fail later (protobuf already guarantees UTF-8)."""
+    def check(field: str, value: str | None) -> None:
+        if value and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequest(field, "is not valid Unicode (a lone surrogate)") \
+                    from None
+
+    check("query", query.query)
+    check("instruction", query.instruction)
+    for c in query.candidates:
+        for name, value in (("id", c.id), ("text", c.text), ("title", c.title)):
+            check(f"candidates[{c.index}].{name}", value)
 
 
 def _field(loc: Sequence[Any]) -> str:

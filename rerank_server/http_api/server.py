@@ -50,7 +50,6 @@ class HttpEdge:
         sock = _bind(settings.host, settings.http_port)
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-            limit_concurrency=settings.max_concurrent_rpcs,
             timeout_graceful_shutdown=max(int(settings.grace_period_s), 1),
             ssl_certfile=str(tls.cert) if tls else None,
             ssl_keyfile=str(tls.key) if tls else None,
@@ -89,11 +88,26 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _reload_certificates(config: uvicorn.Config, tls: CertificateFiles) -> None:
+    """Every few seconds: new files go into a fresh context, which the live one hands each
+    new handshake to (`sni_callback`). A failed load leaves the current one in place."""
+    live = config.ssl
+    if live is None:
+        return
+    current = live
+
+    def switch(connection: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
+        connection.context = current
+
+    live.sni_callback = switch
     while True:
         await asyncio.sleep(RELOAD_EVERY_S)
-        if config.ssl is not None and tls.changed():
-            try:
-                tls.load_into(config.ssl)
-                log.info("tls_certificate_reloaded", port="http")
-            except (OSError, ssl.SSLError) as exc:
-                log.warning("tls_certificate_reload_failed", error=type(exc).__name__)
+        if not tls.changed():
+            continue
+        try:
+            fresh = tls.server_context()
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("tls_certificate_reload_failed", error=type(exc).__name__)
+            continue
+        current = fresh
+        tls.loaded()
+        log.info("tls_certificate_reloaded", port="http")

@@ -1,10 +1,11 @@
 """TLS certificate files (`--tls-cert`, `--tls-key`, `--tls-client-ca`), re-read on change.
 
 Certificates are replaced without a restart: each edge asks `CertificateFiles.changed()`
-(cheap: file modification times) and loads the new files for new connections; existing
-connections keep the certificate they were made with. A cert-manager or a mounted Secret
-that rotates the files is enough. A file pair caught half-written (new certificate, old
-key) fails to load; the old one stays in use and the next check tries again.
+(cheap: file modification times), loads the new files into a fresh context for new
+connections, and only then calls `loaded()`; existing connections keep the certificate
+they were made with. A cert-manager or a mounted Secret that rotates the files is enough.
+A file pair caught half-written (new certificate, old key) fails to load: the old context
+stays in use, and since `loaded()` was not called the next check tries again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class CertificateFiles:
     cert: Path
     key: Path
     client_ca: Path | None = None
-    _seen: tuple[float, ...] = field(default=(), repr=False)
+    _seen: tuple[int, ...] = field(default=(), repr=False)  # times of the loaded files
 
     @classmethod
     def from_paths(cls, cert: str, key: str, client_ca: str = "") -> CertificateFiles | None:
@@ -34,7 +35,7 @@ class CertificateFiles:
                            ("--tls-client-ca", files.client_ca)):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{name}: {path} is not a readable file")
-        files.changed()  # remember the times the first load sees
+        files.loaded()  # the times the first load sees
         return files
 
     @property
@@ -46,17 +47,20 @@ class CertificateFiles:
         ca = self.client_ca.read_bytes() if self.client_ca is not None else None
         return self.cert.read_bytes(), self.key.read_bytes(), ca
 
-    def changed(self) -> bool:
-        """Whether any file changed since the last call (True on the first)."""
+    def _times(self) -> tuple[int, ...]:
         paths = [p for p in (self.cert, self.key, self.client_ca) if p is not None]
         try:
-            seen = tuple(p.stat().st_mtime_ns for p in paths)
+            return tuple(p.stat().st_mtime_ns for p in paths)
         except OSError:
-            return False  # being replaced: keep what works
-        if seen == self._seen:
-            return False
-        self._seen = seen
-        return True
+            return self._seen  # being replaced: keep what works
+
+    def changed(self) -> bool:
+        """Whether any file changed since the last successful load."""
+        return self._times() != self._seen
+
+    def loaded(self) -> None:
+        """The files as they are now were loaded: stop reporting them as changed."""
+        self._seen = self._times()
 
     def server_context(self) -> ssl.SSLContext:
         """A server-side context with these files (for the HTTP edge)."""
@@ -68,7 +72,7 @@ class CertificateFiles:
         return context
 
     def load_into(self, context: ssl.SSLContext) -> None:
-        """Load the files into `context`; new handshakes use them."""
+        """Load the files into `context` (a fresh one: a failed load spoils a context)."""
         context.load_cert_chain(self.cert, self.key)
         if self.client_ca is not None:
             context.load_verify_locations(cafile=self.client_ca)

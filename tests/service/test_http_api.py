@@ -137,3 +137,35 @@ async def test_health_says_503_while_the_backend_is_down(
                 break
             await asyncio.sleep(0.05)
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
+
+
+async def test_token_and_size_are_checked_before_the_body_is_read(
+        start_server: StartServer) -> None:
+    server = await start_server(http_port=free_port(), auth_tokens=TOKEN,
+                                max_message_bytes=64 * 1024)
+    big = b'{"query": "q", "documents": ["' + b"x" * 200_000 + b'"]}'
+    async with httpx.AsyncClient(base_url=base_url(server)) as http:
+        anonymous = await http.post("/v1/rerank", content=big,
+                                    headers={"Content-Type": "application/json"})
+        small_anonymous = await http.post("/v1/rerank", json={"query": "q",
+                                                              "documents": DOCS})
+        too_big = await http.post("/v1/rerank", content=big, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    assert anonymous.status_code in (401, 413)  # either way, refused from the headers
+    assert small_anonymous.status_code == 401
+    assert too_big.status_code == 413
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('{"query": "q", "documents": ["a", "b"], "max_candidates": 500}',
+     "max_candidates: must be between 1 and 100"),
+    ('{"query": "q", "documents": ["ok", "bad \\ud800 text"]}',  # valid JSON, not UTF-8
+     "documents[1].text: is not valid Unicode"),
+])
+async def test_http_errors_name_the_field_as_the_client_wrote_it(
+        http_server: RunningServer, body: str, message: str) -> None:
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/v1/rerank", content=body, headers={
+            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert reply.status_code == 422
+    assert reply.json()["message"].startswith(message), reply.json()

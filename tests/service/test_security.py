@@ -182,3 +182,17 @@ async def test_http_certificate_is_replaced_without_a_restart(
             return True
 
         assert await eventually(new_certificate_served, 8, poll_s=0.5)  # checked every 5 s
+
+
+async def test_a_broken_certificate_file_keeps_the_old_one_in_use(
+        start_server: StartServer, tmp_path: Path) -> None:
+    async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
+        cert = Path(server.settings.tls_cert)
+        await asyncio.to_thread(cert.write_text, "-----BEGIN CERTIFICATE-----\nbroken\n")
+        await asyncio.sleep(6)  # past the HTTP reload check (every 5 s)
+        async with httpx.AsyncClient(verify=trusting(ca_file)) as https:
+            health = await https.get(f"https://127.0.0.1:{server.http_port}/health")
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}",
+                                     tls_ca=str(ca_file)) as client:
+            answer = await client.rerank("q", DOCS)
+    assert health.status_code in (200, 503) and answer.reranked
