@@ -6,10 +6,11 @@ monitor), so each is closed exactly once, in reverse order, on every path: a nor
 and a start that fails half-way (a port already in use, say) alike.
 
 Shutdown on SIGTERM/SIGINT therefore runs (as uvicorn's `capture_signals`/`handle_exit`):
-the monitor stops; health goes NOT_SERVING so load balancers stop sending, the server
-stops taking new calls and gives in-flight ones `grace_period_s`; then the scorer, the
-backend pool and the cache close, a managed llama-server is stopped, and telemetry is
-flushed last.
+the monitor stops; health goes NOT_SERVING so load balancers stop sending; both edges
+(gRPC and HTTP) stop taking new calls and give in-flight ones `grace_period_s`, at the
+same time (requests still scoring answer SHUTTING_DOWN shortly before it ends); then the
+scorer, the backend pool and the cache close, a managed llama-server is stopped, and
+telemetry is flushed last.
 """
 
 from __future__ import annotations
@@ -110,6 +111,20 @@ class RunningServer:
         await self._resources.aclose()
 
 
+class _Edges:
+    """Both edges stop together: health NOT_SERVING first, then gRPC and HTTP drain at the
+    same time within one grace period (not one after the other)."""
+
+    def __init__(self, grpc_edge: GrpcEdge) -> None:
+        self.grpc = grpc_edge
+        self.http: HttpEdge | None = None
+
+    async def aclose(self) -> None:
+        await self.grpc.health.enter_graceful_shutdown()
+        await asyncio.gather(self.grpc.aclose(),
+                             *([self.http.aclose()] if self.http is not None else []))
+
+
 def _open_cache(settings: Settings, telemetry: Telemetry) -> ScoreCache:
     path = Path(settings.cache_path).expanduser() if settings.cache_path else None
     return ScoreCache(settings.cache_entries, settings.cache_ttl_s, path,
@@ -156,7 +171,8 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
             settings, reranker, telemetry, tokens, inflight=inflight,
             tls=CertificateFiles.from_paths(settings.tls_cert, settings.tls_key,
                                             settings.tls_client_ca))
-        stack.push_async_callback(edge.aclose)
+        edges = _Edges(edge)
+        stack.push_async_callback(edges.aclose)
         monitor = BackendMonitor(scorer, pool, settings.instruction, edge.report_backend,
                                  settings.health_interval_s, run_probe=settings.probe,
                                  metrics=telemetry.metrics)
@@ -168,10 +184,9 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
                              backend_up=lambda: monitor.backend_up,
                              max_body_bytes=settings.max_message_bytes,
                              max_active=settings.max_concurrent_rpcs)
-            http = await HttpEdge.start(
+            http = edges.http = await HttpEdge.start(
                 app, settings, CertificateFiles.from_paths(
                     settings.tls_cert, settings.tls_key, settings.tls_client_ca))
-            stack.push_async_callback(http.aclose)
         return RunningServer(edge, reranker, settings, monitor, pool, telemetry, managed,
                              stack.pop_all(), http)
     raise AssertionError("unreachable")  # the stack re-raises whatever broke the start

@@ -158,9 +158,6 @@ class GrpcEdge:
         """The backend monitor's callback (`scoring.monitor.Report`)."""
         await self.health.set(backend_health_name(component), _SERVING if up else _NOT_SERVING)
 
-    def address(self, host: str) -> str:
-        return host_port(host, self.port)
-
     async def aclose(self) -> None:
         """NOT_SERVING, refuse new calls, give in-flight ones `grace_s`, then cancel them."""
         await self.health.enter_graceful_shutdown()

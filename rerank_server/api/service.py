@@ -143,7 +143,7 @@ class RerankService:
         answers stops the server reading requests (and gRPC's flow control stops the
         client writing them).
         """
-        done: asyncio.Queue[pb.RerankResponse | None] = asyncio.Queue(self._batch_concurrency)
+        done: asyncio.Queue[pb.RerankResponse] = asyncio.Queue(self._batch_concurrency)
         slots = asyncio.Semaphore(self._batch_concurrency)
         tasks: set[asyncio.Task[None]] = set()
 
@@ -167,23 +167,27 @@ class RerankService:
                 slots.release()
 
         async def feed() -> None:
-            try:
-                position = 0
-                async for raw in requests:
-                    await slots.acquire()
-                    task = asyncio.create_task(one(raw, position))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    position += 1
-                if tasks:
-                    await asyncio.gather(*tasks)
-            finally:
-                await done.put(None)
+            position = 0
+            async for raw in requests:
+                await slots.acquire()
+                task = asyncio.create_task(one(raw, position))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                position += 1
+            if tasks:
+                await asyncio.gather(*tasks)
 
         feeder = asyncio.create_task(feed())
         try:
-            while (response := await done.get()) is not None:
-                yield response
+            # Until the feeder is done and every answer is out. No sentinel in the queue:
+            # a feeder cancelled while the queue is full must not wait to put one.
+            while not (feeder.done() and done.empty()):
+                getter = asyncio.ensure_future(done.get())
+                await asyncio.wait({getter, feeder}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
             await feeder  # surfaces a broken request stream
         finally:
             for task in (feeder, *tasks):

@@ -11,6 +11,7 @@ import io
 import logging
 import sys
 import time
+import traceback
 from typing import Any, TextIO, cast
 
 import structlog
@@ -79,9 +80,11 @@ def rpc_failed(rpc: str, request_id: str, started: float, status: str, exc: Exce
     """The log line of a request that ended with an error status."""
     elapsed = round((time.perf_counter() - started) * 1000, 2)
     if internal:
-        # The traceback names our code, not user text; the message may not, so drop it.
+        # The frames name our code, not user text; the message may not, so it is left out
+        # (a rendered traceback would end with it).
+        frames = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
         rpc_log.error("rpc", rpc=rpc, status=status, request_id=request_id,
-                      error=type(exc).__name__, total_ms=elapsed, exc_info=exc)
+                      error=type(exc).__name__, total_ms=elapsed, stack=frames)
     else:
         rpc_log.info("rpc", rpc=rpc, status=status, request_id=request_id, error=str(exc),
                      total_ms=elapsed)

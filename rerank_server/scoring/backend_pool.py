@@ -71,7 +71,6 @@ class Endpoint:
 
     http: HttpBackend
     concurrency: int
-    in_flight: int = 0
     failures_in_row: int = 0
     ejections_in_row: int = 0
     ejected_until: float | None = None  # monotonic; set while ejected
@@ -131,7 +130,6 @@ class BackendPool:
                 raise last or BackendCallError(Failure.UNAVAILABLE,
                                                "every backend instance is out")
             tried.append(endpoint)
-            endpoint.in_flight += 1
             try:
                 body = await endpoint.http.post_json(path, payload, pairs)
             except BackendCallError as exc:
@@ -139,8 +137,6 @@ class BackendPool:
                 if _retryable(exc) and len(tried) < 2 and _PINNED.get() is None:
                     continue
                 raise
-            finally:
-                endpoint.in_flight -= 1
             try:
                 return parse(body)
             except MalformedResponse as exc:
@@ -182,7 +178,7 @@ class BackendPool:
             return None
         turn = next(self._turn)
         # Fewest in flight relative to the instance's own limit; rotate among equals.
-        return min(ready, key=lambda e: (e.in_flight / e.concurrency,
+        return min(ready, key=lambda e: (e.http.load,
                                          (self.endpoints.index(e) - turn) % len(self.endpoints)))
 
     # --- ejection

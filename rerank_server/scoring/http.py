@@ -111,6 +111,7 @@ class HttpBackend:
         # What admission estimates read (backend_pool.BackendPool.estimate_s).
         self.queued_pairs = 0
         self.in_flight_pairs = 0
+        self.waiting = 0  # calls waiting for a slot
         self.latency_s: float | None = None     # recent latency of answered calls (EWMA)
         self.pair_s: float | None = None        # ... per pair in the call
         self.abandoned = 0                      # abandoned calls still running
@@ -124,12 +125,15 @@ class HttpBackend:
         the module docstring) and keeps its slot until it ends.
         """
         self.queued_pairs += pairs
+        self.waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self.queued_pairs -= pairs
+            self.waiting -= 1
         call = asyncio.ensure_future(self._call(path, payload, pairs))
         self._calls[call] = asyncio.get_running_loop().time()
+        # Released when the call ends however it ends, even cancelled before it started.
         call.add_done_callback(self._forget)
         try:
             return await asyncio.shield(call)
@@ -141,6 +145,13 @@ class HttpBackend:
     def _forget(self, call: asyncio.Future[Any]) -> None:
         self._calls.pop(call, None)
         self._given_up.discard(call)
+        self._slots.release()
+
+    @property
+    def load(self) -> float:
+        """Calls holding or waiting for a slot, abandoned ones included, per slot: what
+        balancing compares (a hung instance full of abandoned calls is not idle)."""
+        return (len(self._calls) + self.waiting) / self.concurrency
 
     async def _call(self, path: str, payload: Any, pairs: int) -> Any:
         """One call, from holding its slot to releasing it; reports how it ended."""
@@ -150,10 +161,14 @@ class HttpBackend:
         ended: tuple[BackendCallError | None] | None = None  # None: not to be reported
         try:
             body = await self._traced_post(path, payload, pairs)
-            elapsed = loop.time() - started
-            self.latency_s = _ewma(self.latency_s, elapsed)
-            self.pair_s = _ewma(self.pair_s, elapsed / max(pairs, 1))
-            ended = (None,)
+            if pairs:
+                # Metadata calls (pairs=0: /tokenize, /apply-template) take no slot on
+                # llama-server: their speed and their answers say nothing about scoring,
+                # so they neither feed the latency figures nor clear a failure streak.
+                elapsed = loop.time() - started
+                self.latency_s = _ewma(self.latency_s, elapsed)
+                self.pair_s = _ewma(self.pair_s, elapsed / pairs)
+                ended = (None,)
             return body
         except BackendCallError as exc:
             ended = (exc,)
@@ -165,7 +180,6 @@ class HttpBackend:
             raise
         finally:
             self.in_flight_pairs -= pairs
-            self._slots.release()
             if ended is not None:
                 self.on_outcome(ended[0])
 

@@ -2,7 +2,7 @@
 
 The probe scores one clearly relevant and one clearly irrelevant pair. The monitor reports
 what it finds through a callback, `report(component, up)`, and knows nothing of who
-listens (the gRPC edge turns it into health service names, `api/health.py`):
+listens (the gRPC edge turns it into health service names, `api/grpc_server.py`):
 
 - `BACKEND` (""): up while the backend answers and yields scores.
 - `HOST:PORT`: one per instance, up while its `/health` answers 200.
@@ -111,6 +111,7 @@ class BackendMonitor:
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[None]] = {}  # instance name -> its probe
+        self._came_up: asyncio.Task[None] | None = None
 
     @property
     def backend_up(self) -> bool | None:
@@ -121,7 +122,8 @@ class BackendMonitor:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._probes.values()) if t is not None]
+        tasks = [t for t in (self._task, self._came_up, *self._probes.values())
+                 if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -133,7 +135,7 @@ class BackendMonitor:
             try:
                 if loop.time() >= next_poll:
                     next_poll = loop.time() + self._interval_s
-                    await self.check()
+                    await self._check()
                 else:
                     await self.tick()
             except Exception:  # a bug here must not end health reporting for good
@@ -141,7 +143,13 @@ class BackendMonitor:
             await asyncio.sleep(min(TICK_S, self._interval_s))
 
     async def check(self) -> None:
-        """Poll every instance's `/health`, then `tick`."""
+        """Poll every instance's `/health`, then `tick`, and wait for what a backend that
+        came up sets off (its model's name, the probe)."""
+        await self._check()
+        if self._came_up is not None:
+            await self._came_up
+
+    async def _check(self) -> None:
         await asyncio.gather(*(self._poll(e) for e in self._pool.endpoints))
         await self.tick()
 
@@ -161,6 +169,11 @@ class BackendMonitor:
             log.warning("backend_down", backend=self._scorer.kind)
             await self._set(backend=False, discriminates=False)
             return
+        # The model's name and the probe can take long (a slow model): in a task of their
+        # own, so ticks go on probing ejected instances and reporting meanwhile.
+        self._came_up = asyncio.create_task(self._on_up())
+
+    async def _on_up(self) -> None:
         await self._scorer.discover_model()
         log.info("backend_up", backend=self._scorer.kind, model=self._scorer.model)
         self.ready.set()

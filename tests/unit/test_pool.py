@@ -41,9 +41,9 @@ def test_ejection_backs_off_doubling_up_to_the_maximum() -> None:
 def test_least_outstanding_and_rotation() -> None:
     p = pool(Clock())
     a, b = p.endpoints
-    a.in_flight = 1
+    a.http.waiting = 1  # one call waiting for a's slots
     assert p._pick([]) is b
-    a.in_flight = 0
+    a.http.waiting = 0
     picks = {p._pick([]).name for _ in range(4)}  # type: ignore[union-attr]
     assert picks == {a.name, b.name}
     a.ejected_until = 1e9

@@ -54,6 +54,9 @@ def tls_credentials(tls_ca: Pem = None, tls_cert: Pem = None,
                     tls_key: Pem = None) -> grpc.ChannelCredentials | None:
     """Channel credentials for TLS (None when no CA is given: plaintext)."""
     if tls_ca is None:
+        if tls_cert is not None or tls_key is not None:
+            raise ValueError("tls_cert/tls_key need tls_ca: without a CA the channel would "
+                             "be plaintext")
         return None
     return grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca),
                                         private_key=_pem(tls_key),
