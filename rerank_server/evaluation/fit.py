@@ -22,6 +22,7 @@ import random
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..ranking.blending import AdaptiveParams, adaptive_scores, spread
 
@@ -39,6 +40,16 @@ class ScoredQuery:
     ranks: tuple[int, ...]
     scores: tuple[float | None, ...]  # reranker scores; None where the pair failed
     rest: tuple[str, ...]  # the tail, in retrieval order
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ids": list(self.ids), "ranks": list(self.ranks),
+                "scores": list(self.scores), "rest": list(self.rest)}
+
+    @classmethod
+    def from_json(cls, qid: str, data: dict[str, Any]) -> ScoredQuery:
+        """As `to_json` wrote it (the `scored` part of an `eval-NAME.json`)."""
+        return cls(qid, tuple(data["ids"]), tuple(data["ranks"]), tuple(data["scores"]),
+                   tuple(data["rest"]))
 
     def ordered(self, params: AdaptiveParams) -> list[str]:
         """Document ids in the order the server would answer with `params`."""

@@ -340,6 +340,9 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
         "documents": len(dataset.corpus), "depth": args.depth,
         "rerank_depth": args.rerank_depth, "backend": backend, "model": model,
         "requests": outcome, "blended_by": blended_by, "fit": fitted,
+        # The model's raw scores per reranked query: what a profile is fitted on, kept so
+        # that fits across data sets can be replayed offline (ScoredQuery.from_json).
+        "scored": {qid: sq.to_json() for qid, sq in scored.items()},
         "machine": f"{platform.machine()}, {platform.python_implementation()} "
                    f"{platform.python_version()}",
         **score(dataset, runs),

@@ -69,6 +69,8 @@ def test_eval_measures_bm25_and_each_strategy(tmp_path: Path,
     assert result["requests"]["rerank_only"] == {"reranked": 3, "degraded": 0,
                                                  "failed_pairs": 0}
     assert result["backend"] == "chat"
+    q1 = result["scored"]["q1"]  # the raw scores, for fits across data sets
+    assert q1["scores"][q1["ids"].index("q1-good")] == pytest.approx(0.95)
     table = (out / "eval-tiny.md").read_text()
     assert "| a | bm25 |" in table and "rerank_only" in table and "ndcg@10" in table
 
