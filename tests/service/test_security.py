@@ -17,6 +17,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from rerank_client import AsyncRerankClient, RerankError
+from rerank_client.cli import main as client_main
 
 from rerank_server.api import healthcheck
 from rerank_server.managed.llama_server import free_port
@@ -196,3 +197,16 @@ async def test_a_broken_certificate_file_keeps_the_old_one_in_use(
                                      tls_ca=str(ca_file)) as client:
             answer = await client.rerank("q", DOCS)
     assert health.status_code in (200, 503) and answer.reranked
+
+
+async def test_rerank_client_cli_sends_its_token_over_tls(
+        start_server: StartServer, tmp_path: Path) -> None:
+    ca = trustme.CA()
+    cert, key = _files(tmp_path, ca, "server")
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    server = await start_server(tls_cert=cert, tls_key=key, auth_tokens=TOKEN)
+    argv = ["--target", f"127.0.0.1:{server.port}", "--tls-ca", str(ca_file), "--json",
+            "q", "alpha", "beta", "gamma"]
+    assert await asyncio.to_thread(client_main, ["--token", TOKEN, *argv]) == 0
+    assert await asyncio.to_thread(client_main, argv) != 0  # no token: refused
