@@ -20,6 +20,7 @@ from . import prompt
 from .backend_pool import BackendPool, MalformedResponse
 from .base import Emit, Failure, ScoreRequest
 from .batching import score_in_batches
+from .context_fit import ContextFit
 from .http import BackendCallError
 from .pooled_scorer import PooledScorer
 
@@ -32,6 +33,7 @@ class EmbeddingScorer(PooledScorer):
     def __init__(self, pool: BackendPool, *, model: str = "", max_batch: int = 32) -> None:
         super().__init__(pool, model)
         self._max_batch = max_batch
+        self._fit = ContextFit(pool)
 
     async def embed(self, texts: Sequence[str]) -> list[Vector]:
         body = self.with_model({"input": list(texts)})
@@ -56,7 +58,12 @@ class EmbeddingScorer(PooledScorer):
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         # Caller text is neutralized here too: BERT-style tokenizers parse [SEP], [CLS],
         # [MASK] in input text as special tokens (llama-server does).
-        query = asyncio.ensure_future(self.embed([prompt.neutralize(request.query)]))
+        # Inputs cut to the model's context (a BERT-sized model reads 512 tokens; 2,000
+        # characters of Chinese are about 2,000 of them).
+        texts = await self._fit.fit(
+            [prompt.neutralize(request.query), *map(prompt.neutralize, request.documents)],
+            "", request.max_tokens_per_doc)
+        query = asyncio.ensure_future(self.embed(texts[:1]))
 
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
             vectors = await self.embed(documents)
@@ -67,8 +74,7 @@ class EmbeddingScorer(PooledScorer):
                 raise BackendCallError(Failure.MALFORMED, str(exc)) from None
 
         try:
-            await score_in_batches([prompt.neutralize(d) for d in request.documents],
-                                   self._max_batch, call, emit)
+            await score_in_batches(texts[1:], self._max_batch, call, emit)
         finally:
             if not query.done():
                 query.cancel()

@@ -175,3 +175,14 @@ async def test_completion_prompt_forms_no_template_token_from_caller_text(
         await server.stop(grace=0)
     assert len(im_end) == 1
     assert ids.count(im_end[0]) == own.count(im_end[0])  # only the template's own
+
+
+async def test_embedding_scores_long_documents_cut_to_its_context(
+        real_embedding: RealLlama, traced_server: Start) -> None:
+    """MiniLM reads 512 tokens per slot here; a 2,000-character Chinese chunk is about
+    2,000 WordPiece tokens. It is cut to fit, not failed."""
+    server, _ = await traced_server(real_embedding.url, backend="embedding")
+    chinese = "长江是亚洲最长的河流，流经中国多个省份，最终注入东海。" * 112
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("长江", [chinese, "短文档。", "river"])
+    assert answer.reranked and answer.summary.failed == 0 and answer.summary.scored == 3
