@@ -26,12 +26,14 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                     "exit 0 if a running server's gRPC health says SERVING", ""),
     "eval": ("rerank_server.evaluation.run",
              "ranking quality on a BEIR data set: BM25 against each blend", "eval"),
+    "fit": ("rerank_server.evaluation.fit_command",
+            "fit a blend profile across data sets from eval outputs", "eval"),
     "bench": ("rerank_server.bench.run",
               "speed: overhead, telemetry, efficiency, throughput, streaming", "eval"),
 }
 # What the optional extra installs (pyproject.toml, [project.optional-dependencies]), by
 # top-level module: looked for before a tool starts, so it fails before any work.
-EXTRA_MODULES = {"eval": ("bm25s", "Stemmer", "ranx", "tqdm", "matplotlib")}
+EXTRA_MODULES = {"eval": ("bm25s", "Stemmer", "ranx", "tqdm", "matplotlib", "numpy", "scipy")}
 
 
 def subcommands_help() -> str:

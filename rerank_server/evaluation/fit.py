@@ -1,22 +1,36 @@
 """Fitting a blend profile: the request-wide blend's parameters for one scorer.
 
-The reranker's scores are fetched once per query; every candidate parameter set is then
-replayed offline through `blending.adaptive_scores`, the very function the server blends
-with, so a fitted profile orders answers exactly as it did here. The objective is mean
-nDCG@10 (Järvelin-Kekäläinen gains, as ranx computes it).
+The reranker's scores are fetched once per query (`rerank-server eval` keeps them in its
+JSON); every candidate parameter set is then replayed offline. Per query the answer's
+order depends only on the reranker's weight `w` (`blending.adaptive_blend`: each
+candidate's final score is linear in `w`), so nDCG@10 is a step function of `w` whose
+steps lie where two candidates' lines cross. `Curve` computes those steps once, and
+a candidate's value on a query is a lookup at the weight it gives that query: the ~45,000
+candidates of the grid are scored in seconds. The figures a fit reports are then replayed
+exactly through `ScoredQuery.ordered` (`blending.adaptive_scores`, the very function the
+server blends with), so a fitted profile orders answers exactly as reported.
 
-The grid: spread thresholds at the deciles of this data set's per-request spreads
-(so it adapts to how far apart each model's scores lie) and reranker weights on a quarter
-grid. Ties go to the grid's first entry, and the grid lists the cautious settings
-(low reranker weight) first: a scorer with no signal is fitted to the retrieval order.
+The grid: spread thresholds at the deciles of the fitting data's per-request spreads,
+best-score gates (`top_floor`, `top_full`) at the deciles of its per-request best scores
+(both follow each model's scale) and reranker weights on a quarter grid. Ties go to the
+grid's first entry, and the grid lists the cautious settings (low reranker weight, high
+thresholds) first: a scorer with no signal is fitted to the retrieval order.
 
-Cross-validation is by query: each fold's queries are blended with the parameters fitted
-on the other folds. The mean over those out-of-fold rankings estimates what the profile
-will do on unseen queries; the profile itself is fitted on every query.
+Two ways to fit:
+
+- `fit`: one data set, cross-validated by query (`rerank-server eval --fit-profile`).
+- `fit_across`: several data sets (`rerank-server fit`). The parameters are chosen by
+  their **worst** data set: the smallest largest shortfall from the better of BM25 and
+  the reranker's own order, then the best mean. Each data set is also held out in turn
+  (leave-one-collection-out): the parameters fitted on the others are scored on it,
+  which is what a profile will do on a collection nobody fitted it on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import itertools
 import math
 import random
 import statistics
@@ -24,11 +38,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..ranking.blending import AdaptiveParams, adaptive_scores, spread
+import numpy as np
+import numpy.typing as npt
+
+from ..ranking.blending import ADAPTIVE, AdaptiveParams, adaptive_scores, retrieval_input, spread
 
 WEIGHT_LEVELS = (0.0, 0.25, 0.5, 0.75, 1.0)
-SPREAD_QUANTILES = 10  # thresholds at the deciles of the observed spreads
+QUANTILES = 10  # thresholds at the deciles of the observed spreads and best scores
 CUTOFF = 10
+TIE = 1e-9
+
+Floats = npt.NDArray[np.float64]
+Qrels = Mapping[str, Mapping[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,23 +74,23 @@ class ScoredQuery:
 
     def ordered(self, params: AdaptiveParams) -> list[str]:
         """Document ids in the order the server would answer with `params`."""
-        finals = adaptive_scores(self.ranks, self.scores, params)
+        return self._order(adaptive_scores(self.ranks, self.scores, params))
+
+    def _order(self, finals: Sequence[float]) -> list[str]:
         head = sorted(range(len(self.ids)), key=lambda i: (-finals[i], self.ranks[i]))
         return [self.ids[i] for i in head] + list(self.rest)
 
     @property
+    def present(self) -> list[float]:
+        return [s for s in self.scores if s is not None]
+
+    @property
     def spread(self) -> float:
-        return spread([s for s in self.scores if s is not None])
+        return spread(self.present)
 
-
-@dataclass(frozen=True, slots=True)
-class Fit:
-    params: AdaptiveParams  # fitted on every query
-    in_sample: float  # its mean nDCG@10 on those queries
-    cross_validated: float  # mean nDCG@10 of the out-of-fold rankings
-    out_of_fold: dict[str, list[str]]  # qid -> ranking under its fold's parameters
-    fold_params: list[AdaptiveParams]
-    grid_size: int
+    @property
+    def top(self) -> float:
+        return max(self.present, default=0.0)
 
 
 def ndcg(ordered: Sequence[str], judged: Mapping[str, int], k: int = CUTOFF) -> float:
@@ -82,40 +103,140 @@ def ndcg(ordered: Sequence[str], judged: Mapping[str, int], k: int = CUTOFF) -> 
     return dcg / idcg
 
 
-def grid(spreads: Sequence[float]) -> list[AdaptiveParams]:
+class Curve:
+    """One query's nDCG@10 as a function of the reranker's weight `w` in 0..1."""
+
+    def __init__(self, query: ScoredQuery, judged: Mapping[str, int]) -> None:
+        present = query.present
+        # Fewer than two scores: the weight is min_weight (`adaptive_weight`); a spread
+        # below every threshold gives that.
+        self.spread = query.spread if len(present) >= 2 else -1.0
+        self.top = query.top
+        # final_i(w) = r_i + w * (n_i - r_i): n is the normalized score, r = 1/rank
+        # (as in blending.adaptive_blend; a failed pair's n is its r).
+        lo, hi = (min(present), max(present)) if present else (0.0, 0.0)
+        r = [retrieval_input(k) for k in query.ranks]
+        n = [ri if p is None else ((p - lo) / (hi - lo) if hi > lo else ri)
+             for ri, p in zip(r, query.scores, strict=True)]
+        slope = [a - b for a, b in zip(n, r, strict=True)]
+        crossings = {(r[j] - r[i]) / (slope[i] - slope[j])
+                     for i, j in itertools.combinations(range(len(r)), 2)
+                     if slope[i] != slope[j]}
+        self.steps: Floats = np.array(sorted(w for w in crossings if 0.0 < w < 1.0))
+
+        def value(w: float) -> float:
+            return ndcg(query._order([a + w * s for a, s in zip(r, slope, strict=True)]),
+                        judged)
+
+        edges = [0.0, *self.steps.tolist(), 1.0]
+        self.between: Floats = np.array([value((a + b) / 2)
+                                         for a, b in itertools.pairwise(edges)])
+        self.at_steps: Floats = np.array([value(w) for w in self.steps.tolist()])
+        self.at_zero, self.at_one = value(0.0), value(1.0)
+
+    def at(self, weights: Floats) -> Floats:
+        """nDCG@10 at each weight."""
+        i = np.searchsorted(self.steps, weights)  # steps[i-1] < w <= steps[i]
+        out = self.between[i]
+        if len(self.steps):
+            j = np.minimum(i, len(self.steps) - 1)
+            out = np.where(self.steps[j] == weights, self.at_steps[j], out)
+        out = np.where(weights <= 0.0, self.at_zero, out)
+        return np.where(weights >= 1.0, self.at_one, out)
+
+
+def _ramp(x: float, low: Floats, high: Floats) -> Floats:
+    """`blending.ramp` over arrays of thresholds."""
+    width = np.where(high > low, high - low, 1.0)
+    return np.where(x >= high, 1.0, np.where(x <= low, 0.0, (x - low) / width))
+
+
+class Grid:
+    """Candidate parameter sets as columns of arrays, cautious first (module docstring)."""
+
+    def __init__(self, candidates: Sequence[AdaptiveParams]) -> None:
+        self.params = list(candidates)
+        a = np.array([[p.spread_noise, p.spread_decisive, p.min_weight, p.max_weight,
+                       p.top_floor, p.top_full] for p in self.params]).reshape(-1, 6)
+        self._noise, self._decisive, self._low, self._high, self._floor, self._full = a.T
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def weights(self, curve: Curve) -> Floats:
+        """The weight each candidate gives this query (`AdaptiveParams.weight`)."""
+        by_spread = self._low + _ramp(curve.spread, self._noise, self._decisive) \
+            * (self._high - self._low)
+        return np.asarray(by_spread * _ramp(curve.top, self._floor, self._full))
+
+    def values(self, curves: Sequence[Curve]) -> Floats:
+        """values[c, j]: nDCG@10 of query j under candidate c."""
+        return np.stack([c.at(self.weights(c)) for c in curves], axis=1) if curves \
+            else np.zeros((len(self), 0))
+
+
+def _cuts(values: Sequence[float]) -> list[float]:
+    ordered = sorted(values) or [0.0]
+    return sorted({round(ordered[min(len(ordered) - 1, len(ordered) * q // QUANTILES)], 4)
+                   for q in range(QUANTILES + 1)})
+
+
+class Family(enum.StrEnum):
+    """Which parameters a fit may choose (docs/blending.md compares them)."""
+
+    # The built-in spread ramp (weight 0 up to a spread of 0.06, 1 from 0.10) with a fitted
+    # best-score gate; or the retrieval order. Few parameters: it carries over best to
+    # collections nobody fitted on (the worst held-out result of the families).
+    GATE = "gate"
+    # Spread thresholds, weights on a quarter grid and the gate, all fitted.
+    FULL = "full"
+
+
+def grid(spreads: Sequence[float], tops: Sequence[float] = (),
+         family: Family = Family.GATE) -> list[AdaptiveParams]:
     """Candidate parameters, cautious first (see the module docstring)."""
-    values = sorted(spreads) or [0.0]
-    cuts = sorted({round(values[min(len(values) - 1, len(values) * q // SPREAD_QUANTILES)], 4)
-                   for q in range(SPREAD_QUANTILES + 1)})
-    out = []
-    for high in WEIGHT_LEVELS:
+    spread_cuts, top_cuts = _cuts(spreads), _cuts(tops) if tops else []
+    # Higher thresholds trust the reranker less: they come first. (0, 0): no gate.
+    gates = [(f, g) for f in reversed(top_cuts) for g in reversed(top_cuts) if g >= f]
+    gates.append((0.0, 0.0))
+    out = [AdaptiveParams(0.0, 0.0, 0.0, 0.0)]  # the retrieval order
+    if family is Family.GATE:
+        out.extend(dataclasses.replace(ADAPTIVE, top_floor=floor, top_full=full)
+                   for floor, full in gates)
+        return out
+    for high in WEIGHT_LEVELS[1:]:
         for low in WEIGHT_LEVELS:
             if low > high:
                 continue
-            if low == high:  # a constant weight: the thresholds do not matter
-                out.append(AdaptiveParams(0.0, 0.0, low, high))
-                continue
-            # Higher thresholds trust the reranker less: they come first.
-            out.extend(AdaptiveParams(noise, decisive, low, high)
-                       for noise in reversed(cuts) for decisive in reversed(cuts)
-                       if decisive >= noise)
+            spreads_ = [(0.0, 0.0)] if low == high else [
+                (noise, decisive) for noise in reversed(spread_cuts)
+                for decisive in reversed(spread_cuts) if decisive >= noise]
+            out.extend(AdaptiveParams(noise, decisive, low, high, floor, full)
+                       for noise, decisive in spreads_ for floor, full in gates)
     return out
 
 
-def fit(queries: Sequence[ScoredQuery], qrels: Mapping[str, Mapping[str, int]],
-        folds: int = 5, seed: int = 0) -> Fit:
+def _first_best(means: Floats) -> int:
+    return int(np.flatnonzero(means >= means.max() - TIE)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    params: AdaptiveParams  # fitted on every query
+    in_sample: float  # its mean nDCG@10 on those queries
+    cross_validated: float  # mean nDCG@10 of the out-of-fold rankings
+    out_of_fold: dict[str, list[str]]  # qid -> ranking under its fold's parameters
+    fold_params: list[AdaptiveParams]
+    grid_size: int
+
+
+def fit(queries: Sequence[ScoredQuery], qrels: Qrels, folds: int = 5, seed: int = 0,
+        family: Family = Family.GATE) -> Fit:
     """Fit on every query, and estimate by `folds`-fold cross-validation by query."""
     if not queries:
         raise ValueError("no reranked queries to fit on")
-    candidates = grid([q.spread for q in queries])
-    # values[c][j]: nDCG@10 of query j under candidate c; each candidate is replayed once.
-    values = [[ndcg(q.ordered(p), qrels.get(q.qid, {})) for q in queries] for p in candidates]
-
-    def best(members: Sequence[int]) -> int:
-        means = [sum(row[j] for j in members) for row in values]
-        top = max(means)
-        return next(c for c, m in enumerate(means) if m >= top - 1e-12)
-
+    candidates = Grid(grid([q.spread for q in queries], [q.top for q in queries], family))
+    values = candidates.values([Curve(q, qrels.get(q.qid, {})) for q in queries])
     order = list(range(len(queries)))
     random.Random(seed).shuffle(order)
     k = max(2, min(folds, len(queries)))
@@ -124,14 +245,88 @@ def fit(queries: Sequence[ScoredQuery], qrels: Mapping[str, Mapping[str, int]],
     fold_params: list[AdaptiveParams] = []
     for f in range(k):
         held = set(order[f::k])
-        chosen = best([j for j in order if j not in held]) if len(held) < len(order) \
-            else best(order)
-        fold_params.append(candidates[chosen])
+        train = [j for j in order if j not in held] or order
+        chosen = candidates.params[_first_best(values[:, train].sum(axis=1))]
+        fold_params.append(chosen)
         for j in sorted(held):
-            out_of_fold[queries[j].qid] = queries[j].ordered(candidates[chosen])
-            oof_values.append(values[chosen][j])
-    everything = best(order)
-    return Fit(params=candidates[everything],
-               in_sample=statistics.fmean(values[everything]),
+            out_of_fold[queries[j].qid] = queries[j].ordered(chosen)
+            oof_values.append(ndcg(out_of_fold[queries[j].qid], qrels.get(queries[j].qid, {})))
+    everything = candidates.params[_first_best(values.sum(axis=1))]
+    return Fit(params=everything,
+               in_sample=statistics.fmean(ndcg(q.ordered(everything), qrels.get(q.qid, {}))
+                                          for q in queries),
                cross_validated=statistics.fmean(oof_values), out_of_fold=out_of_fold,
                fold_params=fold_params, grid_size=len(candidates))
+
+
+@dataclass(frozen=True, slots=True)
+class Collection:
+    """One data set's reranked queries and judgements, as `rerank-server eval` kept them."""
+
+    name: str
+    queries: tuple[ScoredQuery, ...]
+    qrels: Qrels
+
+    def per_query(self, params: AdaptiveParams) -> list[float]:
+        """nDCG@10 of each query under `params`, replayed exactly."""
+        return [ndcg(q.ordered(params), self.qrels.get(q.qid, {})) for q in self.queries]
+
+
+BM25 = AdaptiveParams(0.0, 0.0, 0.0, 0.0)  # the retrieval order
+RERANKER = AdaptiveParams(0.0, 0.0, 1.0, 1.0)  # the reranker's order
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Parameters chosen on some collections, and what they give on each collection."""
+
+    params: AdaptiveParams
+    fitted_on: tuple[str, ...]
+    per_query: dict[str, list[float]]  # collection -> nDCG@10 per query, exact replay
+
+
+@dataclass(frozen=True, slots=True)
+class CrossFit:
+    everything: Choice  # fitted on every collection: the profile to ship
+    held_out: dict[str, Choice]  # collection -> fitted on all the others
+    bm25: dict[str, list[float]]
+    reranker: dict[str, list[float]]
+    grid_size: int
+
+
+def choose(collections: Sequence[Collection], curves: Mapping[str, Sequence[Curve]],
+           family: Family = Family.GATE) -> tuple[AdaptiveParams, int]:
+    """The parameters whose worst collection falls least short of the better of BM25 and
+    the reranker's order there; among equals the best mean over collections; then the
+    most cautious. Returns them and the grid's size."""
+    candidates = Grid(grid([c.spread for x in collections for c in curves[x.name]],
+                           [c.top for x in collections for c in curves[x.name]], family))
+    means = np.stack([candidates.values(curves[x.name]).mean(axis=1) for x in collections],
+                     axis=1)
+    best = np.array([max(statistics.fmean(c.at_zero for c in curves[x.name]),
+                         statistics.fmean(c.at_one for c in curves[x.name]))
+                     for x in collections])
+    worst = (best[None, :] - means).max(axis=1)
+    ok = worst <= worst.min() + TIE
+    overall = np.where(ok, means.mean(axis=1), -np.inf)
+    return candidates.params[_first_best(overall)], len(candidates)
+
+
+def fit_across(collections: Sequence[Collection], family: Family = Family.GATE) -> CrossFit:
+    """Fit on every collection, and on every collection but one for each one."""
+    if not collections or not all(c.queries for c in collections):
+        raise ValueError("every collection needs reranked queries")
+    curves = {c.name: [Curve(q, c.qrels.get(q.qid, {})) for q in c.queries]
+              for c in collections}
+
+    def chosen(on: Sequence[Collection]) -> tuple[Choice, int]:
+        params, size = choose(on, curves, family)
+        return Choice(params, tuple(c.name for c in on),
+                      {c.name: c.per_query(params) for c in collections}), size
+
+    everything, size = chosen(collections)
+    held_out = {c.name: chosen([o for o in collections if o is not c])[0]
+                for c in collections if len(collections) > 1}
+    return CrossFit(everything, held_out,
+                    {c.name: c.per_query(BM25) for c in collections},
+                    {c.name: c.per_query(RERANKER) for c in collections}, size)

@@ -51,6 +51,7 @@ from .beir import Dataset, DatasetError
 from .beir import load as load_dataset
 from .first_stage import Hit, bm25_top
 from .fit import ScoredQuery, fit, ndcg
+from .json_out import without_nan
 
 METRICS = ("ndcg@10", "recall@10", "recall@100", "mrr@10")
 STRATEGIES = ("position_aware", "linear", "rerank_only", "adaptive", "profile")
@@ -340,9 +341,10 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
         "documents": len(dataset.corpus), "depth": args.depth,
         "rerank_depth": args.rerank_depth, "backend": backend, "model": model,
         "requests": outcome, "blended_by": blended_by, "fit": fitted,
-        # The model's raw scores per reranked query: what a profile is fitted on, kept so
-        # that fits across data sets can be replayed offline (ScoredQuery.from_json).
+        # The model's raw scores per reranked query and their judgements: what a profile
+        # is fitted on, kept so that `rerank-server fit` replays fits across data sets.
         "scored": {qid: sq.to_json() for qid, sq in scored.items()},
+        "qrels": {qid: dataset.qrels[qid] for qid in scored},
         "machine": f"{platform.machine()}, {platform.python_implementation()} "
                    f"{platform.python_version()}",
         **score(dataset, runs),
@@ -364,18 +366,6 @@ class _AboveTheBar(io.TextIOBase):
         return False
 
 
-def _no_nan(value: Any) -> Any:
-    """`value` with every NaN as None: JSON has no NaN (ranx gives one for two identical
-    runs, whose difference cannot be tested)."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_no_nan(v) for v in value]
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
@@ -395,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.name or result["dataset"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"eval-{name}.json").write_text(
-        json.dumps(_no_nan(result), indent=1, allow_nan=False) + "\n")
+        json.dumps(without_nan(result), indent=1, allow_nan=False) + "\n")
     header = (f"{result['queries']} queries, {result['documents']} documents; BM25 top "
               f"{result['depth']}, top {result['rerank_depth']} reranked by "
               f"`{result['backend']}` ({result['model']}).")

@@ -27,9 +27,15 @@ LINEAR_RETRIEVAL_WEIGHT = 0.40
 
 @dataclass(frozen=True, slots=True)
 class AdaptiveParams:
-    """The request-wide blend's parameters: the reranker's weight rises from `min_weight`
-    at a score spread (population standard deviation) of `spread_noise` or less to
-    `max_weight` at `spread_decisive` or more. A fitted blend profile is a set of these
+    """The request-wide blend's parameters.
+
+    The reranker's weight rises from `min_weight` at a score spread (population standard
+    deviation) of `spread_noise` or less to `max_weight` at `spread_decisive` or more; all
+    of it is then scaled by a gate on the request's best score, 0 at `top_floor` or below
+    and 1 at `top_full` or above. The gate is what an absolute score adds to the spread: a
+    scorer reading text it does not understand (an English model on Arabic) can spread its
+    scores widely, but its best score stays below what it gives a real match. With both
+    at 0 (the built-in values) there is no gate. A fitted blend profile is a set of these
     for one backend and model (`blend_profiles.py`)."""
 
     # The built-in `adaptive` values, read off per-request spreads (docs/blending.md).
@@ -37,21 +43,32 @@ class AdaptiveParams:
     spread_decisive: float = 0.10
     min_weight: float = 0.0
     max_weight: float = 1.0
+    top_floor: float = 0.0
+    top_full: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_weight <= self.max_weight <= 1.0:
             raise ValueError("weights must satisfy 0 <= min_weight <= max_weight <= 1")
         if not 0.0 <= self.spread_noise <= self.spread_decisive:
             raise ValueError("spreads must satisfy 0 <= spread_noise <= spread_decisive")
+        if not 0.0 <= self.top_floor <= self.top_full <= 1.0:
+            raise ValueError("the gate must satisfy 0 <= top_floor <= top_full <= 1")
 
-    def weight(self, spread: float) -> float:
-        """The reranker's weight at this spread; monotone non-decreasing."""
-        if spread >= self.spread_decisive:  # also the step when noise == decisive
-            return self.max_weight
-        if spread <= self.spread_noise:
-            return self.min_weight
-        t = (spread - self.spread_noise) / (self.spread_decisive - self.spread_noise)
-        return self.min_weight + t * (self.max_weight - self.min_weight)
+    def weight(self, spread: float, top: float = 1.0) -> float:
+        """The reranker's weight at this spread and best score; monotone non-decreasing
+        in both."""
+        by_spread = self.min_weight + ramp(spread, self.spread_noise, self.spread_decisive) \
+            * (self.max_weight - self.min_weight)
+        return by_spread * ramp(top, self.top_floor, self.top_full)
+
+
+def ramp(x: float, low: float, high: float) -> float:
+    """0 at `low` or below, 1 at `high` or above, linear between (a step when equal)."""
+    if x >= high:
+        return 1.0
+    if x <= low:
+        return 0.0
+    return (x - low) / (high - low)
 
 
 ADAPTIVE = AdaptiveParams()
@@ -96,12 +113,14 @@ def spread(scores: Sequence[float]) -> float:
 
 
 def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) -> float:
-    """The reranker's weight for one request, from the spread of its `scores`; with the
-    defaults 0 at or below a spread of 0.06, 1 at or above 0.10, linear between. Fewer
-    than two scores carry no evidence: the weight is `min_weight`."""
+    """The reranker's weight for one request, from the spread and the best of its
+    `scores`; with the defaults 0 at or below a spread of 0.06, 1 at or above 0.10,
+    linear between. Fewer than two scores carry no evidence: the weight is `min_weight`
+    (still gated by the best score)."""
     if len(scores) < 2:
-        return params.min_weight
-    return params.weight(spread(scores))
+        return params.min_weight * ramp(max(scores, default=0.0), params.top_floor,
+                                        params.top_full)
+    return params.weight(spread(scores), max(scores))
 
 
 def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],

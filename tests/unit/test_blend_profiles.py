@@ -77,6 +77,7 @@ def test_written_profiles_read_back_the_same(tmp_path: Path) -> None:
     ({"profiles": [entry(min_weight=0.8, max_weight=0.5)]}, "min_weight <= max_weight"),
     ({"profiles": [entry(spread_noise=0.2, spread_decisive=0.1)]},
      "spread_noise <= spread_decisive"),
+    ({"profiles": [entry(top_floor=0.8, top_full=0.5)]}, "0 <= top_floor <= top_full <= 1"),
     ({"profiles": [entry(), entry(weight=1)]}, "profiles[1]: unknown field 'weight'"),
     ({"profiles": [entry(), entry()]}, "profiles[1].name: 'p' is used twice"),
     ({"profiles": [entry(fitted=[])]}, "profiles[0].fitted: expected an object"),

@@ -144,6 +144,31 @@ def test_profile_weight_is_monotone_and_within_its_bounds(
     assert p.weight(p.spread_decisive) == p.max_weight
 
 
+@given(params, st.floats(0, 0.5), st.floats(0, 0.5), st.floats(0, 1), st.floats(0, 1),
+       st.floats(0, 1))
+def test_the_best_score_gate_only_ever_lowers_the_weight_and_is_monotone(
+        p: AdaptiveParams, floor: float, width: float, a: float, b: float,
+        spread_: float) -> None:
+    gated = AdaptiveParams(p.spread_noise, p.spread_decisive, p.min_weight, p.max_weight,
+                           floor, min(1.0, floor + width))
+    low, high = sorted((a, b))
+    assert 0.0 <= gated.weight(spread_, low) <= gated.weight(spread_, high) \
+        <= p.weight(spread_)
+    assert gated.weight(spread_, floor) == (p.weight(spread_) if gated.top_full == floor
+                                            else 0.0)
+    assert gated.weight(spread_, gated.top_full) == p.weight(spread_)
+
+
+def test_a_request_whose_best_score_is_low_keeps_the_retrieval_order() -> None:
+    """Widely spread but low scores (an English model reading Arabic): the spread alone
+    trusts them fully, the gate not at all."""
+    scores: list[float] = [0.05, 0.40, 0.10, 0.35]
+    gate = AdaptiveParams(0.06, 0.10, 0.0, 1.0, top_floor=0.6, top_full=0.8)
+    assert adaptive_weight(scores) == 1.0 and adaptive_weight(scores, gate) == 0.0
+    assert _order([1, 2, 3, 4], scores, gate) == [1, 2, 3, 4]
+    assert adaptive_weight([0.05, 0.70, 0.10, 0.65], gate) == pytest.approx(0.5)
+
+
 def test_the_built_in_adaptive_blend_is_the_default_profile() -> None:
     scores: list[float | None] = [0.9, 0.2, 0.6, 0.1]
     assert adaptive_scores([1, 2, 3, 4], scores) == \

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from ranx import Qrels, Run, evaluate
 
-from rerank_server.evaluation.fit import ScoredQuery, fit, grid, ndcg
-from rerank_server.ranking.blending import AdaptiveParams
+from rerank_server.evaluation.fit import (
+    Collection,
+    Curve,
+    Family,
+    ScoredQuery,
+    fit,
+    fit_across,
+    grid,
+    ndcg,
+)
+from rerank_server.ranking.blending import ADAPTIVE, AdaptiveParams, adaptive_weight
 
 DEPTH = 20
 
@@ -63,16 +73,41 @@ def test_ndcg_agrees_with_ranx() -> None:
 
 
 def test_grid_starts_with_the_retrieval_order_and_covers_full_trust() -> None:
-    candidates = grid([0.01, 0.05, 0.2])
-    assert candidates[0] == AdaptiveParams(0.0, 0.0, 0.0, 0.0)
-    assert AdaptiveParams(0.0, 0.0, 1.0, 1.0) in candidates
-    assert all(p.spread_noise in {0.0, 0.01, 0.05, 0.2} for p in candidates)
+    gated = grid([0.01, 0.05, 0.2], [0.3, 0.6, 0.9])
+    assert gated[0] == AdaptiveParams(0.0, 0.0, 0.0, 0.0)
+    assert ADAPTIVE in gated  # the built-in blend, no gate
+    # Otherwise the built-in spread ramp under a gate cut at the best scores' deciles.
+    assert all(p == gated[0] or (p.spread_noise, p.spread_decisive, p.min_weight,
+                                 p.max_weight) == (0.06, 0.10, 0.0, 1.0) for p in gated)
+    assert {p.top_floor for p in gated} == {0.0, 0.3, 0.6, 0.9}
+    full = grid([0.01, 0.05, 0.2], [0.3, 0.6, 0.9], Family.FULL)
+    assert full[0] == gated[0] and AdaptiveParams(0.0, 0.0, 1.0, 1.0) in full
+    assert all(p.spread_noise in {0.0, 0.01, 0.05, 0.2} for p in full)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fast_curve_agrees_with_the_exact_replay(seed: int) -> None:
+    """The fit looks values up on each query's step function of the weight; the server
+    blends with adaptive_scores. They must agree at every weight a profile can give."""
+    rng = random.Random(seed)
+    queries, qrels = make_queries(12, informative=bool(seed % 2), seed=seed)
+    failed = [ScoredQuery(q.qid, q.ids, q.ranks, tuple(None if rng.random() < 0.2 else s
+                                                       for s in q.scores), q.rest)
+              for q in queries]
+    for q in failed:
+        curve = Curve(q, qrels[q.qid])
+        for _ in range(25):
+            params = AdaptiveParams(0.0, 0.0, w := rng.choice([0.0, 0.25, 1.0, rng.random()]),
+                                    w)
+            expected = ndcg(q.ordered(params), qrels[q.qid])
+            weight = adaptive_weight(q.present, params)
+            assert float(curve.at(np.array([weight]))[0]) == pytest.approx(expected)
 
 
 def test_a_decisive_scorer_is_trusted_and_a_noisy_one_is_not() -> None:
     strong, strong_qrels = make_queries(40, informative=True)
     strong_fit = fit(strong, strong_qrels)
-    assert strong_fit.params.max_weight >= 0.75
+    assert strong_fit.params.max_weight == 1.0
     strong_bm25 = mean_ndcg({q.qid: list(q.ids) for q in strong}, strong_qrels)
     assert strong_fit.cross_validated > strong_bm25 + 0.2
 
@@ -104,3 +139,49 @@ def test_failed_pairs_keep_their_retrieval_place_in_the_replay() -> None:
     assert q.ordered(AdaptiveParams(0.0, 0.0, 1.0, 1.0)) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="no reranked queries"):
         fit([], {})
+
+
+def collection(name: str, n: int, readable: bool, seed: int) -> Collection:
+    """Readable: the relevant document sits at BM25 rank 8..20 and gets the best score,
+    0.9, above noise at 0.3..0.6. Unreadable (a model on a script it cannot read): BM25
+    already has it first, and the scores spread as widely but stay low (0..0.45), with
+    the relevant document near the bottom: the spread alone would trust them fully."""
+    rng = random.Random(seed)
+    queries, qrels = [], {}
+    for q in range(n):
+        qid = f"{name}-q{q}"
+        ids = tuple(f"{qid}-d{r}" for r in range(1, DEPTH + 1))
+        relevant = rng.randint(8, DEPTH) if readable else 1
+        qrels[qid] = {ids[relevant - 1]: 1}
+        scores = tuple((0.9 if r == relevant else rng.uniform(0.3, 0.6)) if readable else
+                       (0.02 if r == relevant else rng.uniform(0.0, 0.45))
+                       for r in range(1, DEPTH + 1))
+        queries.append(ScoredQuery(qid, ids, tuple(range(1, DEPTH + 1)), scores, ()))
+    return Collection(name, tuple(queries), qrels)
+
+
+def test_fit_across_gates_out_the_collection_the_scorer_cannot_read() -> None:
+    readable = collection("english", 30, readable=True, seed=1)
+    unreadable = collection("arabic", 30, readable=False, seed=2)
+    assert adaptive_weight(unreadable.queries[0].present) == 1.0  # spread: fully trusted
+    result = fit_across([readable, unreadable])
+
+    def mean(choice_values: list[float]) -> float:
+        return sum(choice_values) / len(choice_values)
+
+    everything = result.everything
+    assert everything.fitted_on == ("english", "arabic")
+    assert everything.params.top_floor >= 0.45 and everything.params.top_full <= 0.9
+    assert mean(everything.per_query["arabic"]) == mean(result.bm25["arabic"]) == 1.0
+    assert mean(everything.per_query["english"]) == pytest.approx(
+        mean(result.reranker["english"]))
+    assert mean(result.reranker["arabic"]) < 0.5  # what an ungated blend would give
+    # Held out: each is scored with the parameters fitted on the other alone. Fitted on
+    # the unreadable one, the reranker is not trusted (most cautious of equals).
+    assert set(result.held_out) == {"english", "arabic"}
+    assert result.held_out["english"].fitted_on == ("arabic",)
+    assert result.held_out["english"].params.max_weight == 0.0
+    assert mean(result.held_out["english"].per_query["english"]) == pytest.approx(
+        mean(result.bm25["english"]))
+    with pytest.raises(ValueError, match="reranked queries"):
+        fit_across([Collection("empty", (), {})])
