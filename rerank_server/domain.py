@@ -47,6 +47,7 @@ class DegradedCode(StrEnum):
     STRONG_SIGNAL = "strong_signal"
     OVERLOADED = "overloaded"
     SHUTTING_DOWN = "shutting_down"
+    NO_RERANKER_WEIGHT = "no_reranker_weight"
 
 
 class ScoreKind(StrEnum):
@@ -132,6 +133,7 @@ class RerankQuery:
     skip_within_top_k: bool | None = None
     strong_signal_skip: bool | None = None
     bypass_cache: bool = False
+    always_score: bool = False
 
     @property
     def occurrences(self) -> int:

@@ -45,6 +45,7 @@ _DEGRADED_TO_PB = {
     DegradedCode.STRONG_SIGNAL: pb.DEGRADED_REASON_CODE_STRONG_SIGNAL,
     DegradedCode.OVERLOADED: pb.DEGRADED_REASON_CODE_OVERLOADED,
     DegradedCode.SHUTTING_DOWN: pb.DEGRADED_REASON_CODE_SHUTTING_DOWN,
+    DegradedCode.NO_RERANKER_WEIGHT: pb.DEGRADED_REASON_CODE_NO_RERANKER_WEIGHT,
 }
 _SCORE_KIND = {
     pb.SCORE_KIND_LEXICAL: ScoreKind.LEXICAL,
@@ -139,6 +140,7 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
         skip_within_top_k=_optional(options, "skip_within_top_k"),
         strong_signal_skip=_optional(options, "strong_signal_skip"),
         bypass_cache=options.bypass_cache,
+        always_score=options.always_score,
     )
 
 

@@ -3,7 +3,8 @@
 The reranker's scores are fetched once per query (`rerank-server eval` keeps them in its
 JSON); every candidate parameter set is then replayed offline. Per query the answer's
 order depends only on the reranker's weight `w` (`blending.adaptive_blend`: each
-candidate's final score is linear in `w`), so nDCG@10 is a step function of `w` whose
+candidate's final score is linear in `w` once the blend has settled on the best-ranked
+half of the scores, `blending.Settled`), so nDCG@10 is a step function of `w` whose
 steps lie where two candidates' lines cross. `Curve` computes those steps once, and
 a candidate's value on a query is a lookup at the weight it gives that query: the ~45,000
 candidates of the grid are scored in seconds. The figures a fit reports are then replayed
@@ -41,7 +42,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..ranking.blending import ADAPTIVE, AdaptiveParams, adaptive_scores, retrieval_input, spread
+from ..ranking.blending import (
+    ADAPTIVE,
+    AdaptiveParams,
+    Settled,
+    adaptive_scores,
+    retrieval_input,
+    settle_basis,
+    spread,
+)
 
 WEIGHT_LEVELS = (0.0, 0.25, 0.5, 0.75, 1.0)
 QUANTILES = 10  # thresholds at the deciles of the observed spreads and best scores
@@ -107,17 +116,16 @@ class Curve:
     """One query's nDCG@10 as a function of the reranker's weight `w` in 0..1."""
 
     def __init__(self, query: ScoredQuery, judged: Mapping[str, int]) -> None:
-        present = query.present
+        basis = settle_basis(query.ranks, query.scores)
         # Fewer than two scores: the weight is min_weight (`adaptive_weight`); a spread
         # below every threshold gives that.
-        self.spread = query.spread if len(present) >= 2 else -1.0
-        self.top = query.top
+        self.spread = spread(basis) if len(basis) >= 2 else -1.0
+        self.top = max(basis, default=0.0)
         # final_i(w) = r_i + w * (n_i - r_i): n is the normalized score, r = 1/rank
-        # (as in blending.adaptive_blend; a failed pair's n is its r).
-        lo, hi = (min(present), max(present)) if present else (0.0, 0.0)
+        # (`blending.Settled`; the weight does not change n).
+        settled = Settled.on(basis)
         r = [retrieval_input(k) for k in query.ranks]
-        n = [ri if p is None else ((p - lo) / (hi - lo) if hi > lo else ri)
-             for ri, p in zip(r, query.scores, strict=True)]
+        n = [settled.normalized(k, p) for k, p in zip(query.ranks, query.scores, strict=True)]
         slope = [a - b for a, b in zip(n, r, strict=True)]
         crossings = {(r[j] - r[i]) / (slope[i] - slope[j])
                      for i, j in itertools.combinations(range(len(r)), 2)

@@ -185,7 +185,9 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         query = RerankQuery(request_id=uuid.uuid4().hex, query=body.query,
                             candidates=tuple(Candidate(id=str(i), text=t, index=i,
                                                        retrieval_rank=i + 1)
-                                             for i, t in enumerate(body.texts)))
+                                             for i, t in enumerate(body.texts)),
+                            # Raw scores are asked for: score even if the blend ignores them.
+                            always_score=body.raw_scores)
         results, _summary = await run("POST /rerank", request, query, "texts")
         return [m.TeiResult(
             index=r.candidate.index,
@@ -285,7 +287,7 @@ def _cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
         blend=BlendStrategy(body.blend_strategy) if body.blend_strategy else None,
         max_candidates=body.max_candidates,
         timeout_s=body.timeout_ms / 1000 if body.timeout_ms else None,
-        max_tokens_per_doc=body.max_tokens_per_doc)
+        max_tokens_per_doc=body.max_tokens_per_doc, always_score=body.always_score)
 
 
 def _meta(s: RerankSummary, version: str) -> m.Meta:

@@ -37,6 +37,9 @@ class Extras(BaseModel):
     request_id: str | None = Field(None, description="Echoed as `id`; generated if unset.")
     max_candidates: int | None = Field(None, ge=1, description="Documents scored at most.")
     timeout_ms: int | None = Field(None, ge=1, description="Time budget for this request.")
+    always_score: bool = Field(
+        False, description="Score even when the blend gives the reranker no weight, to get "
+                           "`reranker_score`s (docs/blending.md).")
 
 
 class CohereRerankRequest(Extras):

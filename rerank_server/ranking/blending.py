@@ -14,6 +14,7 @@ candidates keep their retrieval order relative to each other.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,8 +73,10 @@ def ramp(x: float, low: float, high: float) -> float:
 
 
 ADAPTIVE = AdaptiveParams()
-# Strategies whose weight depends on every score of the request: nothing is released
-# before the last pair resolves.
+# Strategies whose weight depends on the scores of the request: nothing is released before
+# they settle, on the best-ranked half of its candidates (`Settled`).
+SETTLE_SHARE = 0.5
+SETTLE_MIN = 4
 REQUEST_WIDE = frozenset({BlendStrategy.ADAPTIVE, BlendStrategy.PROFILE})
 
 
@@ -123,6 +126,56 @@ def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) 
     return params.weight(spread(scores), max(scores))
 
 
+def settle_count(n: int) -> int:
+    """How many of a request's `n` scored candidates, best retrieval ranks first, settle a
+    request-wide blend (`Settled`): half, and at least `SETTLE_MIN` (a small request's
+    whole spread is little to wait for, and half of it little evidence)."""
+    return min(n, max(SETTLE_MIN, math.ceil(n * SETTLE_SHARE)))
+
+
+def settle_basis(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
+    """The scores a request-wide blend settles on: those present among the
+    `settle_count` best-ranked candidates (ties in rank by position)."""
+    order = sorted(range(len(ranks)), key=lambda i: (ranks[i], i))
+    return [p for i in order[:settle_count(len(ranks))] if (p := scores[i]) is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A request-wide blend, settled on the best-ranked half of the candidates' scores.
+
+    `w * n + (1 - w) * 1/rank`, where `w` is `adaptive_weight` of the basis scores and n
+    is a reranker score min-max normalized on the basis range and clipped to 0..1 (so
+    decisive scores span 0..1 like the retrieval input, whatever their absolute scale). A
+    failed pair's n is its 1/rank, as in the other blends. Once settled, every candidate's
+    final score depends on its own score only, and no later score can exceed 1 after
+    normalization: results are released while the rest are still being scored
+    (`upper_bound`), and `Rerank` and `RerankStream` still agree (docs/blending.md).
+    """
+
+    weight: float
+    low: float
+    high: float
+
+    @classmethod
+    def on(cls, basis: Sequence[float], params: AdaptiveParams = ADAPTIVE) -> Settled:
+        low, high = (min(basis), max(basis)) if basis else (0.0, 0.0)
+        return cls(adaptive_weight(basis, params), low, high)
+
+    def normalized(self, rank: int, score: float | None) -> float:
+        if score is None or self.high <= self.low:
+            return retrieval_input(rank)
+        return min(1.0, max(0.0, (score - self.low) / (self.high - self.low)))
+
+    def final(self, rank: int, score: float | None) -> float:
+        return self.weight * self.normalized(rank, score) \
+            + (1.0 - self.weight) * retrieval_input(rank)
+
+    def upper_bound(self, rank: int) -> float:
+        """The highest final score a candidate still being scored could reach."""
+        return self.weight + (1.0 - self.weight) * retrieval_input(rank)
+
+
 def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
                     params: AdaptiveParams = ADAPTIVE) -> list[float]:
     """Final scores of one request's scored candidates under the adaptive blend."""
@@ -131,22 +184,25 @@ def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
 
 def adaptive_blend(ranks: Sequence[int], scores: Sequence[float | None],
                    params: AdaptiveParams = ADAPTIVE) -> tuple[list[float], float]:
-    """Final scores under the adaptive blend, and the reranker's weight `w`.
+    """Final scores under the request-wide blend (`Settled`), and the reranker's weight."""
+    settled = Settled.on(settle_basis(ranks, scores), params)
+    return [settled.final(r, p) for r, p in zip(ranks, scores, strict=True)], settled.weight
 
-    `w * p' + (1 - w) * 1/rank`, where p' is the reranker score min-max normalized within
-    the request (so decisive scores span 0..1 like the retrieval input) and `w` is
-    `adaptive_weight` of the scores present. A failed pair's p' is its 1/rank, as in the
-    other blends.
-    """
-    present = [p for p in scores if p is not None]
-    w = adaptive_weight(present, params)
-    lo, hi = (min(present), max(present)) if present else (0.0, 0.0)
-    out = []
-    for rank, p in zip(ranks, scores, strict=True):
-        r = retrieval_input(rank)
-        normalized = r if p is None else ((p - lo) / (hi - lo) if hi > lo else r)
-        out.append(w * normalized + (1.0 - w) * r)
-    return out, w
+
+def scores_can_matter(strategy: BlendStrategy, params: AdaptiveParams,
+                      ranks: Sequence[int], top_k: int) -> bool:
+    """Whether any reranker score could change the answer's first `top_k` places (all
+    when 0). Not when a request-wide blend can give the reranker no weight (`max_weight`
+    0), nor when a fixed blend's worst case for each of those places still beats the
+    best case of every candidate after it (position_aware's rank 1 with `top_k` 1)."""
+    if strategy in REQUEST_WIDE:
+        return params.max_weight > 0.0
+    ordered = sorted(ranks)
+    if not top_k or top_k >= len(ordered):
+        return True
+    # A failed pair counts as agreeing with retrieval, above the worst score of 0.
+    return not all(blend(strategy, ordered[i], 0.0) >= blend(strategy, ordered[i + 1], 1.0)
+                   for i in range(top_k))
 
 
 def upper_bound(strategy: BlendStrategy, rank: int) -> float:

@@ -5,8 +5,11 @@ The final order is: the scored set (the best `max_candidates` by retrieval rank)
 retrieval order. While pairs are outstanding, the best resolved candidate can be released
 once no outstanding candidate could still beat it, that is once its score is above every
 outstanding candidate's upper bound (`blending.upper_bound`), or equal to it with the
-better retrieval position. `RerankStream` sends results at exactly those moments; `Rerank`
-uses the same engine and simply waits for the end, so both give the same order.
+better retrieval position. The request-wide blends hold everything until the
+best-ranked half of the candidates is in and the blend settles (`blending.Settled`);
+from then on they release like the others. `RerankStream` sends results at exactly those
+moments; `Rerank` uses the same engine and simply waits for the end, so both give the
+same order.
 
 `Emitter` numbers what is released 1, 2, ... and stops at `top_k`.
 """
@@ -42,23 +45,30 @@ class IncrementalRanking:
                  params: Callable[[], blending.AdaptiveParams] = lambda: blending.ADAPTIVE,
                  ) -> None:
         self._strategy = strategy
-        # The request-wide blends' parameters, asked for only once every pair is in: a
-        # profile is chosen by the model's name, which the backend's answers may tell.
+        # The request-wide blends' parameters, asked for only once they settle: a profile
+        # is chosen by the model's name, which the backend's answers may tell.
         self._params = params
         self._request_wide = strategy in blending.REQUEST_WIDE
         self._tail = tail
         # Outstanding candidates by their upper bound, best first; stale entries are
         # skipped lazily once their candidate resolves.
         self._pending: dict[int, Candidate] = {c.index: c for c in scored}
-        # A request-wide blend releases nothing before the end, so any bound will do there.
+        # A request-wide blend releases nothing before it settles, so any bound will do
+        # until then (`_settle` sets the real ones).
         self._bounds = [(_key(1.0 if self._request_wide
                               else blending.upper_bound(strategy, c.retrieval_rank), c), c.index)
                         for c in scored]
         heapq.heapify(self._bounds)
         self._resolved: list[tuple[tuple[float, int, int], int, Placed]] = []
         self._tail_released = False
-        self._held: list[tuple[Candidate, float | None]] = []  # request-wide blends
-        self.reranker_weight: float | None = None  # set when a request-wide blend ran
+        # Request-wide blends: the candidates whose scores settle it, those resolved
+        # before it settled, and the settled blend.
+        best_ranked = sorted(scored, key=lambda c: (c.retrieval_rank, c.index))
+        self._basis = frozenset(c.index for c in best_ranked[:blending.settle_count(len(scored))])
+        self._basis_outstanding = set(self._basis)
+        self._held: list[tuple[Candidate, float | None]] = []
+        self._settled: blending.Settled | None = None
+        self.reranker_weight: float | None = None  # set when a request-wide blend settles
 
     @property
     def outstanding(self) -> int:
@@ -67,22 +77,30 @@ class IncrementalRanking:
     def resolve(self, candidate_index: int, reranker_score: float | None) -> None:
         """Record a pair's outcome: its score, or `None` when it failed."""
         c = self._pending.pop(candidate_index)
-        if self._request_wide:
-            # The weight depends on every score of the request: blend at the end.
+        if self._request_wide and self._settled is None:
             self._held.append((c, reranker_score))
-            if not self._pending:
-                self._blend_held()
+            self._basis_outstanding.discard(c.index)
+            if not self._basis_outstanding:
+                self._settle()
             return
-        score = blending.blend(self._strategy, c.retrieval_rank, reranker_score)
+        score = self._settled.final(c.retrieval_rank, reranker_score) if self._settled \
+            else blending.blend(self._strategy, c.retrieval_rank, reranker_score)
         heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, reranker_score)))
 
-    def _blend_held(self) -> None:
-        finals, self.reranker_weight = blending.adaptive_blend(
-            [c.retrieval_rank for c, _ in self._held], [p for _, p in self._held],
+    def _settle(self) -> None:
+        """The best-ranked half is in: settle the blend, place what is held, and bound
+        what is still outstanding."""
+        settled = blending.Settled.on(
+            [p for c, p in self._held if c.index in self._basis and p is not None],
             self._params())
-        for (c, p), score in zip(self._held, finals, strict=True):
+        self._settled, self.reranker_weight = settled, settled.weight
+        for c, p in self._held:
+            score = settled.final(c.retrieval_rank, p)
             heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, p)))
         self._held.clear()
+        self._bounds = [(_key(settled.upper_bound(c.retrieval_rank), c), c.index)
+                        for c in self._pending.values()]
+        heapq.heapify(self._bounds)
 
     def fail_outstanding(self) -> list[int]:
         """Resolve every outstanding pair as failed (deadline, backend gone); their indexes."""

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from ..domain import (
+    Candidate,
     Degraded,
     DegradedCode,
     RankedCandidate,
@@ -26,6 +27,7 @@ from ..scoring.base import Failure, Scorer, ScoreRequest
 from ..scoring.budget import budget_s, score_within
 from . import blend_profiles
 from .blend_profiles import Blend, BlendResolver
+from .blending import REQUEST_WIDE, scores_can_matter
 from .chunking import document_texts
 from .ordering import Emitter, IncrementalRanking
 from .request import Request, RequestRules
@@ -85,6 +87,11 @@ class Reranker:
             skip = skip_reason(request, shaped)
             span.set_attributes(_shape_attributes(request, shaped,
                                                   0 if skip else len(scored_set)))
+        # A profile is chosen by the model's name: until the backend has told it, the
+        # pairs are sent (and the profile is chosen once their answers are in).
+        if skip is None and not request.always_score and (
+                self.scorer.model or request.blend not in REQUEST_WIDE):
+            skip = _no_reranker_weight(request, blend(), scored_set)
         ranking = IncrementalRanking(request.blend, scored_set, tail, lambda: blend().params)
         outcome = _Outcome(submitted=0 if skip else len(scored_set))
 
@@ -200,6 +207,19 @@ class _Outcome:
             return Degraded(main.degraded_code, f"all {self.submitted} pairs failed ({kinds})")
         return Degraded(DegradedCode.PARTIAL,
                         f"{failed} of {self.submitted} pairs failed ({kinds})")
+
+
+def _no_reranker_weight(request: Request, blend: Blend, scored: list[Candidate],
+                        ) -> Degraded | None:
+    """NO_RERANKER_WEIGHT when no score could change the answer: the pairs are not sent."""
+    if scores_can_matter(blend.strategy, blend.params, [c.retrieval_rank for c in scored],
+                         request.top_k):
+        return None
+    why = (f"blend profile {blend.profile} gives the reranker no weight" if blend.profile
+           else f"no score can change the first {request.top_k} places under the "
+                f"{blend.strategy.value} blend")
+    return Degraded(DegradedCode.NO_RERANKER_WEIGHT,
+                    f"{why}: retrieval order, no pair sent (always_score sends them)")
 
 
 def _overloaded(wait_s: float, budget_s: float) -> Degraded | None:

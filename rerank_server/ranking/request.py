@@ -82,6 +82,7 @@ class Request:
     threshold: ThresholdSpec | None
     skip: SkipRules
     bypass_cache: bool
+    always_score: bool  # score even when no score can change the answer
 
     @property
     def occurrences(self) -> int:

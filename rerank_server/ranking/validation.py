@@ -54,7 +54,7 @@ def resolve(query: RerankQuery, rules: RequestRules) -> Request:
             within_top_k=_or_default(query.skip_within_top_k, r.skip_within_top_k),
             strong_signal=_or_default(query.strong_signal_skip, r.strong_signal_skip),
             strong_signal_min=r.strong_signal_min, strong_signal_gap=r.strong_signal_gap),
-        bypass_cache=query.bypass_cache)
+        bypass_cache=query.bypass_cache, always_score=query.always_score)
 
 
 def _list_weight(weight: float | None, expansion: bool, rules: RequestRules) -> float:

@@ -49,12 +49,23 @@ async def test_profile_for_the_served_model_blends_and_is_named(
         start_server: StartServer, fake_llama: FakeLlamaServer, profiles: Path) -> None:
     _, client = await started(start_server, fake_llama, blend_profile=str(profiles))
     async with client:
+        sent_before = len(fake_llama.documents())  # the health probe's
         answer = await client.rerank("q", DOCS, blend_strategy="profile")
         assert answer.summary.blend_strategy == "profile"
         assert answer.summary.blend_profile == "fake-ignored"
-        # That profile gives the reranker no weight: the retrieval order stands.
+        # That profile gives the reranker no weight: the retrieval order stands, and no
+        # pair is sent, which the answer says.
         assert [r.id for r in answer.results] == ["a", "b", "c", "d"]
-        assert answer.results[0].reranker_score == pytest.approx(0.05, abs=1e-3)
+        assert len(fake_llama.documents()) == sent_before
+        assert answer.results[0].reranker_score is None
+        assert answer.summary.degraded_code == "no_reranker_weight"
+        assert "fake-ignored gives the reranker no weight" in str(
+            answer.summary.degraded_message)
+        # Callers who want the model's scores ask for them: same order, scores present.
+        scored = await client.rerank("q", DOCS, blend_strategy="profile", always_score=True)
+        assert [r.id for r in scored.results] == ["a", "b", "c", "d"]
+        assert scored.results[0].reranker_score == pytest.approx(0.05, abs=1e-3)
+        assert scored.summary.degraded_code is None and scored.summary.reranked
         # Other strategies are unaffected and name no profile.
         only = await client.rerank("q", DOCS, blend_strategy="rerank_only")
         assert [r.id for r in only.results] == ["d", "c", "b", "a"]

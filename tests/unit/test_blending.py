@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from rerank_server.ranking.blending import (
     adaptive_scores,
     adaptive_weight,
     blend,
+    scores_can_matter,
     upper_bound,
 )
 
@@ -191,3 +194,21 @@ def test_a_constant_weight_profile_ignores_the_spread() -> None:
 def test_profile_parameters_are_checked(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AdaptiveParams(**kwargs)
+
+
+def test_scores_cannot_matter_when_no_weight_or_no_score_can_move_the_top_k() -> None:
+    ranks = list(range(1, 21))
+    never = AdaptiveParams(0.0, 0.0, 0.0, 0.0)
+    assert not scores_can_matter(BlendStrategy.PROFILE, never, ranks, 0)
+    assert scores_can_matter(BlendStrategy.ADAPTIVE, ADAPTIVE, ranks, 0)
+    # position_aware: rank 1 scores at least 0.75, no other more than 0.625 (rank 2).
+    assert not scores_can_matter(BlendStrategy.POSITION_AWARE, ADAPTIVE, ranks, 1)
+    assert scores_can_matter(BlendStrategy.POSITION_AWARE, ADAPTIVE, ranks, 2)
+    assert scores_can_matter(BlendStrategy.POSITION_AWARE, ADAPTIVE, ranks, 0)
+    assert scores_can_matter(BlendStrategy.RERANK_ONLY, ADAPTIVE, ranks, 1)
+    # The claim holds for every score the pairs could get.
+    rng = random.Random(5)
+    for _ in range(200):
+        scores = [rng.random() for _ in ranks]
+        finals = [blend(PA, r, p) for r, p in zip(ranks, scores, strict=True)]
+        assert max(range(20), key=lambda i: (finals[i], -ranks[i])) == 0

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rerank_server.domain import BlendStrategy, Candidate
+from rerank_server.ranking.blending import AdaptiveParams
 from rerank_server.ranking.ordering import IncrementalRanking
 from tests.blend_oracle import final_scores
 
@@ -16,14 +17,24 @@ def _cands(n: int) -> list[Candidate]:
     return [Candidate(id=str(i), text="", index=i, retrieval_rank=i + 1) for i in range(n)]
 
 
+profiles = st.builds(
+    lambda noise, width, low, extra, floor, gate: AdaptiveParams(
+        noise, noise + width, low, min(1.0, low + extra), floor, min(1.0, floor + gate)),
+    st.floats(0, 0.3), st.floats(0, 0.3), st.floats(0, 1), st.floats(0, 1),
+    st.floats(0, 0.9), st.floats(0, 0.5))
+
+
 @given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=0, max_size=25),
        st.sampled_from(list(BlendStrategy)), st.randoms(use_true_random=False),
-       st.integers(0, 5))
+       st.integers(0, 5), profiles)
 def test_released_order_equals_full_sort(scores: list[float | None], strategy: BlendStrategy,
-                                         rnd: random.Random, tail_len: int) -> None:
+                                         rnd: random.Random, tail_len: int,
+                                         params: AdaptiveParams) -> None:
+    """Whatever the scores, blend, profile and arrival order: what `RerankStream` sends
+    as it goes is what `Rerank` sorts at the end."""
     cands = _cands(len(scores) + tail_len)
     scored, tail = cands[: len(scores)], cands[len(scores):]
-    ranking = IncrementalRanking(strategy, scored, tail)
+    ranking = IncrementalRanking(strategy, scored, tail, lambda: params)
     released = []
     order = list(range(len(scores)))
     rnd.shuffle(order)
@@ -31,7 +42,7 @@ def test_released_order_equals_full_sort(scores: list[float | None], strategy: B
         ranking.resolve(i, scores[i])
         released += ranking.release()
     released += ranking.release()
-    finals = final_scores(strategy, [c.retrieval_rank for c in scored], scores)
+    finals = final_scores(strategy, [c.retrieval_rank for c in scored], scores, params)
     expected = sorted(scored, key=lambda c: (-finals[c.index], c.retrieval_rank, c.index))
     assert [p.candidate for p in released] == expected + tail
 
@@ -61,3 +72,32 @@ def test_fail_outstanding_releases_everything() -> None:
     ranking.resolve(3, 1.0)
     assert ranking.fail_outstanding() == [0, 1, 2]
     assert len(ranking.release()) == 6
+
+
+def test_a_request_wide_blend_streams_once_the_best_ranked_half_is_in() -> None:
+    """12 candidates: the adaptive blend settles on ranks 1..6 and releases its best
+    while ranks 7..12 are still being scored; nothing before."""
+    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(12), [])
+    for i, score in enumerate([0.2, 0.9, 0.4, 0.1, 0.3]):
+        ranking.resolve(i, score)
+        assert ranking.release() == []
+    ranking.resolve(5, 0.5)  # the half is in; spread 0.27: the reranker's order
+    assert ranking.reranker_weight == 1.0
+    # Rank 2 (0.9, the settled maximum) can be beaten by no later score: released.
+    assert [p.candidate.id for p in ranking.release()] == ["1"]
+    assert ranking.outstanding == 6
+    for i in range(6, 12):
+        ranking.resolve(i, 0.0)
+    assert [p.candidate.id for p in ranking.release()][:3] == ["5", "2", "4"]
+
+
+def test_scores_above_the_settled_range_count_as_its_top() -> None:
+    """A later score above the best-ranked half's maximum is normalized to 1, like that
+    maximum: the two are then ordered by retrieval rank (the price of streaming)."""
+    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(8), [])
+    for i, score in enumerate([0.1, 0.3, 0.2, 0.6]):
+        ranking.resolve(i, score)
+    for i in range(4, 8):
+        ranking.resolve(i, 0.95 if i == 7 else 0.1)
+    ids = [p.candidate.id for p in ranking.release()]
+    assert ids[:2] == ["3", "7"]

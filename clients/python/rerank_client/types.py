@@ -223,7 +223,8 @@ def build_request(query: str, candidates: Iterable[CandidateLike] = (), *, top_k
                   threshold: Threshold | None = None, skip_within_top_k: bool | None = None,
                   strong_signal_skip: bool | None = None, bypass_cache: bool = False,
                   score_kind: str = "auto",
-                  max_tokens_per_doc: int | None = None) -> pb.RerankRequest:
+                  max_tokens_per_doc: int | None = None,
+                  always_score: bool = False) -> pb.RerankRequest:
     """The wire request; raises ValueError for an unknown strategy, kind or mode name."""
     options = pb.RerankOptions(
         blend_strategy=(pb.BLEND_STRATEGY_UNSPECIFIED if blend_strategy is None
@@ -233,7 +234,7 @@ def build_request(query: str, candidates: Iterable[CandidateLike] = (), *, top_k
         dedup_key=dedup_key, threshold=threshold.to_pb() if threshold else None,
         skip_within_top_k=skip_within_top_k, strong_signal_skip=strong_signal_skip,
         bypass_cache=bypass_cache, score_kind=_choice("score kind", score_kind, SCORE_KINDS),
-        max_tokens_per_doc=max_tokens_per_doc)
+        max_tokens_per_doc=max_tokens_per_doc, always_score=always_score)
     wire_lists = [pb.RankedList(name=lst.name, weight=lst.weight, expansion=lst.expansion,
                                 score_kind=_choice("score kind", lst.score_kind, SCORE_KINDS),
                                 candidates=_wire(lst.candidates)) for lst in lists]

@@ -150,6 +150,12 @@ class _DegradedReasonCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_De
     """The server is shutting down (SIGTERM): pairs not scored when its grace period ran
     short were given up, and the answer came before the server stopped.
     """
+    DEGRADED_REASON_CODE_NO_RERANKER_WEIGHT: _DegradedReasonCode.ValueType  # 12
+    """Not scored because no score could change the answer: the blend gives the reranker no
+    weight (a blend profile with `max_weight` 0, such as a model fitted to have no signal),
+    or `top_k` asks only for places no score can move. The answer is what scoring would
+    have given, without the round trip; `RerankOptions.always_score` scores anyway.
+    """
 
 class DegradedReasonCode(_DegradedReasonCode, metaclass=_DegradedReasonCodeEnumTypeWrapper):
     """Why a response was not (fully) reranked."""
@@ -181,6 +187,12 @@ its time budget, so it was answered at once in retrieval order instead of waitin
 DEGRADED_REASON_CODE_SHUTTING_DOWN: DegradedReasonCode.ValueType  # 11
 """The server is shutting down (SIGTERM): pairs not scored when its grace period ran
 short were given up, and the answer came before the server stopped.
+"""
+DEGRADED_REASON_CODE_NO_RERANKER_WEIGHT: DegradedReasonCode.ValueType  # 12
+"""Not scored because no score could change the answer: the blend gives the reranker no
+weight (a blend profile with `max_weight` 0, such as a model fitted to have no signal),
+or `top_k` asks only for places no score can move. The answer is what scoring would
+have given, without the round trip; `RerankOptions.always_score` scores anyway.
 """
 Global___DegradedReasonCode: _TypeAlias = DegradedReasonCode  # noqa: Y015
 
@@ -282,6 +294,7 @@ class RerankOptions(_message.Message):
     BYPASS_CACHE_FIELD_NUMBER: _builtins.int
     SCORE_KIND_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_PER_DOC_FIELD_NUMBER: _builtins.int
+    ALWAYS_SCORE_FIELD_NUMBER: _builtins.int
     blend_strategy: Global___BlendStrategy.ValueType
     """Blend strategy; UNSPECIFIED means the server default."""
     max_candidates: _builtins.int
@@ -325,6 +338,12 @@ class RerankOptions(_message.Message):
     per slot limits it). The name vLLM and Cohere use. Documents are always cut to fit the
     context, whatever this says.
     """
+    always_score: _builtins.bool
+    """Score the pairs even when the blend will give the reranker no weight (a blend profile
+    whose `max_weight` is 0, or a `top_k` that no score can change). Without it such a
+    request is answered at once in retrieval order (`NO_RERANKER_WEIGHT`); with it,
+    callers get `reranker_score`s at the cost of a scoring round.
+    """
     @_builtins.property
     def threshold(self) -> Global___Threshold:
         """Filter on the normalized retrieval score before scoring. Off unless set."""
@@ -345,10 +364,11 @@ class RerankOptions(_message.Message):
         bypass_cache: _builtins.bool = ...,
         score_kind: Global___ScoreKind.ValueType = ...,
         max_tokens_per_doc: _builtins.int | None = ...,
+        always_score: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_max_tokens_per_doc", b"_max_tokens_per_doc", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "max_tokens_per_doc", b"max_tokens_per_doc", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_max_tokens_per_doc", b"_max_tokens_per_doc", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "blend_strategy", b"blend_strategy", "bypass_cache", b"bypass_cache", "dedup_key", b"dedup_key", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "max_tokens_per_doc", b"max_tokens_per_doc", "return_text", b"return_text", "score_kind", b"score_kind", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k", "_max_candidates", b"_max_candidates", "_max_chunk_chars", b"_max_chunk_chars", "_max_tokens_per_doc", b"_max_tokens_per_doc", "_skip_within_top_k", b"_skip_within_top_k", "_strong_signal_skip", b"_strong_signal_skip", "_timeout_ms", b"_timeout_ms", "always_score", b"always_score", "blend_strategy", b"blend_strategy", "bypass_cache", b"bypass_cache", "dedup_key", b"dedup_key", "fusion_k", b"fusion_k", "max_candidates", b"max_candidates", "max_chunk_chars", b"max_chunk_chars", "max_tokens_per_doc", b"max_tokens_per_doc", "return_text", b"return_text", "score_kind", b"score_kind", "skip_within_top_k", b"skip_within_top_k", "strong_signal_skip", b"strong_signal_skip", "threshold", b"threshold", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__fusion_k: _TypeAlias = _typing.Literal["fusion_k"]  # noqa: Y015
     _WhichOneofArgType__fusion_k: _TypeAlias = _typing.Literal["_fusion_k", b"_fusion_k"]  # noqa: Y015
