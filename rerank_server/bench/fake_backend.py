@@ -3,7 +3,8 @@
     python -m rerank_server.bench.fake_backend --port 8099
 
 It answers at once with a fixed-shape answer, so what a benchmark measures through it is
-rerank-server's own cost. It runs as a process of its own, so its CPU time is not counted
+rerank-server's own cost (or after `--latency-ms`, a model's fixed time per call, for the
+streaming scenario). It runs as a process of its own, so its CPU time is not counted
 as ours. Scores are a stable function of the text. Not a test double for correctness:
 tests use `tests/fakes/`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -63,6 +65,7 @@ def answer(path: str, body: Any) -> Any:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
+    latency_s = 0.0  # per scoring call
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -84,13 +87,18 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         payload = answer(self.path, body)
+        if self.latency_s and self.path not in ("/tokenize", "/apply-template"):
+            time.sleep(self.latency_s)
         self._send(404, {"error": "not found"}) if payload is None else self._send(200, payload)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="sleep this long before answering each scoring call")
     args = parser.parse_args()
+    Handler.latency_s = args.latency_ms / 1000
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     server.daemon_threads = True
     server.serve_forever()

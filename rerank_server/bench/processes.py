@@ -65,10 +65,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def fake_backend() -> Iterator[str]:
+def fake_backend(latency_ms: float = 0.0) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server.bench.fake_backend",
-                             "--port", str(port)])
+                             "--port", str(port), "--latency-ms", str(latency_ms)])
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"

@@ -17,8 +17,8 @@ ratios beside times (these machines are noisy). Scenarios:
 - throughput: 1, 4, 16 and 64 concurrent clients against the fake backend: requests/s,
   pairs/s, p50/p99, errors.
 - streaming: time to the first `RerankStream` result against the whole `Rerank` answer,
-  on llama-server, with the per-candidate `position_aware` blend (the request-wide
-  blends, `profile` and `adaptive`, release results only once every pair is scored).
+  for every blend (the default included), against a backend with a fixed time per call
+  and against llama-server, at 10/40/100 candidates.
 - backends: `chat` (per pair) against `completion` (batched) on llama-server.
 
 The llama-server scenarios use the cached build and stand-in model (`make assets`).
@@ -189,34 +189,68 @@ async def _client_loop(n: int, client: AsyncRerankClient, docs: Sequence[str],
         i += 1
 
 
-async def streaming(llama: str, rounds: int, count: int) -> dict[str, Any]:
-    docs = passages(count, seed=5)
+BLENDS = ("default", "position_aware", "linear", "rerank_only", "adaptive")
+
+
+async def stream_timing(port: int, docs: list[str], blend: str, rounds: int,
+                        ) -> dict[str, Any]:
+    """Median time to the first `RerankStream` result and to the whole `Rerank` answer,
+    alternating the two; `blend` "default" leaves the choice to the server (`profile`)."""
     first: list[float] = []
     whole: list[float] = []
-    args = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
-            "--timeout-ms", "120000", "--blend-strategy", "position_aware"]
-    with rerank_server(args) as (port, _):
-        async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
-            for r in range(rounds + 1):
-                for mode in (("stream", "unary") if r % 2 == 0 else ("unary", "stream")):
-                    query = f"round {r} {mode} garden music"
-                    started = time.perf_counter()
-                    if mode == "unary":
-                        await client.rerank(query, docs)
-                        elapsed = time.perf_counter() - started
-                        if r:
-                            whole.append(elapsed)
-                        continue
-                    got_first: float | None = None
-                    async for item in client.stream(query, docs):
-                        if isinstance(item, Result) and got_first is None:
-                            got_first = time.perf_counter() - started
-                        if isinstance(item, Summary) and r and got_first is not None:
-                            first.append(got_first)
-    return {"passages": len(docs), "rounds": rounds,
-            "first_result_ms": round(statistics.median(first) * 1000),
+    strategy = None if blend == "default" else blend
+    summary: Summary | None = None
+    async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+        for r in range(rounds + 1):  # round 0 warms up
+            for mode in (("stream", "unary") if r % 2 == 0 else ("unary", "stream")):
+                # A query of its own per call: no score cache, no prompt cache.
+                query = f"round {r} {mode} {blend} garden music"
+                started = time.perf_counter()
+                if mode == "unary":
+                    answer = await client.rerank(query, docs, blend_strategy=strategy)
+                    summary = answer.summary
+                    if r:
+                        whole.append(time.perf_counter() - started)
+                    continue
+                got_first: float | None = None
+                async for item in client.stream(query, docs, blend_strategy=strategy):
+                    if isinstance(item, Result) and got_first is None:
+                        got_first = time.perf_counter() - started
+                if r and got_first is not None:
+                    first.append(got_first)
+    assert summary is not None
+    blended = " ".join(filter(None, (summary.blend_strategy, summary.blend_profile)))
+    if summary.degraded_code:
+        blended += f" ({summary.degraded_code})"
+    return {"blended_by": blended, "first_result_ms": round(statistics.median(first) * 1000),
             "whole_answer_ms": round(statistics.median(whole) * 1000),
             "first_over_whole": round(statistics.median(first) / statistics.median(whole), 3)}
+
+
+async def streaming(llama: str, rounds: int, latency_ms: float, sizes: Sequence[int],
+                    ) -> dict[str, Any]:
+    """Every blend against a backend with a fixed time per call and against llama-server
+    (stand-in model, whose shipped profile gives the reranker no weight). The fixed
+    latency: `latency_ms` per call, 2 at a time, 12 candidates (the setting of the issue
+    that asked for streaming under the default blend), then `sizes` at a sixth of it, 4
+    at a time."""
+    out: dict[str, Any] = {}
+    for latency_ms, concurrency, sizes in ((latency_ms, 2, (12,)),
+                                           (latency_ms / 6, SLOTS, sizes)):
+        with fake_backend(latency_ms) as url, rerank_server(
+                ["--backend-url", url, "--concurrency", str(concurrency), "--timeout-ms",
+                 "120000"]) as (port, _):
+            for size in sizes:
+                docs = passages(size, seed=5)
+                out[f"fixed {latency_ms:g} ms x{concurrency}, {size}"] = {
+                    blend: await stream_timing(port, docs, blend, rounds) for blend in BLENDS}
+    with rerank_server(["--backend-url", llama, "--concurrency", str(SLOTS),
+                        "--no-assistant-prefill", "--timeout-ms", "120000"]) as (port, _):
+        for size in sizes:
+            docs = passages(size, seed=5)
+            out[f"llama-server x{SLOTS}, {size}"] = {
+                blend: await stream_timing(port, docs, blend, rounds) for blend in BLENDS}
+    return out
 
 
 async def backends(llama: str, rounds: int, count: int) -> dict[str, Any]:
@@ -269,11 +303,17 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{r['p50_ms']} | {r['p99_ms']} | {r['errors']} |")
         lines.append("")
     if "streaming" in report:
-        s = report["streaming"]
-        lines += ["#### Streaming", "", f"{s['passages']} passages, blend position_aware, "
-                  f"median of {s['rounds']}: "
-                  f"first RerankStream result {s['first_result_ms']} ms, whole Rerank answer "
-                  f"{s['whole_answer_ms']} ms (ratio {s['first_over_whole']}).", ""]
+        lines += ["#### Streaming", "",
+                  "Median time to the first `RerankStream` result and to the whole `Rerank` "
+                  "answer; `default` is the server's default blend (`profile`).", "",
+                  "| backend, candidates | blend (as answered) | first result ms | "
+                  "whole answer ms | first / whole |", "|---|---|---|---|---|"]
+        for setting, blends in report["streaming"].items():
+            for blend, r in blends.items():
+                lines.append(f"| {setting} | {blend}: {r['blended_by']} | "
+                             f"{r['first_result_ms']} | {r['whole_answer_ms']} | "
+                             f"{r['first_over_whole']} |")
+        lines.append("")
     if "backends" in report:
         b = report["backends"]
         lines += ["#### chat vs completion", "", f"{b['passages']} passages, {b['slots']} "
@@ -339,7 +379,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if "model" in chosen:
                 report["model"] = await model(llama, args.rounds, args.passages)
             if "streaming" in chosen:
-                report["streaming"] = await streaming(llama, args.rounds, args.passages)
+                report["streaming"] = await streaming(
+                    llama, args.rounds, args.stream_latency_ms,
+                    [int(n) for n in args.stream_sizes.split(",")])
             if "backends" in chosen:
                 report["backends"] = await backends(llama, args.rounds, args.passages)
     return report
@@ -357,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="llama-server scenarios: measured rounds (plus one warm-up)")
     parser.add_argument("--passages", type=int, default=20,
                         help="llama-server and telemetry scenarios: passages per request")
+    parser.add_argument("--stream-latency-ms", type=float, default=300.0,
+                        help="streaming: the fixed-latency backend's time per call")
+    parser.add_argument("--stream-sizes", default=",".join(map(str, SIZES)),
+                        help="streaming: candidates per request")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
     report = asyncio.run(run(args))

@@ -22,7 +22,7 @@ Two ways to fit:
 - `fit`: one data set, cross-validated by query (`rerank-server eval --fit-profile`).
 - `fit_across`: several data sets (`rerank-server fit`). The parameters are chosen by
   their **worst** data set: the smallest largest shortfall from the better of BM25 and
-  the reranker's own order, then the best mean. Each data set is also held out in turn
+  pure reranking (`rerank_only`), then the best mean. Each data set is also held out in turn
   (leave-one-collection-out): the parameters fitted on the others are scored on it,
   which is what a profile will do on a collection nobody fitted it on.
 """
@@ -42,11 +42,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..domain import BlendStrategy
 from ..ranking.blending import (
     ADAPTIVE,
     AdaptiveParams,
     Settled,
     adaptive_scores,
+    blend,
     retrieval_input,
     settle_basis,
     spread,
@@ -84,6 +86,11 @@ class ScoredQuery:
     def ordered(self, params: AdaptiveParams) -> list[str]:
         """Document ids in the order the server would answer with `params`."""
         return self._order(adaptive_scores(self.ranks, self.scores, params))
+
+    def reranked(self) -> list[str]:
+        """Document ids in pure reranking's order (`rerank_only`: the raw scores)."""
+        return self._order([blend(BlendStrategy.RERANK_ONLY, r, p)
+                            for r, p in zip(self.ranks, self.scores, strict=True)])
 
     def _order(self, finals: Sequence[float]) -> list[str]:
         head = sorted(range(len(self.ids)), key=lambda i: (-finals[i], self.ranks[i]))
@@ -279,9 +286,12 @@ class Collection:
         """nDCG@10 of each query under `params`, replayed exactly."""
         return [ndcg(q.ordered(params), self.qrels.get(q.qid, {})) for q in self.queries]
 
+    def reranked(self) -> list[float]:
+        """nDCG@10 of each query in pure reranking's order."""
+        return [ndcg(q.reranked(), self.qrels.get(q.qid, {})) for q in self.queries]
+
 
 BM25 = AdaptiveParams(0.0, 0.0, 0.0, 0.0)  # the retrieval order
-RERANKER = AdaptiveParams(0.0, 0.0, 1.0, 1.0)  # the reranker's order
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,23 +308,22 @@ class CrossFit:
     everything: Choice  # fitted on every collection: the profile to ship
     held_out: dict[str, Choice]  # collection -> fitted on all the others
     bm25: dict[str, list[float]]
-    reranker: dict[str, list[float]]
+    reranker: dict[str, list[float]]  # pure reranking (`rerank_only`)
     grid_size: int
 
 
 def choose(collections: Sequence[Collection], curves: Mapping[str, Sequence[Curve]],
-           family: Family = Family.GATE) -> tuple[AdaptiveParams, int]:
-    """The parameters whose worst collection falls least short of the better of BM25 and
-    the reranker's order there; among equals the best mean over collections; then the
-    most cautious. Returns them and the grid's size."""
+           best: Mapping[str, float], family: Family = Family.GATE,
+           ) -> tuple[AdaptiveParams, int]:
+    """The parameters whose worst collection falls least short of its `best` (the better
+    of BM25 and pure reranking there); among equals the best mean over collections; then
+    the most cautious. Returns them and the grid's size."""
     candidates = Grid(grid([c.spread for x in collections for c in curves[x.name]],
                            [c.top for x in collections for c in curves[x.name]], family))
     means = np.stack([candidates.values(curves[x.name]).mean(axis=1) for x in collections],
                      axis=1)
-    best = np.array([max(statistics.fmean(c.at_zero for c in curves[x.name]),
-                         statistics.fmean(c.at_one for c in curves[x.name]))
-                     for x in collections])
-    worst = (best[None, :] - means).max(axis=1)
+    targets = np.array([best[x.name] for x in collections])
+    worst = (targets[None, :] - means).max(axis=1)
     ok = worst <= worst.min() + TIE
     overall = np.where(ok, means.mean(axis=1), -np.inf)
     return candidates.params[_first_best(overall)], len(candidates)
@@ -326,15 +335,17 @@ def fit_across(collections: Sequence[Collection], family: Family = Family.GATE) 
         raise ValueError("every collection needs reranked queries")
     curves = {c.name: [Curve(q, c.qrels.get(q.qid, {})) for q in c.queries]
               for c in collections}
+    bm25 = {c.name: c.per_query(BM25) for c in collections}
+    reranker = {c.name: c.reranked() for c in collections}
+    best = {c.name: max(statistics.fmean(bm25[c.name]), statistics.fmean(reranker[c.name]))
+            for c in collections}
 
     def chosen(on: Sequence[Collection]) -> tuple[Choice, int]:
-        params, size = choose(on, curves, family)
+        params, size = choose(on, curves, best, family)
         return Choice(params, tuple(c.name for c in on),
                       {c.name: c.per_query(params) for c in collections}), size
 
     everything, size = chosen(collections)
     held_out = {c.name: chosen([o for o in collections if o is not c])[0]
                 for c in collections if len(collections) > 1}
-    return CrossFit(everything, held_out,
-                    {c.name: c.per_query(BM25) for c in collections},
-                    {c.name: c.per_query(RERANKER) for c in collections}, size)
+    return CrossFit(everything, held_out, bm25, reranker, size)

@@ -10,8 +10,8 @@ the fit replays them offline (`fit.fit_across`): no server, no model. The parame
 chosen by their worst data set, and every data set is also held out in turn and scored
 with the parameters fitted on the others (leave-one-collection-out). The table
 (`OUT/fit-NAME.md`, everything in `OUT/fit-NAME.json`) shows, per data set, BM25, the
-reranker's own order, the held-out profile and the profile fitted on everything, with
-the share of the reranker's gain each keeps and paired two-sided t-test p-values.
+pure reranking (`rerank_only`), the held-out profile and the profile fitted on everything, with
+the share of pure reranking's gain each keeps and paired two-sided t-test p-values.
 """
 
 from __future__ import annotations
@@ -134,10 +134,10 @@ def markdown(title: str, rows: dict[str, Any], result: CrossFit, header: str) ->
     def cell(r: dict[str, Any]) -> str:
         share = "" if r["share_of_gain"] is None else f", {r['share_of_gain']:.0%} of gain"
         return (f"{r['ndcg@10']:.3f} ({r['vs_bm25']:+.3f} vs BM25, p {_p(r['p_bm25'])}; "
-                f"{r['vs_reranker']:+.3f} vs reranker, p {_p(r['p_reranker'])}{share})")
+                f"{r['vs_reranker']:+.3f} vs rerank_only, p {_p(r['p_reranker'])}{share})")
 
     lines = [f"### {title}", "", header, "",
-             "| data set | queries | BM25 | reranker order | held out (fitted on the others)"
+             "| data set | queries | BM25 | rerank_only | held out (fitted on the others)"
              " | fitted on all |", "|---|---|---|---|---|---|"]
     for name, r in rows.items():
         held = cell(r["held_out"]) if "held_out" in r else "–"
@@ -155,7 +155,7 @@ def write_profile(args: argparse.Namespace, result: CrossFit, rows: dict[str, An
     name = args.profile_name or f"{backend}-{model.removesuffix('.gguf')}"
     fitted = {
         "method": "rerank-server fit: worst data set's shortfall from the better of BM25 "
-                  "and the reranker's order, nDCG@10; leave-one-collection-out",
+                  "and pure reranking (rerank_only), nDCG@10; leave-one-collection-out",
         "family": str(args.family), "grid": result.grid_size, "model": model,
         "date": time.strftime("%Y-%m-%d"),
         "collections": {c: {"queries": r["queries"], "bm25": r["bm25"],

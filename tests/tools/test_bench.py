@@ -18,7 +18,7 @@ def test_passages_are_deterministic_and_sized() -> None:
 
 def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     code = main(["--requests", "2", "--seconds", "0.3", "--rounds", "1", "--passages", "3",
-                 "--out", str(tmp_path)])
+                 "--stream-latency-ms", "30", "--stream-sizes", "6", "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["overhead"]) == set(KINDS)
@@ -33,7 +33,16 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert all(telemetry[s]["cpu_ms_per_request"] > 0
                for s in ("off", "metrics", "metrics+traces"))
     assert report["model"]["through_over_direct"] > 0
-    assert 0 < report["streaming"]["first_over_whole"] <= 1.5
+    streaming = report["streaming"]
+    assert set(streaming) == {"fixed 30 ms x2, 12", "fixed 5 ms x4, 6", "llama-server x4, 6"}
+    for blends in streaming.values():
+        assert set(blends) == {"default", "position_aware", "linear", "rerank_only",
+                               "adaptive"}
+        assert all(0 < r["first_over_whole"] <= 1.5 for r in blends.values())
+    # The stand-in's shipped profile gives the reranker no weight: nothing is scored.
+    assert streaming["llama-server x4, 6"]["default"]["blended_by"] == \
+        "profile smollm2-135m-standin (no_reranker_weight)"
+    assert streaming["fixed 30 ms x2, 12"]["default"]["blended_by"] == "adaptive"
     assert report["backends"]["completion_over_chat"] > 0
     assert report["plots"] == ["bench-latency.png", "bench-throughput.png"]
     for plot in report["plots"]:
