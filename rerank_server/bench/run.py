@@ -235,14 +235,14 @@ async def streaming(llama: str, rounds: int, latency_ms: float, sizes: Sequence[
     that asked for streaming under the default blend), then `sizes` at a sixth of it, 4
     at a time."""
     out: dict[str, Any] = {}
-    for latency_ms, concurrency, sizes in ((latency_ms, 2, (12,)),
-                                           (latency_ms / 6, SLOTS, sizes)):
-        with fake_backend(latency_ms) as url, rerank_server(
+    for delay_ms, concurrency, counts in ((latency_ms, 2, (12,)),
+                                          (latency_ms / 6, SLOTS, sizes)):
+        with fake_backend(delay_ms) as url, rerank_server(
                 ["--backend-url", url, "--concurrency", str(concurrency), "--timeout-ms",
                  "120000"]) as (port, _):
-            for size in sizes:
+            for size in counts:
                 docs = passages(size, seed=5)
-                out[f"fixed {latency_ms:g} ms x{concurrency}, {size}"] = {
+                out[f"fixed {delay_ms:g} ms x{concurrency}, {size}"] = {
                     blend: await stream_timing(port, docs, blend, rounds) for blend in BLENDS}
     with rerank_server(["--backend-url", llama, "--concurrency", str(SLOTS),
                         "--no-assistant-prefill", "--timeout-ms", "120000"]) as (port, _):
