@@ -122,7 +122,8 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
                      hits: dict[str, list[Hit]], strategy: str, rerank_depth: int,
                      concurrency: int, timeout_s: float) -> StrategyRun:
     slots = asyncio.Semaphore(concurrency)
-    out = StrategyRun({}, {"reranked": 0, "degraded": 0, "failed_pairs": 0}, {})
+    out = StrategyRun({}, {"reranked": 0, "degraded": 0, "no_reranker_weight": 0,
+                           "failed_pairs": 0}, {})
     bar = tqdm(total=len(hits), desc=strategy, unit="query", leave=False)
 
     async def one(qid: str) -> None:
@@ -134,7 +135,11 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
             answer = await client.rerank(dataset.queries[qid], candidates, request_id=qid,
                                          blend_strategy=strategy, timeout=timeout_s,
                                          max_candidates=max(1, len(candidates)))
-        out.counts["reranked" if answer.reranked else "degraded"] += 1
+        # The blend gives the reranker no weight (a profile fitted to ignore this model):
+        # the retrieval order is the answer, on purpose, without scoring.
+        unneeded = answer.summary.degraded_code == "no_reranker_weight"
+        out.counts["reranked" if answer.reranked else
+                   "no_reranker_weight" if unneeded else "degraded"] += 1
         out.counts["failed_pairs"] += answer.summary.failed
         if answer.reranked:
             out.backend, out.model = answer.summary.backend, answer.summary.model
@@ -375,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DatasetError, ConfigError, RerankError) as exc:
         print(f"rerank-server eval: error: {exc}", file=sys.stderr)
         return 1
-    if not any(counts["reranked"] for counts in result["requests"].values()):
+    if not any(counts["reranked"] or counts["no_reranker_weight"]
+               for counts in result["requests"].values()):
         print(f"rerank-server eval: error: no pair was scored ({result['queries']} queries "
               f"per strategy, all answered in BM25 order): is the backend up, at the right "
               f"URL, and of the --backend kind it speaks? The server log says why.",

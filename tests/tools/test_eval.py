@@ -67,7 +67,7 @@ def test_eval_measures_bm25_and_each_strategy(tmp_path: Path,
     assert means["rerank_only"]["ndcg@10"] > means["bm25"]["ndcg@10"]
     assert set(result["per_query"]["rerank_only"]["ndcg@10"]) == {"q1", "q2", "q3"}
     assert result["requests"]["rerank_only"] == {"reranked": 3, "degraded": 0,
-                                                 "failed_pairs": 0}
+                                                 "no_reranker_weight": 0, "failed_pairs": 0}
     assert result["backend"] == "chat"
     q1 = result["scored"]["q1"]  # the raw scores, for fits across data sets
     assert q1["scores"][q1["ids"].index("q1-good")] == pytest.approx(0.95)
@@ -121,6 +121,27 @@ def test_a_run_with_no_pair_scored_fails_with_one_line(
     assert [line for line in err.splitlines() if "error:" in line] == [
         next(line for line in err.splitlines() if "no pair was scored" in line)]
     assert not (tmp_path / "out" / "eval-tiny.md").exists()
+
+
+def test_a_profile_that_needs_no_scores_is_a_result_not_a_failure(
+        tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    """A profile that gives the model no weight answers in BM25 order without scoring: the
+    evaluation reports that, instead of calling the run one in which nothing worked."""
+    profiles = tmp_path / "profiles.json"
+    profiles.write_text(json.dumps({"profiles": [{
+        "name": "ignore-fake", "backend": "chat", "model": "fake-*", "max_weight": 0.0}]}))
+    data = write_dataset(tmp_path / "tiny", header=True)
+    out = tmp_path / "out"
+    assert main([str(data), "--server", f"--backend-url {fake_llama.url} --metrics-port 0 "
+                 f"--blend-profile {profiles}", "--depth", "6", "--rerank-depth", "6",
+                 "--blend", "profile", "--concurrency", "1", "--out", str(out)]) == 0
+    result = json.loads((out / "eval-tiny.json").read_text())
+    counts = result["requests"]["profile"]
+    # Requests sent before the backend named its model are scored (the profile is matched
+    # by that name), and blended by the profile all the same; later ones are not sent.
+    assert counts["reranked"] + counts["no_reranker_weight"] == 3
+    assert counts["no_reranker_weight"] >= 1 and counts["degraded"] == 0
+    assert result["means"]["profile"]["ndcg@10"] == result["means"]["bm25"]["ndcg@10"]
 
 
 def test_unknown_blend_is_an_argument_error_before_any_work(
