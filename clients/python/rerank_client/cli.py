@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--instruction", help="task instruction for the scorer")
     p.add_argument("--blend", choices=sorted(BLEND_STRATEGIES), help="blend strategy")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
+    p.add_argument("--always-score", action="store_true",
+                   help="score even when the blend gives the model no weight, to see its "
+                        "scores")
     p.add_argument("--stream", action="store_true",
                    help="use RerankStream and print results as they arrive")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -102,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.file, encoding="utf-8") as fh:
                 candidates += _read_jsonl(fh)
     options: dict[str, Any] = {"top_k": args.top_k, "instruction": args.instruction,
-                               "blend_strategy": args.blend}
+                               "blend_strategy": args.blend,
+                               "always_score": args.always_score}
     try:
         texts = [to_candidate(c, i).text for i, c in enumerate(candidates)]
     except TypeError as exc:
