@@ -42,8 +42,11 @@ DOCS = [
 
 
 def _settings(real: RealLlama, **overrides: Any) -> Settings:
+    # `adaptive` by default: these tests are about scoring with a real model, and the
+    # default `profile` gives the stand-in no weight, so it would send no pair at all.
     base = Settings(port=0, backend_url=real.url, concurrency=SLOTS, assistant_prefill=False,
-                    http_port=0, timeout_ms=60_000, grace_period_s=2.0, probe=False)
+                    http_port=0, timeout_ms=60_000, grace_period_s=2.0, probe=False,
+                    blend_strategy=BlendStrategy.ADAPTIVE)
     return dataclasses.replace(base, **overrides)
 
 
@@ -76,7 +79,16 @@ def _assert_follows_blend(results: list[Result], summary: Summary) -> None:
 async def test_unary_reranks_with_real_scores(real_server: RunningServer,
                                               strategy: BlendStrategy) -> None:
     async with _client(real_server) as client:
-        answer = await client.rerank("what do cats eat?", DOCS, blend_strategy=strategy.value)
+        # The stand-in's shipped profile gives it no weight: scored only when asked to.
+        answer = await client.rerank("what do cats eat?", DOCS, blend_strategy=strategy.value,
+                                     always_score=strategy is BlendStrategy.PROFILE)
+        unscored = await client.rerank("what do cats eat?", DOCS,
+                                       blend_strategy=strategy.value)
+    if strategy is BlendStrategy.PROFILE:  # the model is known now: no pair is sent
+        assert unscored.summary.degraded_code == "no_reranker_weight"
+        assert unscored.summary.submitted == 0
+        assert [r.id for r in unscored.results] == [r.id for r in sorted(
+            answer.results, key=lambda r: r.retrieval_rank)]
     s = answer.summary
     assert answer.reranked and s.degraded_code is None
     assert (s.candidates, s.submitted, s.scored, s.failed) == (6, 6, 6, 0)
