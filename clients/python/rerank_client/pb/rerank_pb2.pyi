@@ -153,8 +153,9 @@ class _DegradedReasonCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_De
     DEGRADED_REASON_CODE_NO_RERANKER_WEIGHT: _DegradedReasonCode.ValueType  # 12
     """Not scored because no score could change the answer: the blend gives the reranker no
     weight (a blend profile with `max_weight` 0, such as a model fitted to have no signal),
-    or `top_k` asks only for places no score can move. The answer is what scoring would
-    have given, without the round trip; `RerankOptions.always_score` scores anyway.
+    or `top_k` asks only for places no score can move. The order is the one scoring would
+    have given (the scores are the retrieval ones), without the round trip;
+    `RerankOptions.always_score` scores anyway.
     """
 
 class DegradedReasonCode(_DegradedReasonCode, metaclass=_DegradedReasonCodeEnumTypeWrapper):
@@ -191,8 +192,9 @@ short were given up, and the answer came before the server stopped.
 DEGRADED_REASON_CODE_NO_RERANKER_WEIGHT: DegradedReasonCode.ValueType  # 12
 """Not scored because no score could change the answer: the blend gives the reranker no
 weight (a blend profile with `max_weight` 0, such as a model fitted to have no signal),
-or `top_k` asks only for places no score can move. The answer is what scoring would
-have given, without the round trip; `RerankOptions.always_score` scores anyway.
+or `top_k` asks only for places no score can move. The order is the one scoring would
+have given (the scores are the retrieval ones), without the round trip;
+`RerankOptions.always_score` scores anyway.
 """
 Global___DegradedReasonCode: _TypeAlias = DegradedReasonCode  # noqa: Y015
 
