@@ -63,7 +63,8 @@ class IncrementalRanking:
         self._tail_released = False
         # Request-wide blends: the candidates whose scores settle it, those resolved
         # before it settled, and the settled blend.
-        best_ranked = sorted(scored, key=lambda c: (c.retrieval_rank, c.index))
+        best_ranked = sorted(scored, key=lambda c: (c.retrieval_rank, c.index)) \
+            if self._request_wide else []
         self._basis = frozenset(c.index for c in best_ranked[:blending.settle_count(len(scored))])
         self._basis_outstanding = set(self._basis)
         self._held: list[tuple[Candidate, float | None]] = []
