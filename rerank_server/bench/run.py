@@ -21,7 +21,11 @@ ratios beside times (these machines are noisy). Scenarios:
   and against llama-server, at 10/40/100 candidates.
 - backends: `chat` (per pair) against `completion` (batched) on llama-server.
 
-The llama-server scenarios use the cached build and stand-in model (`make assets`).
+The llama-server scenarios use the cached build and stand-in model (`make assets`), or
+any running backend: `--backend-url URL --slots N [--backend chat|embedding|rerank]`
+(a GPU llama-server, vLLM, TEI); `model` then compares the best direct client for that
+kind (every pair or batch at once, N in flight) with rerank-server at the same
+concurrency, in latency and pairs/s.
 Writes `bench.json`, `bench.md`, `bench-latency.png` and `bench-throughput.png`.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -116,26 +121,67 @@ async def overhead(requests: int) -> dict[str, Any]:
 
 
 async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
-                       docs: Sequence[str]) -> None:
-    """The best direct strategy: every pair at once, `SLOTS` in flight."""
-    slots = asyncio.Semaphore(SLOTS)
+                       docs: Sequence[str], slots: int = SLOTS) -> None:
+    """The best direct strategy: every pair at once, `slots` in flight."""
+    limit = asyncio.Semaphore(slots)
 
     async def one(doc: str) -> None:
         body = {"messages": [
             {"role": "system", "content": prompt.SYSTEM_PROMPT},
             {"role": "user", "content": prompt.user_message(DEFAULT_INSTRUCTION, query, doc)}],
             "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
-        async with slots:
+        async with limit:
             (await http.post(url + "/v1/chat/completions", json=body)).raise_for_status()
 
     await asyncio.gather(*(one(d) for d in docs))
 
 
-async def model(llama: str, rounds: int, count: int) -> dict[str, Any]:
+async def _direct_batches(http: httpx.AsyncClient, url: str, path: str,
+                          bodies: Sequence[dict[str, Any]], slots: int) -> None:
+    """Batched backends, directly: every batch at once, `slots` in flight."""
+    limit = asyncio.Semaphore(slots)
+
+    async def one(body: dict[str, Any]) -> None:
+        async with limit:
+            (await http.post(url + path, json=body)).raise_for_status()
+
+    await asyncio.gather(*(one(b) for b in bodies))
+
+
+def direct_call(kind: str, slots: int, batch: int) -> Callable[
+        [httpx.AsyncClient, str, str, Sequence[str]], Awaitable[None]]:
+    """The best direct client for a backend kind: what rerank-server is compared with."""
+    if kind == "chat":
+        return partial(_direct_chat, slots=slots)
+
+    async def batched(http: httpx.AsyncClient, url: str, query: str,
+                      docs: Sequence[str]) -> None:
+        chunks = [list(docs[i:i + batch]) for i in range(0, len(docs), batch)]
+        bodies: list[dict[str, Any]]
+        if kind == "embedding":  # the query once, then the documents in batches
+            bodies = [{"input": [query]}, *({"input": c} for c in chunks)]
+            await _direct_batches(http, url, "/v1/embeddings", bodies, slots)
+        else:
+            bodies = [{"query": query, "documents": c} for c in chunks]
+            await _direct_batches(http, url, "/v1/rerank", bodies, slots)
+    return batched
+
+
+DIRECT_KINDS = ("chat", "embedding", "rerank")
+
+
+async def model(url: str, rounds: int, count: int, kind: str = "chat",
+                slots: int = SLOTS) -> dict[str, Any]:
+    """The same passages scored directly and through rerank-server, alternating."""
     docs = passages(count, seed=11)
     times: dict[str, list[float]] = {"direct": [], "through": []}
-    args = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
-            "--timeout-ms", "120000", "--blend-strategy", "position_aware"]
+    batch = 32
+    direct = direct_call(kind, slots, batch)
+    args = ["--backend", kind, "--backend-url", url, "--concurrency", str(slots),
+            "--max-batch", str(batch), "--timeout-ms", "120000",
+            "--blend-strategy", "position_aware", "--max-candidates", str(max(count, 1))]
+    if kind == "chat":
+        args.append("--no-assistant-prefill")
     with rerank_server(args) as (port, _):
         async with AsyncRerankClient(f"127.0.0.1:{port}") as client, \
                 httpx.AsyncClient(timeout=120) as http:
@@ -144,15 +190,18 @@ async def model(llama: str, rounds: int, count: int) -> dict[str, Any]:
                 for path in order:
                     query = f"round {r} {path} which passage is about river energy"
                     if path == "direct":
-                        t = await _timed(partial(_direct_chat, http, llama, query, docs))
+                        t = await _timed(partial(direct, http, url, query, docs))
                     else:
                         t = await _timed(partial(client.rerank, query, docs))
                     if r:  # round 0 warms up
                         times[path].append(t)
-    direct, through = statistics.median(times["direct"]), statistics.median(times["through"])
-    return {"passages": len(docs), "slots": SLOTS, "rounds": rounds,
-            "direct_ms": round(direct * 1000), "through_ms": round(through * 1000),
-            "through_over_direct": round(through / direct, 3)}
+    direct_s, through_s = (statistics.median(times["direct"]),
+                           statistics.median(times["through"]))
+    return {"backend": kind, "passages": len(docs), "slots": slots, "rounds": rounds,
+            "direct_ms": round(direct_s * 1000), "through_ms": round(through_s * 1000),
+            "through_over_direct": round(through_s / direct_s, 3),
+            "direct_pairs_per_s": round(len(docs) / direct_s, 1),
+            "through_pairs_per_s": round(len(docs) / through_s, 1)}
 
 
 async def throughput(seconds: float) -> dict[str, Any]:
@@ -228,6 +277,7 @@ async def stream_timing(port: int, docs: list[str], blend: str, rounds: int,
 
 
 async def streaming(llama: str, rounds: int, latency_ms: float, sizes: Sequence[int],
+                    kind: str = "chat", slots: int = SLOTS, label: str = "llama-server",
                     ) -> dict[str, Any]:
     """Every blend against a backend with a fixed time per call and against llama-server
     (stand-in model, whose shipped profile gives the reranker no weight). The fixed
@@ -244,11 +294,13 @@ async def streaming(llama: str, rounds: int, latency_ms: float, sizes: Sequence[
                 docs = passages(size, seed=5)
                 out[f"fixed {delay_ms:g} ms x{concurrency}, {size}"] = {
                     blend: await stream_timing(port, docs, blend, rounds) for blend in BLENDS}
-    with rerank_server(["--backend-url", llama, "--concurrency", str(SLOTS),
-                        "--no-assistant-prefill", "--timeout-ms", "120000"]) as (port, _):
+    args = ["--backend", kind, "--backend-url", llama, "--concurrency", str(slots),
+            "--timeout-ms", "120000"]
+    with rerank_server(args + (["--no-assistant-prefill"] if kind == "chat" else [])) \
+            as (port, _):
         for size in sizes:
             docs = passages(size, seed=5)
-            out[f"llama-server x{SLOTS}, {size}"] = {
+            out[f"{label} x{slots}, {size}"] = {
                 blend: await stream_timing(port, docs, blend, rounds) for blend in BLENDS}
     return out
 
@@ -290,10 +342,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines += telemetry_markdown(report["telemetry"])
     if "model" in report:
         m = report["model"]
-        lines += ["#### Against the model (llama-server, stand-in model)", "",
-                  f"{m['passages']} passages, {m['slots']} slots, median of {m['rounds']} "
-                  f"rounds: direct {m['direct_ms']} ms, through rerank-server "
-                  f"{m['through_ms']} ms, ratio {m['through_over_direct']}.", ""]
+        under_test = report.get("backend_under_test", "llama-server, stand-in model")
+        lines += [f"#### Against the model ({under_test})",
+                  "", f"`{m['backend']}`, {m['passages']} passages, {m['slots']} slots, "
+                  f"median of {m['rounds']} rounds: direct {m['direct_ms']} ms "
+                  f"({m['direct_pairs_per_s']} pairs/s), through rerank-server "
+                  f"{m['through_ms']} ms ({m['through_pairs_per_s']} pairs/s), ratio "
+                  f"{m['through_over_direct']}.", ""]
     if "throughput" in report:
         lines += ["#### Throughput (instant fake backend, 20 candidates)", "",
                   "| clients | requests/s | pairs/s | p50 ms | p99 ms | errors |",
@@ -375,14 +430,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["throughput"] = await throughput(args.seconds)
     needs_llama = [s for s in ("model", "streaming", "backends") if s in chosen]
     if needs_llama:
-        with llama_server(SLOTS) as llama:
+        # An external backend (a GPU llama-server, vLLM, TEI) when given, else the cached
+        # CPU build with the stand-in model.
+        external = bool(args.backend_url)
+        slots = args.slots if external else SLOTS
+        label = f"{args.backend_url} ({args.backend})" if external else "llama-server"
+        if external:
+            report["backend_under_test"] = label
+        with contextlib.nullcontext(args.backend_url) if external \
+                else llama_server(SLOTS) as llama:
             if "model" in chosen:
-                report["model"] = await model(llama, args.rounds, args.passages)
+                report["model"] = await model(llama, args.rounds, args.passages,
+                                              args.backend, slots)
             if "streaming" in chosen:
                 report["streaming"] = await streaming(
                     llama, args.rounds, args.stream_latency_ms,
-                    [int(n) for n in args.stream_sizes.split(",")])
-            if "backends" in chosen:
+                    [int(n) for n in args.stream_sizes.split(",")], args.backend, slots,
+                    "external" if external else label)
+            # chat against completion is a llama-server comparison of one model.
+            if "backends" in chosen and args.backend == "chat":
                 report["backends"] = await backends(llama, args.rounds, args.passages)
     return report
 
@@ -403,8 +469,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="streaming: the fixed-latency backend's time per call")
     parser.add_argument("--stream-sizes", default=",".join(map(str, SIZES)),
                         help="streaming: candidates per request")
+    parser.add_argument("--backend-url", default="",
+                        help="model, streaming, backends: measure against this running "
+                             "backend instead of the cached llama-server build")
+    parser.add_argument("--backend", default="chat", choices=DIRECT_KINDS,
+                        help="the kind of --backend-url")
+    parser.add_argument("--slots", type=int, default=SLOTS,
+                        help="--backend-url's parallel slots: the concurrency of both "
+                             "the direct client and rerank-server")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
+    if args.backend != "chat" and not args.backend_url:
+        parser.error("--backend needs --backend-url (the cached build serves chat)")
     report = asyncio.run(run(args))
     args.out.mkdir(parents=True, exist_ok=True)
     report["plots"] = plots(report, args.out)

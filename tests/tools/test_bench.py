@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from rerank_server.bench.processes import fake_backend
 from rerank_server.bench.run import KINDS, main
 from rerank_server.bench.run import passages as make_passages
 
@@ -49,3 +52,22 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (tmp_path / "bench.md").read_text()
     assert "#### Overhead" in markdown and "#### Telemetry" in markdown
+
+
+@pytest.mark.parametrize("kind", ["embedding", "rerank"])
+def test_model_and_streaming_against_any_backend(tmp_path: Path, kind: str) -> None:
+    """`--backend-url` measures a running backend of any kind (here the bench's fake)
+    directly and through rerank-server, instead of the cached llama-server."""
+    with fake_backend(latency_ms=5) as url:
+        code = main(["--scenarios", "model,streaming,backends", "--rounds", "1",
+                     "--passages", "5", "--stream-latency-ms", "12", "--stream-sizes", "4",
+                     "--backend-url", url, "--backend", kind, "--slots", "2",
+                     "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    model = report["model"]
+    assert (model["backend"], model["slots"], model["passages"]) == (kind, 2, 5)
+    assert model["through_over_direct"] > 0 and model["direct_pairs_per_s"] > 0
+    assert "external x2, 4" in report["streaming"]
+    assert "backends" not in report  # chat against completion is for llama-server
+    assert url in (tmp_path / "bench.md").read_text()
