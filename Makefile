@@ -23,10 +23,11 @@ install: $(STAMP)
 assets: install
 	$(BIN)/rerank-server prepare
 
-# The tests also drive the embedding backend: MiniLM-L6 converted to GGUF (about a minute,
-# once).
+# The tests also drive the embedding backend (MiniLM-L6 converted to GGUF) and the rerank
+# backend (MiniLM-L6 with an untrained rank head, for llama-server --rerank): about a
+# minute each, once.
 test-assets: install
-	$(BIN)/rerank-server prepare --embedding-model
+	$(BIN)/rerank-server prepare --embedding-model --rank-head-model
 
 run: assets
 	@echo

