@@ -198,7 +198,12 @@ class BackendMonitor:
         request = ScoreRequest(PROBE_QUERY, self._instruction, [PROBE_RELEVANT])
         try:
             with self._pool.pinned(endpoint):
-                async with asyncio.timeout(INSTANCE_PROBE_TIMEOUT_S):
+                # A slow model is not a dead one: the probe waits as long as a real call
+                # would be given (the abandon leash: 4x its recent latency, at most the
+                # call timeout), so an instance whose calls take longer than 5 s can
+                # still come back.
+                async with asyncio.timeout(max(INSTANCE_PROBE_TIMEOUT_S,
+                                               endpoint.http.leash_s())):
                     await self._scorer.score(request, outcomes.append)
         except TimeoutError:
             pass

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from grpc_health.v1 import health_pb2
 from rerank_client import AsyncRerankClient
 
 from rerank_server.api.grpc_server import BACKEND_HEALTH
+from rerank_server.scoring import monitor
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import HANG, FakeLlamaServer
@@ -67,3 +69,29 @@ async def test_hung_backend_is_ejected_then_recovers_within_5_s(
         return await backend_status(server) == serving
 
     assert await eventually(is_serving, 1)
+
+
+async def test_a_slow_but_alive_backend_comes_back_after_ejection(
+        start_server: StartServer, fake_llama: FakeLlamaServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its calls take longer than the fixed probe window (5 s in production, 0.5 s here):
+    the re-admission probe waits as long as a real call would be given (the leash, from
+    the latency the instance showed before it hung), so the instance comes back instead
+    of staying ejected while it is merely slow."""
+    monkeypatch.setattr(monitor, "INSTANCE_PROBE_TIMEOUT_S", 0.5)
+    fake_llama.latency_s = 0.3  # recent latency 0.3 s: a leash of 1.2 s
+    server = await start_server(concurrency=2, health_interval_s=0.5, eject_base_s=0.5,
+                                eject_max_s=1.0)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        assert (await client.rerank("warm up", DOCS, timeout=10)).reranked
+        fake_llama.mode = HANG
+        answer = await client.rerank("hung", DOCS, timeout=1.0)
+        while answer.summary.degraded_code != "backend_unavailable":
+            answer = await client.rerank(f"hung {time.monotonic()}", DOCS, timeout=1.0)
+        fake_llama.latency_s = 0.8  # answers again, but slower than the probe window
+        fake_llama.unhang()
+
+        async def reranked() -> bool:
+            return (await client.rerank(f"q {time.monotonic()}", DOCS, timeout=5)).reranked
+
+        assert await eventually(reranked, 10), "a slow instance was never re-admitted"
