@@ -4,8 +4,8 @@ clients, unmodified), TEI's shape, tokens, errors, health, models, OpenAPI."""
 from __future__ import annotations
 
 import asyncio
-import time
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
