@@ -33,11 +33,7 @@ from ..ranking.blend_profiles import BlendProfile, BlendProfiles
 from ..ranking.blending import AdaptiveParams
 from .fit import Choice, Collection, CrossFit, Family, ScoredQuery, fit_across
 from .json_out import without_nan
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                     argparse.RawDescriptionHelpFormatter):
-    pass
+from .run import HelpFormatter, p_value
 
 
 class FitError(Exception):
@@ -47,7 +43,7 @@ class FitError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rerank-server fit", description=__doc__,
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("evals", nargs="+", type=Path, metavar="EVAL.json",
                    help="outputs of rerank-server eval, one per data set, same backend "
                         "and model")
@@ -92,10 +88,6 @@ def t_test(a: Sequence[float], b: Sequence[float]) -> float:
         return float(ttest_rel(a, b).pvalue)
 
 
-def _p(value: float) -> str:
-    return "same" if math.isnan(value) else f"{value:.3f}"
-
-
 def describe(params: AdaptiveParams) -> str:
     if params.max_weight == 0.0:
         return "retrieval order"
@@ -133,8 +125,8 @@ def report(result: CrossFit) -> dict[str, Any]:
 def markdown(title: str, rows: dict[str, Any], result: CrossFit, header: str) -> str:
     def cell(r: dict[str, Any]) -> str:
         share = "" if r["share_of_gain"] is None else f", {r['share_of_gain']:.0%} of gain"
-        return (f"{r['ndcg@10']:.3f} ({r['vs_bm25']:+.3f} vs BM25, p {_p(r['p_bm25'])}; "
-                f"{r['vs_reranker']:+.3f} vs rerank_only, p {_p(r['p_reranker'])}{share})")
+        return (f"{r['ndcg@10']:.3f} ({r['vs_bm25']:+.3f} vs BM25, p {p_value(r['p_bm25'])}; "
+                f"{r['vs_reranker']:+.3f} vs rerank_only, p {p_value(r['p_reranker'])}{share})")
 
     lines = [f"### {title}", "", header, "",
              "| data set | queries | BM25 | rerank_only | held out (fitted on the others)"
@@ -197,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = (f"`{backend}` ({model}); family `{args.family}` ({result.grid_size} "
               f"candidates); up to {max(depth)} candidates reranked per query; nDCG@10 "
               "replayed exactly as the server blends. p: paired two-sided t-test over "
-              "queries (\"same\": identical rankings).")
+              "queries (\"same ranking\": identical rankings).")
     table = markdown(title, rows, result, header)
     if args.fit_profile:
         written = write_profile(args, result, rows, backend, model)

