@@ -16,7 +16,7 @@ from . import settings
 from .errors import BindError, ConfigError
 from .loops import loop_factory
 from .observability import logs
-from .server import serve
+from .workers import run
 
 # name -> (module with `main(argv) -> int`, one line for --help, optional extra it needs)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(config.log_level, config.log_format)
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config))
+            runner.run(run(config))
     except (BindError, ConfigError) as exc:
         print(f"rerank-server: error: {exc}", file=sys.stderr)
         return 2

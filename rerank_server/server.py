@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,13 +133,15 @@ def _open_cache(settings: Settings, telemetry: Telemetry) -> ScoreCache:
 
 
 async def build_server(settings: Settings, scorer: Scorer | None = None,
-                       telemetry: Telemetry | None = None) -> RunningServer:
+                       telemetry: Telemetry | None = None, reuse_port: bool = False,
+                       ) -> RunningServer:
     """Create, bind and start the server; the port is the bound one (settings.port may be 0).
 
     In managed mode this first starts llama-server (building or fetching assets that are
     missing), which can take minutes the first time. `telemetry` defaults to what the
     settings ask for; tests pass their own to read spans. The server owns what it is given
-    and closes it on stop.
+    and closes it on stop. `reuse_port`: a worker sharing its ports with siblings
+    (`workers.py`).
     """
     profiles = blend_profiles.load(settings.blend_profile)  # before minutes of setup
     tokens = TokenSet.load(settings.auth_tokens, settings.auth_tokens_file)
@@ -170,7 +173,7 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         edge = await GrpcEdge.start(
             settings, reranker, telemetry, tokens, inflight=inflight,
             tls=CertificateFiles.from_paths(settings.tls_cert, settings.tls_key,
-                                            settings.tls_client_ca))
+                                            settings.tls_client_ca), reuse_port=reuse_port)
         edges = _Edges(edge)
         stack.push_async_callback(edges.aclose)
         monitor = BackendMonitor(scorer, pool, settings.instruction, edge.report_backend,
@@ -186,15 +189,18 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
                              max_active=settings.max_concurrent_rpcs)
             http = edges.http = await HttpEdge.start(
                 app, settings, CertificateFiles.from_paths(
-                    settings.tls_cert, settings.tls_key, settings.tls_client_ca))
+                    settings.tls_cert, settings.tls_key, settings.tls_client_ca),
+                reuse_port=reuse_port)
         return RunningServer(edge, reranker, settings, monitor, pool, telemetry, managed,
                              stack.pop_all(), http)
     raise AssertionError("unreachable")  # the stack re-raises whatever broke the start
 
 
-async def serve(settings: Settings) -> None:
-    """Run until SIGTERM or SIGINT, then shut down in order."""
-    running = await build_server(settings)
+async def serve(settings: Settings, reuse_port: bool = False,
+                ready: Callable[[RunningServer], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then shut down in order. `ready` is called once the
+    server listens (a worker tells its supervisor)."""
+    running = await build_server(settings, reuse_port=reuse_port)
     log.info("serving", address=running.address, http_port=running.http_port,
              tls=bool(settings.tls_cert), auth=bool(settings.auth_tokens or
                                                      settings.auth_tokens_file),
@@ -203,15 +209,28 @@ async def serve(settings: Settings) -> None:
              metrics_port=running.telemetry.metrics_port, tracing=running.telemetry.tracing,
              blend=settings.blend_strategy.value,
              blend_profiles=running.reranker.blends.profiles.source, version=__version__)
+    try:
+        with stop_signals() as stop_requested:
+            if ready is not None:
+                ready(running)
+            await stop_requested.wait()
+        # A second signal from here on ends the process at once.
+        log.info("shutting_down", grace_period_s=settings.grace_period_s)
+    finally:
+        await running.stop()
+    log.info("stopped")
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Event]:
+    """An event that SIGTERM or SIGINT sets while inside (their default action, ending
+    the process at once, is back on leaving)."""
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
     try:
-        await stop_requested.wait()
-        log.info("shutting_down", grace_period_s=settings.grace_period_s)
+        yield stop_requested
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await running.stop()
-    log.info("stopped")

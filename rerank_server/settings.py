@@ -83,6 +83,10 @@ class Settings:
         "Request bytes being worked on at once, over all calls; a request that would pass "
         "it is refused with RESOURCE_EXHAUSTED (memory stays bounded: docs/reliability.md).",
         minimum=1024))
+    workers: int = field(default=1, metadata=_opt(
+        "Server processes sharing --port and --http-port (SO_REUSEPORT); --concurrency is "
+        "split between them, so the backend never sees more. 0: one per CPU core "
+        "(docs/deploy.md, \"Workers or replicas\").", minimum=0, maximum=256))
     batch_concurrency: int = field(default=8, metadata=_opt(
         "Requests of one RerankBatch stream processed at once.", minimum=1))
 

@@ -123,11 +123,15 @@ class GrpcEdge:
     @classmethod
     async def start(cls, settings: Settings, reranker: Reranker, telemetry: Telemetry,
                     tokens: TokenSet | None = None, tls: CertificateFiles | None = None,
-                    inflight: InflightBytes | None = None) -> GrpcEdge:
+                    inflight: InflightBytes | None = None, reuse_port: bool = False,
+                    ) -> GrpcEdge:
+        """Bind and start. `reuse_port`: share the port with sibling workers (the
+        supervisor has checked and reserved it); otherwise a port in use is an error, not
+        silently shared with whatever holds it."""
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
         ]
         server = grpc.aio.server(
             interceptors=_interceptors(settings, telemetry, tokens or TokenSet()),
@@ -141,7 +145,8 @@ class GrpcEdge:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                      reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
-        _check_free(settings.host, settings.port)
+        if not reuse_port:
+            _check_free(settings.host, settings.port)
         try:
             port = (server.add_secure_port(settings.address, _credentials(tls))
                     if tls is not None else server.add_insecure_port(settings.address))

@@ -14,7 +14,8 @@ ratios beside times (these machines are noisy). Scenarios:
 - model: the same passages scored against llama-server directly (concurrent chat calls
   at the slot count, the best direct strategy) and through rerank-server (chat backend,
   same concurrency); through/direct is our efficiency.
-- throughput: 1, 4, 16 and 64 concurrent clients against the fake backend: requests/s,
+- throughput: 1, 4, 16 and 64 concurrent clients (each on its own connection) against
+  the fake backend, with 1 and N `--workers` (`--workers 1,2`): requests/s,
   pairs/s, p50/p99, errors.
 - streaming: time to the first `RerankStream` result against the whole `Rerank` answer,
   for every blend (the default included), against a backend with a fixed time per call
@@ -204,24 +205,38 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
             "through_pairs_per_s": round(len(docs) / through_s, 1)}
 
 
-async def throughput(seconds: float) -> dict[str, Any]:
+async def throughput(seconds: float, workers: Sequence[int] = (1,)) -> dict[str, Any]:
+    """Requests/s at each client count, for each `--workers` setting (the same total
+    `--concurrency`). Every client has its own connection, as separate client processes
+    would: workers share connections, not calls."""
     docs = passages(20, seed=3)
     results: dict[str, Any] = {}
-    with fake_backend() as url, rerank_server(backend_args("chat", url)) as (port, _):
-        for clients in CLIENTS:
-            latencies: list[float] = []
-            errors: list[str] = []
-            stop_at = time.perf_counter() + seconds
-            async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
-                started = time.perf_counter()
-                await asyncio.gather(*(_client_loop(n, client, docs, stop_at, latencies, errors)
-                                       for n in range(clients)))
-                elapsed = time.perf_counter() - started
-            results[str(clients)] = {
-                "requests_per_s": round(len(latencies) / elapsed, 1),
-                "pairs_per_s": round(len(latencies) * len(docs) / elapsed),
-                "errors": len(errors), **_ms(latencies)}
+    with fake_backend() as url:
+        for count in workers:
+            with rerank_server([*backend_args("chat", url), "--workers", str(count)]) \
+                    as (port, _):
+                results[str(count)] = {str(clients): await _throughput_at(port, clients,
+                                                                          docs, seconds)
+                                       for clients in CLIENTS}
     return results
+
+
+async def _throughput_at(port: int, clients: int, docs: Sequence[str], seconds: float,
+                         ) -> dict[str, Any]:
+    latencies: list[float] = []
+    errors: list[str] = []
+    async with contextlib.AsyncExitStack() as stack:
+        connections = [await stack.enter_async_context(
+            AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True))
+            for _ in range(clients)]
+        stop_at = time.perf_counter() + seconds
+        started = time.perf_counter()
+        await asyncio.gather(*(_client_loop(n, c, docs, stop_at, latencies, errors)
+                               for n, c in enumerate(connections)))
+        elapsed = time.perf_counter() - started
+    return {"requests_per_s": round(len(latencies) / elapsed, 1),
+            "pairs_per_s": round(len(latencies) * len(docs) / elapsed),
+            "errors": len(errors), **_ms(latencies)}
 
 
 async def _client_loop(n: int, client: AsyncRerankClient, docs: Sequence[str],
@@ -351,11 +366,13 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{m['through_over_direct']}.", ""]
     if "throughput" in report:
         lines += ["#### Throughput (instant fake backend, 20 candidates)", "",
-                  "| clients | requests/s | pairs/s | p50 ms | p99 ms | errors |",
-                  "|---|---|---|---|---|---|"]
-        for clients, r in report["throughput"].items():
-            lines.append(f"| {clients} | {r['requests_per_s']} | {r['pairs_per_s']} | "
-                         f"{r['p50_ms']} | {r['p99_ms']} | {r['errors']} |")
+                  "| workers | clients | requests/s | pairs/s | p50 ms | p99 ms | errors |",
+                  "|---|---|---|---|---|---|---|"]
+        for workers, by_clients in report["throughput"].items():
+            for clients, r in by_clients.items():
+                lines.append(f"| {workers} | {clients} | {r['requests_per_s']} | "
+                             f"{r['pairs_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
+                             f"{r['errors']} |")
         lines.append("")
     if "streaming" in report:
         lines += ["#### Streaming", "",
@@ -396,9 +413,11 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
         written.append("bench-latency.png")
     if "throughput" in report:
         fig, ax = plt.subplots(figsize=(6, 4))
-        clients = [int(c) for c in report["throughput"]]
-        ax.plot(clients, [report["throughput"][str(c)]["requests_per_s"] for c in clients],
-                marker="o")
+        for workers, by_clients in report["throughput"].items():
+            clients = [int(c) for c in by_clients]
+            ax.plot(clients, [by_clients[str(c)]["requests_per_s"] for c in clients],
+                    marker="o", label=f"{workers} worker{'s' if workers != '1' else ''}")
+        ax.legend()
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("requests/s (20 candidates each)")
@@ -427,7 +446,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             report["telemetry"] = await telemetry_cost(url, args.requests * 10,
                                                        passages(args.passages))
     if "throughput" in chosen:
-        report["throughput"] = await throughput(args.seconds)
+        report["throughput"] = await throughput(
+            args.seconds, [int(w) for w in args.workers.split(",")])
     needs_llama = [s for s in ("model", "streaming", "backends") if s in chosen]
     if needs_llama:
         # An external backend (a GPU llama-server, vLLM, TEI) when given, else the cached
@@ -461,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="overhead: requests per backend and size (telemetry: 10x)")
     parser.add_argument("--seconds", type=float, default=5.0,
                         help="throughput: seconds per concurrency level")
+    parser.add_argument("--workers", default=",".join(map(str, sorted({1, os.cpu_count() or 1}))),
+                        help="throughput: the --workers settings to compare")
     parser.add_argument("--rounds", type=int, default=5,
                         help="llama-server scenarios: measured rounds (plus one warm-up)")
     parser.add_argument("--passages", type=int, default=20,

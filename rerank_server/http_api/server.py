@@ -46,8 +46,9 @@ class HttpEdge:
 
     @classmethod
     async def start(cls, app: FastAPI, settings: Settings,
-                    tls: CertificateFiles | None = None) -> HttpEdge:
-        sock = _bind(settings.host, settings.http_port)
+                    tls: CertificateFiles | None = None, reuse_port: bool = False,
+                    ) -> HttpEdge:
+        sock = _bind(settings.host, settings.http_port, reuse_port)
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, log_level="warning", access_log=False,
             timeout_graceful_shutdown=max(int(settings.grace_period_s), 1),
@@ -73,10 +74,12 @@ class HttpEdge:
         await asyncio.gather(self._task, return_exceptions=True)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # sibling workers listen on the same port (`rerank_server.workers`)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

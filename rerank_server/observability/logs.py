@@ -10,8 +10,10 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any, TextIO, cast
 
 import structlog
@@ -33,13 +35,44 @@ def add_trace_ids(_logger: object, _name: str,
     return event
 
 
+class _LineWriter:
+    """Writes each line and its newline in one call, then flushes: the lines of several
+    workers sharing stdout never run into each other (structlog's PrintLogger prints the
+    newline apart). Without a stream it writes to `sys.stdout` as it is at the time, as
+    PrintLogger does (tests capture it)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream
+
+    def msg(self, message: str) -> None:
+        stream = self._stream or sys.stdout
+        with self._lock:
+            stream.write(message + "\n")
+            stream.flush()
+
+    debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
 def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
-              stream: TextIO | io.TextIOBase | None = None) -> None:
-    """Log lines to `stream` (default stdout)."""
+              stream: TextIO | io.TextIOBase | None = None,
+              extra: Mapping[str, Any] | None = None) -> None:
+    """Log lines to `stream` (default stdout); `extra` goes into every line (a worker's
+    number)."""
+    explicit = cast(TextIO | None, stream)
     stream = cast(TextIO, stream or sys.stdout)
     use_json = fmt is LogFormat.JSON or (fmt is LogFormat.AUTO and not stream.isatty())
+    fixed = dict(extra or {})
+
+    def add_extra(_logger: object, _name: str,
+                  event: structlog.typing.EventDict) -> structlog.typing.EventDict:
+        event.update(fixed)
+        return event
+
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
+        *([add_extra] if fixed else []),
         add_trace_ids,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -55,7 +88,7 @@ def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        logger_factory=lambda *_args: _LineWriter(explicit),
         cache_logger_on_first_use=False,
     )
 

@@ -119,7 +119,7 @@ class Telemetry:
     def _serve_metrics(self, settings: Settings, registry: CollectorRegistry) -> None:
         host = settings.metrics_host or settings.host
         try:
-            server = _metrics_server(host, settings.metrics_port, make_wsgi_app(registry))
+            server = metrics_server(host, settings.metrics_port, make_wsgi_app(registry))
         except OSError as exc:
             self.shutdown()
             raise BindError("--metrics-port / RERANK_METRICS_PORT",
@@ -172,7 +172,7 @@ def _only_metrics(app: WSGIApplication) -> WSGIApplication:
     return serve
 
 
-def _metrics_server(host: str, port: int, app: WSGIApplication) -> WSGIServer:
+def metrics_server(host: str, port: int, app: WSGIApplication) -> WSGIServer:
     """The Prometheus endpoint in a daemon thread."""
     server_class = type("_Server", (_ThreadingServer,), {
         "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})

@@ -129,7 +129,7 @@ class FakeLlamaServer:
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True  # the caller gave up on this call
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server = _Server(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
@@ -231,6 +231,12 @@ class FakeLlamaServer:
             "usage": {"completion_tokens": 1, "prompt_tokens": 50, "total_tokens": 51},
             "id": "chatcmpl-fake",
         }
+
+
+class _Server(ThreadingHTTPServer):
+    # A backlog like a real server's: socketserver's 5 resets connections when several
+    # clients (--workers) open many at once.
+    request_queue_size = 128
 
 
 def _hung_up(connection: socket.socket) -> bool:

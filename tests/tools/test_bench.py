@@ -21,16 +21,18 @@ def test_passages_are_deterministic_and_sized() -> None:
 
 def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     code = main(["--requests", "2", "--seconds", "0.3", "--rounds", "1", "--passages", "3",
-                 "--stream-latency-ms", "30", "--stream-sizes", "6", "--out", str(tmp_path)])
+                 "--stream-latency-ms", "30", "--stream-sizes", "6", "--workers", "1,2",
+                 "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["overhead"]) == set(KINDS)
     for sizes in report["overhead"].values():
         assert set(sizes) == {"10", "40", "100"}
         assert all(r["p50_ms"] > 0 and r["cpu_us_per_pair"] >= 0 for r in sizes.values())
-    assert set(report["throughput"]) == {"1", "4", "16", "64"}
-    assert all(r["errors"] == 0 and r["requests_per_s"] > 0
-               for r in report["throughput"].values())
+    assert set(report["throughput"]) == {"1", "2"}  # --workers
+    for by_clients in report["throughput"].values():
+        assert set(by_clients) == {"1", "4", "16", "64"}
+        assert all(r["errors"] == 0 and r["requests_per_s"] > 0 for r in by_clients.values())
     telemetry = report["telemetry"]
     assert telemetry["requests"] == 20 and telemetry["off"]["cpu_ratio"] == 1.0
     assert all(telemetry[s]["cpu_ms_per_request"] > 0

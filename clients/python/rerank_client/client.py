@@ -29,11 +29,18 @@ Metadata = Sequence[tuple[str, str]]
 
 
 def channel_options(load_balancing: str | None = None,
-                    max_message_bytes: int = 16 * 1024 * 1024) -> list[tuple[str, Any]]:
+                    max_message_bytes: int = 16 * 1024 * 1024,
+                    own_connection: bool = False) -> list[tuple[str, Any]]:
+    """`own_connection`: this channel opens its own connections instead of sharing those of
+    other channels to the same target in this process (grpc's default). A server's
+    workers (`--workers`) and a pod's replicas behind a plain Service spread connections,
+    not calls."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if load_balancing:
         config: dict[str, Any] = {"loadBalancingConfig": [{load_balancing: {}}]}
         options.append(("grpc.service_config", json.dumps(config)))
@@ -80,9 +87,10 @@ class AsyncRerankClient(_Calls):
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  load_balancing: str | None = None, token: str | None = None,
-                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None) -> None:
+                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None,
+                 own_connection: bool = False) -> None:
         super().__init__(token)
-        options = channel_options(load_balancing)
+        options = channel_options(load_balancing, own_connection=own_connection)
         credentials = credentials or tls_credentials(tls_ca, tls_cert, tls_key)
         self._channel = (grpc.aio.secure_channel(target, credentials, options=options)
                          if credentials else grpc.aio.insecure_channel(target, options=options))
@@ -154,9 +162,10 @@ class RerankClient(_Calls):
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  load_balancing: str | None = None, token: str | None = None,
-                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None) -> None:
+                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None,
+                 own_connection: bool = False) -> None:
         super().__init__(token)
-        options = channel_options(load_balancing)
+        options = channel_options(load_balancing, own_connection=own_connection)
         credentials = credentials or tls_credentials(tls_ca, tls_cert, tls_key)
         self._channel = (grpc.secure_channel(target, credentials, options=options)
                          if credentials else grpc.insecure_channel(target, options=options))

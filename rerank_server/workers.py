@@ -1,0 +1,285 @@
+"""`--workers N`: N server processes sharing one port, under a supervisor.
+
+One Python process feeds one core: the event loop, protobuf, JSON and the HTTP client all
+run on it. When the server's CPU rather than the model limits (a fast GPU engine, a pool
+of instances, the batching backends), workers put the other cores to use without another
+pod. The supervisor, the process the user started:
+
+1. checks and reserves the gRPC and HTTP ports: it binds them with SO_REUSEPORT and never
+   listens, which holds them against other programs without taking connections;
+2. in managed mode starts the one llama-server and points every worker at it;
+3. starts the workers (multiprocessing, spawn), each a whole server (`server.serve`)
+   listening on the same ports with SO_REUSEPORT, so the kernel spreads new connections
+   across them. `--concurrency` is split between them: the backend never sees more pairs
+   at once than configured, whatever the number of workers;
+4. serves one `/metrics` that merges the workers' own, labelled `worker`
+   (`observability.worker_metrics`);
+5. restarts a worker that dies; on SIGTERM or SIGINT sends SIGTERM to every worker, each
+   drains exactly as a single server does, and then stops llama-server.
+
+A worker that cannot start (a bad TLS file, say) stops the whole start with its error.
+Workers end with the supervisor even when it is killed (Linux's parent-death signal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import structlog
+
+from .errors import BindError, ConfigError
+from .loops import loop_factory
+from .managed.llama_server import start_managed
+from .observability import logs
+from .observability.telemetry import metrics_server
+from .observability.worker_metrics import merged_app
+from .server import RunningServer, serve, stop_signals
+from .settings import Settings, host_port
+
+log = structlog.get_logger(__name__)
+
+START_TIMEOUT_S = 60.0  # a worker that has not listened by then is a failed start
+RESTART_DELAY_S = 1.0  # between a worker's death and its replacement
+STOP_MARGIN_S = 5.0  # beyond the grace period, before a worker that has not exited is killed
+PR_SET_PDEATHSIG = 1
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def worker_count(settings: Settings, cgroup: Path = CGROUP) -> int:
+    """How many server processes `settings` ask for. 0: one per core this process may
+    use, which in a container with a CPU limit is the limit (rounded up), not the node's
+    cores."""
+    if settings.workers:
+        return settings.workers
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    quota = cpu_quota(cgroup)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def cpu_quota(cgroup: Path = CGROUP) -> float | None:
+    """The CPU limit of this process's cgroup in cores (cgroup v2 `cpu.max`, else v1's
+    CFS quota); None when there is none."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    with contextlib.suppress(OSError, ValueError):
+        quota_us = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota_us / period_us if quota_us > 0 else None
+    return None
+
+
+def concurrency_shares(total: int, workers: int) -> list[int]:
+    """`total` backend slots split as evenly as possible; every worker needs one."""
+    if total < workers:
+        raise ConfigError(f"--concurrency / RERANK_CONCURRENCY: {total} backend slots "
+                          f"cannot be split between {workers} workers (--workers); each "
+                          "needs at least one")
+    return [total // workers + (i < total % workers) for i in range(workers)]
+
+
+async def run(settings: Settings) -> None:
+    """The server: in this process, or as `--workers` processes under a supervisor."""
+    count = worker_count(settings)
+    if count == 1:
+        await serve(settings)
+    else:
+        await _supervise(settings, count)
+
+
+async def _supervise(settings: Settings, count: int) -> None:
+    shares = concurrency_shares(settings.concurrency, count)
+    with contextlib.ExitStack() as reserved:
+        port = _reserve(reserved, settings.host, settings.port, "--port / RERANK_PORT")
+        http_port = settings.http_port and _reserve(
+            reserved, settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
+        settings = dataclasses.replace(settings, port=port, http_port=http_port)
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.managed:
+                settings, managed = await start_managed(settings)
+                stack.push_async_callback(managed.stop)
+            workers = _Workers(settings, shares)
+            stack.push_async_callback(workers.stop)
+            metrics_port = None
+            if settings.metrics:
+                host = settings.metrics_host or settings.host
+                try:
+                    metrics = metrics_server(host, settings.metrics_port,
+                                             merged_app(workers.metrics_ports))
+                except OSError as exc:
+                    raise BindError("--metrics-port / RERANK_METRICS_PORT",
+                                    host_port(host, settings.metrics_port),
+                                    exc.strerror or "") from None
+                stack.callback(metrics.server_close)
+                stack.callback(metrics.shutdown)
+                metrics_port = metrics.server_port
+            with stop_signals() as stop_requested:
+                await workers.start(stop_requested)
+                if not stop_requested.is_set():
+                    log.info("serving", address=host_port(settings.host, port),
+                             http_port=http_port or None, workers=count,
+                             concurrency=settings.concurrency, backend=settings.backend,
+                             backend_url=settings.backend_url, managed=settings.managed,
+                             metrics_port=metrics_port)
+                    await workers.watch(stop_requested)
+            log.info("shutting_down", grace_period_s=settings.grace_period_s, workers=count)
+    log.info("stopped")
+
+
+def _reserve(stack: contextlib.ExitStack, host: str, port: int, setting: str) -> int:
+    """Bind (never listen) `host:port` with SO_REUSEPORT on every address it resolves to,
+    held until the stack closes; the port, resolved when 0."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError("--host / RERANK_HOST", host_port(host, port), str(exc)) from None
+    for family, kind, proto, _, address in infos:
+        sock = stack.enter_context(socket.socket(family, kind, proto))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((address[0], port, *address[2:]))
+        except OSError as exc:
+            raise BindError(setting, host_port(host, port), exc.strerror or "") from None
+        port = sock.getsockname()[1]  # the other addresses take the same one
+    return port
+
+
+@dataclasses.dataclass
+class _Worker:
+    index: int
+    settings: Settings
+    process: BaseProcess
+    conn: Connection
+    metrics_port: int | None = None
+    ready: bool = False
+
+
+class _Workers:
+    """The worker processes: started, watched and restarted, stopped."""
+
+    def __init__(self, settings: Settings, shares: list[int]) -> None:
+        self._settings = [
+            dataclasses.replace(settings, workers=1, concurrency=share, managed=False,
+                                metrics_host="127.0.0.1", metrics_port=0)
+            for share in shares]
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = []
+
+    def metrics_ports(self) -> Mapping[str, int]:
+        return {str(w.index): w.metrics_port for w in list(self._workers)
+                if w.ready and w.metrics_port}
+
+    def _spawn(self, index: int) -> _Worker:
+        ours, theirs = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=_worker_main, args=(self._settings[index], index, os.getpid(), theirs),
+            name=f"rerank-worker-{index}", daemon=False)
+        process.start()
+        theirs.close()
+        return _Worker(index, self._settings[index], process, ours)
+
+    async def start(self, stop_requested: asyncio.Event) -> None:
+        """Start every worker and wait until all listen; raise the first one's error."""
+        self._workers = [self._spawn(i) for i in range(len(self._settings))]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(w.ready for w in self._workers) and not stop_requested.is_set():
+            for w in self._workers:
+                if not w.ready and (error := self._poll(w)) is not None:
+                    raise error
+            if time.monotonic() > deadline:
+                raise ConfigError(f"workers did not start listening within "
+                                  f"{START_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.05)
+
+    def _poll(self, w: _Worker) -> Exception | None:
+        """Read what the worker said; the error that ended its start, if it did."""
+        while w.conn.poll():
+            try:
+                kind, value = w.conn.recv()
+            except EOFError:
+                break
+            if kind == "ready":
+                w.ready, w.metrics_port = True, value
+            else:
+                return ConfigError(f"worker {w.index}: {value}")
+        if not w.ready and not w.process.is_alive():
+            return ConfigError(f"worker {w.index} exited with status {w.process.exitcode} "
+                               "while starting (its log above says why)")
+        return None
+
+    async def watch(self, stop_requested: asyncio.Event) -> None:
+        """Until stopped: replace a worker that died."""
+        while not stop_requested.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_requested.wait(), 0.2)
+            for i, w in enumerate(self._workers):
+                if w.ready and not w.process.is_alive() and not stop_requested.is_set():
+                    log.warning("worker_exited", worker=w.index, status=w.process.exitcode,
+                                restarting_in_s=RESTART_DELAY_S)
+                    w.conn.close()
+                    await asyncio.sleep(RESTART_DELAY_S)
+                    self._workers[i] = self._spawn(w.index)
+                elif not w.ready:
+                    error = self._poll(w)
+                    if error is not None:  # a replacement that cannot start: try again
+                        log.warning("worker_restart_failed", worker=w.index, error=str(error))
+                        w.conn.close()
+                        await asyncio.sleep(RESTART_DELAY_S)
+                        self._workers[i] = self._spawn(w.index)
+
+    async def stop(self) -> None:
+        """SIGTERM to every worker (each drains within the grace period), then wait; kill
+        what is still running after the grace period and a margin."""
+        for w in self._workers:
+            if w.process.is_alive() and w.process.pid is not None:
+                os.kill(w.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self._settings[0].grace_period_s + STOP_MARGIN_S
+        for w in self._workers:
+            await asyncio.to_thread(w.process.join, max(deadline - time.monotonic(), 0.0))
+        for w in self._workers:
+            if w.process.is_alive():
+                log.warning("worker_killed", worker=w.index, reason="did not stop in time")
+                w.process.kill()
+            w.process.join(1)
+            w.conn.close()
+
+
+def _worker_main(settings: Settings, index: int, supervisor: int, conn: Connection) -> None:
+    """A worker process: a whole server on the shared ports, until SIGTERM."""
+    _exit_with(supervisor)
+    logs.configure(settings.log_level, settings.log_format, extra={"worker": index})
+
+    def ready(running: RunningServer) -> None:
+        conn.send(("ready", running.telemetry.metrics_port))
+
+    try:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(serve(settings, reuse_port=True, ready=ready))
+    except (BindError, ConfigError) as exc:
+        conn.send(("error", str(exc)))
+        sys.exit(2)
+
+
+def _exit_with(supervisor: int) -> None:
+    """Linux: have the kernel send SIGTERM to this worker when its supervisor dies, even
+    by SIGKILL, so no worker outlives it holding the port."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != supervisor:  # it died before the request above took effect
+        sys.exit(0)

@@ -1,0 +1,228 @@
+"""`--workers`: several server processes on one port, as a user runs them (the installed
+command, real sockets, the fake llama-server on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from rerank_client import AsyncRerankClient
+
+from rerank_server.errors import ConfigError
+from rerank_server.managed.llama_server import free_port
+from rerank_server.settings import Settings
+from rerank_server.workers import concurrency_shares, worker_count
+from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
+
+DOCS = ["alpha one", "beta two", "gamma three", "delta four"]
+
+
+class Supervised:
+    """A `rerank-server --workers N` process whose JSON log lines are collected."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int, http_port: int,
+                 metrics_port: int) -> None:
+        self.proc = proc
+        self.port, self.http_port, self.metrics_port = port, http_port, metrics_port
+        self.events: list[dict[str, Any]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                try:
+                    self.events.append(json.loads(line))
+                except ValueError as exc:  # lines of two workers ran into each other
+                    raise AssertionError(f"not one JSON object: {line!r}") from exc
+
+    def close(self) -> None:
+        self._reader.join(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == event]
+
+    def workers(self) -> list[int]:
+        """PIDs of the worker processes now (the supervisor's children but the
+        multiprocessing resource tracker)."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                # pid (comm) state ppid ...: comm may hold spaces, so split after it.
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes()
+                if int(fields[1]) == self.proc.pid and b"spawn_main" in cmdline:
+                    pids.append(int(stat.parent.name))
+        return pids
+
+
+@contextlib.asynccontextmanager
+async def supervised(backend_url: str, workers: int = 2, **env: str,
+                     ) -> AsyncIterator[Supervised]:
+    port, http_port, metrics_port = free_port(), free_port(), free_port()
+    full = {**os.environ, "RERANK_PORT": str(port), "RERANK_HTTP_PORT": str(http_port),
+            "RERANK_METRICS_PORT": str(metrics_port), "RERANK_BACKEND_URL": backend_url,
+            "RERANK_WORKERS": str(workers), "RERANK_PROBE": "0", "RERANK_LOG_FORMAT": "json",
+            "RERANK_LOG_LEVEL": "info", **env}
+    # Popen returns at once; the test awaits everything that waits on the process.
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=full,  # noqa: ASYNC220
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = Supervised(proc, port, http_port, metrics_port)
+    try:
+        started = await eventually(lambda: any("workers" in e for e in server.logged("serving"))
+                                   or proc.poll() is not None, 60)
+        assert started, server.events
+        assert proc.poll() is None, server.events
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                await asyncio.to_thread(proc.wait, 20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        await asyncio.to_thread(proc.wait)
+        server.close()
+
+
+async def _rerank_on_new_connections(port: int, count: int) -> list[Any]:
+    """`count` requests at once, each on its own channel (the kernel spreads connections,
+    not requests, across workers)."""
+    async def one(i: int) -> Any:
+        async with AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True) as client:
+            return await client.rerank(f"query {i}", DOCS, timeout=30)
+    return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def _metric_sum(text: str, family: str, by: str) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for f in text_string_to_metric_families(text):
+        if f.name == family:
+            for s in f.samples:
+                if s.name == f"{family}_total":
+                    totals[s.labels[by]] = totals.get(s.labels[by], 0.0) + s.value
+    return totals
+
+
+async def test_two_workers_answer_on_one_port_and_metrics_merge(
+        fake_llama: FakeLlamaServer) -> None:
+    async with supervised(fake_llama.url) as server:
+        assert len(server.workers()) == 2
+        answers = await _rerank_on_new_connections(server.port, 16)
+        assert all(a.reranked and len(a.results) == 4 for a in answers)
+        async with httpx.AsyncClient() as http:
+            cohere = await http.post(f"http://127.0.0.1:{server.http_port}/v1/rerank",
+                                     json={"query": "q", "documents": DOCS})
+            metrics = (await http.get(f"http://127.0.0.1:{server.metrics_port}/metrics")).text
+        assert cohere.status_code == 200 and len(cohere.json()["results"]) == 4
+        served_by = {e["worker"] for e in server.logged("rpc")}
+    assert served_by == {0, 1}, "the kernel gave every connection to one worker"
+    by_worker = _metric_sum(metrics, "rerank_requests", "worker")
+    assert set(by_worker) == {"0", "1"}
+    assert sum(by_worker.values()) == 17  # 16 gRPC + 1 HTTP, each counted once
+    assert 'rerank_worker_up{worker="0"} 1.0' in metrics
+
+
+async def test_workers_split_the_backend_concurrency(fake_llama: FakeLlamaServer) -> None:
+    """--concurrency 3 over 2 workers: the backend never sees more than 3 pairs at once,
+    and sees 3 when both workers are busy (2 + 1)."""
+    fake_llama.latency_s = 0.1
+    async with supervised(fake_llama.url, RERANK_CONCURRENCY="3") as server:
+        answers = await _rerank_on_new_connections(server.port, 16)
+    assert all(a.reranked for a in answers)
+    assert fake_llama.max_in_flight == 3
+
+
+async def test_sigterm_drains_every_worker_and_exits_zero(fake_llama: FakeLlamaServer) -> None:
+    fake_llama.latency_s = 1.0
+    # 16 slots a worker: even all 8 requests on one worker score in 2 rounds, well
+    # within the grace period, so every answer must be complete.
+    async with supervised(fake_llama.url, RERANK_CONCURRENCY="32",
+                          RERANK_GRACE_PERIOD_S="5") as server:
+        workers = server.workers()
+        calls = asyncio.ensure_future(_rerank_on_new_connections(server.port, 8))
+        assert await eventually(lambda: fake_llama.in_flight >= 8, 5)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        answers = await calls
+        code = await asyncio.to_thread(server.proc.wait, 15)
+        exited = time.monotonic() - signalled
+        served_by = {e["worker"] for e in server.logged("rpc")}
+    assert code == 0
+    assert all(a.reranked and not a.summary.degraded_code for a in answers), \
+        f"in-flight calls were cut short: {[a.summary for a in answers if a.summary.degraded_code]}"
+    assert served_by == {0, 1}
+    assert exited < 5 + 1
+    assert sorted(e["worker"] for e in server.logged("stopped") if "worker" in e) == [0, 1]
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> None:
+    async with supervised(fake_llama.url) as server:
+        first = server.workers()
+        os.kill(first[0], signal.SIGKILL)
+        assert await eventually(lambda: len(server.logged("worker_exited")) == 1, 5)
+        assert await eventually(lambda: len(server.workers()) == 2
+                                and first[0] not in server.workers(), 10)
+        # The replacement listens: with it, connections reach both workers again.
+        assert await eventually(lambda: sum(e.get("event") == "serving" and "worker" in e
+                                            for e in server.events) == 3, 30)
+        answers = await _rerank_on_new_connections(server.port, 16)
+    assert all(a.reranked for a in answers)
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag(fake_llama: FakeLlamaServer) -> None:
+    with _listening() as port:
+        done = subprocess.run(
+            [sys.executable, "-m", "rerank_server", "--workers", "2", "--port", str(port),
+             "--backend-url", fake_llama.url, "--http-port", "0", "--metrics-port", "0"],
+            capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--port / RERANK_PORT" in done.stderr and "Traceback" not in done.stderr
+
+
+@contextlib.contextmanager
+def _listening() -> Iterator[int]:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_concurrency_is_split_and_must_cover_every_worker() -> None:
+    assert concurrency_shares(8, 3) == [3, 3, 2]
+    assert concurrency_shares(4, 4) == [1, 1, 1, 1]
+    with pytest.raises(ConfigError, match=r"--concurrency.*3 workers"):
+        concurrency_shares(2, 3)
+    assert worker_count(Settings(workers=3)) == 3
+
+
+def test_one_worker_per_core_follows_a_containers_cpu_limit(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert worker_count(Settings(workers=0), tmp_path) == cores  # no cgroup files: cores
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert worker_count(Settings(workers=0), tmp_path) == cores
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 cores: two workers
+    assert worker_count(Settings(workers=0), tmp_path) == min(cores, 2)
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert worker_count(Settings(workers=0), tmp_path) == 1
