@@ -36,6 +36,7 @@ import httpx
 from opentelemetry import propagate, trace
 
 from ..observability.metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
+from . import transport
 from .base import Failure
 
 HEALTH_TIMEOUT_S = 3.0
@@ -76,8 +77,13 @@ def instance_of(kind: str, base_url: str) -> Instance:
     return Instance(kind, parts.hostname or "", parts.port or default_port)
 
 
-def new_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
-    """One pooled client per backend; the pool is never smaller than the semaphore."""
+def new_client(concurrency: int, timeout_s: float, base_url: str = "") -> httpx.AsyncClient:
+    """One pooled client per backend: on the lean transport for plain HTTP
+    (`transport.py`), else httpx's own, whose pool is never smaller than the semaphore.
+    Either way at most `concurrency` calls are on the wire (`HttpBackend`'s slots)."""
+    if transport.wanted(base_url):
+        return httpx.AsyncClient(transport=transport.LeanTransport(max_idle=concurrency),
+                                 timeout=httpx.Timeout(timeout_s))
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s))
 
@@ -99,7 +105,7 @@ class HttpBackend:
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
         self._timeout_s = timeout_s
-        self._client = client or new_client(concurrency, timeout_s)
+        self._client = client or new_client(concurrency, timeout_s, self.base_url)
         self._owns_client = client is None
         self._side_client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),

@@ -1,0 +1,291 @@
+"""A lean HTTP/1.1 transport under httpx for plain-HTTP backends.
+
+httpx stays the client API (requests, responses, timeouts, error types); this replaces
+what sits under it for `http://` URLs. httpcore's general-purpose pool (anyio streams,
+h11, a socket-readability check on every request) cost about 60% of the server's CPU per
+scored pair in the profile (docs/benchmarks.md, "Where the CPU goes"). Model servers on
+the same host or pod speak a narrow HTTP/1.1: one request per connection at a time,
+`Content-Length` or chunked bodies, keep-alive. That fits in an asyncio protocol that
+hands whole responses over, with one timer per request.
+
+- Connections are kept alive per host and port and reused most recent first; one the
+  server closed while idle is dropped as soon as the event loop sees the close, so no
+  readability check is needed before reuse. A request on a reused connection that the
+  server closed before sending any byte is retried once on a fresh connection (the
+  keep-alive race); anything else is not retried here.
+- Timeouts (httpx's `Timeout`, per request): `connect` bounds the connection, `read` the
+  whole response; they raise httpx's `ConnectTimeout` and `ReadTimeout`. A refused or
+  reset connection is `ConnectError` / `ReadError`, a malformed answer
+  `RemoteProtocolError`: the same classes httpx's own transport raises, so failure
+  handling above (`http.py`) is unchanged.
+- A request cancelled mid-flight closes its connection (its answer would arrive on it).
+- The body is handed to `httpx.Response` whole, which decodes a `Content-Encoding`.
+
+`https://` URLs, and any when a proxy is configured in the environment, keep httpx's own
+transport (`new_client` in `http.py` chooses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import cast
+
+import httpx
+
+MAX_HEAD_BYTES = 64 * 1024  # status line and headers
+MAX_BODY_BYTES = 256 * 1024 * 1024  # an embeddings answer for a large batch is a few MB
+_NO_BODY = frozenset({204, 304})
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection: bytes in, a waiter woken on data or close."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.closed = False
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._wake()
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def more(self) -> None:
+        """Wait until more bytes arrive or the connection closes."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class _Unanswered(Exception):
+    """The server closed a reused connection before sending a byte (keep-alive race)."""
+
+
+class LeanTransport(httpx.AsyncBaseTransport):
+    """HTTP/1.1 over keep-alive asyncio connections; `max_idle` kept per host and port."""
+
+    def __init__(self, max_idle: int = 8) -> None:
+        self._max_idle = max_idle
+        self._idle: defaultdict[tuple[str, int], list[_Connection]] = defaultdict(list)
+        self._closed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise httpx.ConnectError("the transport is closed", request=request)
+        timeout: dict[str, float | None] = request.extensions.get("timeout", {})
+        url = request.url
+        key = (url.host, url.port or 80)
+        head = _head(request)
+        body = await request.aread()
+        for attempt in (0, 1):
+            connection, reused = await self._connection(key, timeout.get("connect"), request)
+            try:
+                return await self._exchange(connection, reused, head + body, request,
+                                            timeout.get("read"))
+            except _Unanswered:
+                if attempt:
+                    raise httpx.RemoteProtocolError(
+                        "server disconnected without sending a response",
+                        request=request) from None
+        raise AssertionError("unreachable")
+
+    async def _connection(self, key: tuple[str, int], connect_s: float | None,
+                          request: httpx.Request) -> tuple[_Connection, bool]:
+        idle = self._idle[key]
+        while idle:
+            connection = idle.pop()
+            if not connection.closed and not connection.buffer:
+                return connection, True
+            connection.close()  # closed, or holding bytes nobody asked for
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_s):
+                _, connection = await loop.create_connection(_Connection, key[0], key[1])
+        except TimeoutError:
+            raise httpx.ConnectTimeout("connect timed out", request=request) from None
+        except OSError as exc:
+            raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
+        return connection, False
+
+    async def _exchange(self, connection: _Connection, reused: bool, data: bytes,
+                        request: httpx.Request, read_s: float | None) -> httpx.Response:
+        assert connection.transport is not None
+        connection.transport.write(data)
+        done = False
+        try:
+            async with asyncio.timeout(read_s):
+                status, headers, keep_alive = await _read_head(connection, reused, request)
+                content = b"" if status in _NO_BODY or request.method == "HEAD" \
+                    else await _read_body(connection, headers, request)
+            done = True
+        except TimeoutError:
+            raise httpx.ReadTimeout("no complete answer within the read timeout",
+                                    request=request) from None
+        finally:
+            if not done:
+                connection.close()  # mid-answer: its bytes would confuse the next request
+        idle = self._idle[(request.url.host, request.url.port or 80)]
+        if keep_alive and not connection.closed and not connection.buffer \
+                and not self._closed and len(idle) < self._max_idle:
+            idle.append(connection)
+        else:
+            connection.close()
+        return httpx.Response(status, headers=headers, content=content, request=request,
+                              extensions={"http_version": b"HTTP/1.1"})
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
+
+
+def _head(request: httpx.Request) -> bytes:
+    url = request.url
+    target = url.raw_path  # path and query, already encoded
+    lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
+    lines.extend(name + b": " + value for name, value in request.headers.raw)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+async def _read_head(connection: _Connection, reused: bool, request: httpx.Request,
+                     ) -> tuple[int, list[tuple[bytes, bytes]], bool]:
+    buffer = connection.buffer
+    while (end := buffer.find(b"\r\n\r\n")) < 0:
+        if len(buffer) > MAX_HEAD_BYTES:
+            raise httpx.RemoteProtocolError("response head too large", request=request)
+        if connection.closed:
+            _disconnected(connection, reused, request)
+        await connection.more()
+    lines = bytes(buffer[:end]).split(b"\r\n")
+    del buffer[:end + 4]
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise httpx.RemoteProtocolError("malformed status line", request=request)
+    headers = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise httpx.RemoteProtocolError("malformed header line", request=request)
+        headers.append((name.strip(), value.strip()))
+    connection_header = _header(headers, b"connection").lower()
+    keep_alive = b"close" not in connection_header and \
+        (parts[0] == b"HTTP/1.1" or b"keep-alive" in connection_header)
+    return int(parts[1]), headers, keep_alive
+
+
+def _disconnected(connection: _Connection, reused: bool, request: httpx.Request) -> None:
+    """Raise for a connection that closed before the answer was complete."""
+    if reused and connection.error is None and not connection.buffer:
+        raise _Unanswered
+    if isinstance(connection.error, OSError):
+        raise httpx.ReadError(str(connection.error) or type(connection.error).__name__,
+                              request=request)
+    raise httpx.RemoteProtocolError("server disconnected before the answer was complete",
+                                    request=request)
+
+
+async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]],
+                     request: httpx.Request) -> bytes:
+    if b"chunked" in _header(headers, b"transfer-encoding").lower():
+        return await _read_chunked(connection, request)
+    length = _header(headers, b"content-length")
+    if length:
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            raise httpx.RemoteProtocolError("bad Content-Length", request=request)
+        return await _read_exactly(connection, int(length), request)
+    while not connection.closed:  # no length: the body ends with the connection
+        if len(connection.buffer) > MAX_BODY_BYTES:
+            raise httpx.RemoteProtocolError("response body too large", request=request)
+        await connection.more()
+    content = bytes(connection.buffer)
+    connection.buffer.clear()
+    return content
+
+
+async def _read_exactly(connection: _Connection, n: int, request: httpx.Request) -> bytes:
+    buffer = connection.buffer
+    while len(buffer) < n:
+        if connection.closed:
+            _disconnected(connection, False, request)
+        await connection.more()
+    content = bytes(buffer[:n])
+    del buffer[:n]
+    return content
+
+
+async def _read_chunked(connection: _Connection, request: httpx.Request) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    buffer = connection.buffer
+    while True:
+        while (end := buffer.find(b"\r\n")) < 0:
+            if connection.closed:
+                _disconnected(connection, False, request)
+            await connection.more()
+        size_field = bytes(buffer[:end]).split(b";", 1)[0].strip()
+        del buffer[:end + 2]
+        try:
+            size = int(size_field, 16)
+        except ValueError:
+            raise httpx.RemoteProtocolError("malformed chunk size", request=request) from None
+        total += size
+        if total > MAX_BODY_BYTES:
+            raise httpx.RemoteProtocolError("response body too large", request=request)
+        if size == 0:
+            while True:  # trailer lines (rare), then the empty line that ends the body
+                while (end := buffer.find(b"\r\n")) < 0:
+                    if connection.closed:
+                        _disconnected(connection, False, request)
+                    await connection.more()
+                del buffer[:end + 2]
+                if end == 0:
+                    return b"".join(parts)
+        chunk = await _read_exactly(connection, size + 2, request)
+        parts.append(chunk[:-2])
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    for key, value in headers:
+        if key.lower() == name:
+            return value
+    return b""
+
+
+def wanted(base_url: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `base_url` gets this transport: plain HTTP with no proxy configured."""
+    env = os.environ if environ is None else environ
+    proxied = any(env.get(name) for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                             "all_proxy"))
+    return base_url.startswith("http://") and not proxied

@@ -1,0 +1,208 @@
+"""The lean HTTP/1.1 transport (`scoring/transport.py`) against raw loopback servers that
+answer exactly as scripted: the framings, keep-alive and its races, and every failure
+mapped to the httpx error class that `scoring/http.py` classifies."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from rerank_server.scoring.base import Failure
+from rerank_server.scoring.http import BackendCallError, HttpBackend
+from rerank_server.scoring.transport import LeanTransport, wanted
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+class RawServer:
+    """Calls `handler(reader, writer, n)` for the n-th request head on each connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.hung_up = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._writers.append(writer)
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                await self.handler(reader, writer, n)
+                n += 1
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.hung_up.set()
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        await self._server.wait_closed()
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
+    servers: list[RawServer] = []
+
+    async def start(handler: Handler) -> str:
+        server = RawServer(handler)
+        servers.append(server)
+        return await server.start()
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+def _answer(body: bytes, *headers: str) -> bytes:
+    head = ["HTTP/1.1 200 OK", f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def _post(url: str, transport: LeanTransport | None = None,
+                timeout: float = 5.0) -> httpx.Response:
+    async with httpx.AsyncClient(transport=transport or LeanTransport(), timeout=timeout) as c:
+        return await c.post(url + "/v1/x", json={"q": 1})
+
+
+async def test_content_length_chunked_gzip_and_close_delimited_bodies(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    payload = json.dumps({"ok": [1, 2, 3]}).encode()
+
+    async def chunked(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (payload[:5], payload[5:]))
+                + b"0\r\nX-Trailer: 1\r\n\r\n")
+
+    async def gzipped(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(_answer(gzip.compress(payload), "Content-Encoding: gzip"))
+
+    async def until_close(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + payload)
+        w.close()
+
+    for handler in (chunked, gzipped, until_close):
+        response = await _post(await raw(handler))
+        assert response.status_code == 200 and response.json() == {"ok": [1, 2, 3]}
+
+
+async def test_keep_alive_reuses_one_connection_and_survives_a_server_closing_it(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        w.write(_answer(b'{"n": %d}' % n))
+        if n == 2:
+            # The server drops the idle connection after its third answer, the way
+            # keep-alive timeouts do: the next request must go out on a fresh one.
+            await w.drain()
+            w.close()
+
+    url = await raw(answer)
+    transport = LeanTransport()
+    async with httpx.AsyncClient(transport=transport, timeout=5) as client:
+        seen = [(await client.post(url, json={})).json()["n"] for _ in range(5)]
+    assert seen == [0, 1, 2, 0, 1]
+
+
+async def test_a_reused_connection_closed_before_answering_is_retried_once(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    """The keep-alive race: the server closes just as the next request goes out."""
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            w.close()  # reads the second request, then hangs up without a byte
+            return
+        w.write(_answer(b'{"ok": true}'))
+
+    url = await raw(answer)
+    async with httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client:
+        assert (await client.post(url, json={})).json() == {"ok": True}
+        assert (await client.post(url, json={})).json() == {"ok": True}
+
+
+@pytest.mark.parametrize("reply,error", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"half", httpx.RemoteProtocolError),
+    (b"garbage\r\n\r\n", httpx.RemoteProtocolError),
+    (b"", httpx.RemoteProtocolError),  # a fresh connection closed without a byte
+])
+async def test_broken_answers_are_transport_errors(
+        raw: Callable[[Handler], Awaitable[str]], reply: bytes,
+        error: type[Exception]) -> None:
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(reply)
+        await w.drain()
+        w.close()
+
+    with pytest.raises(error):
+        await _post(await raw(answer))
+
+
+async def test_read_timeout_and_refused_connection() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers; returns when the client hangs up
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    with pytest.raises(httpx.ReadTimeout):
+        await _post(f"http://127.0.0.1:{port}", timeout=0.3)
+    server.close()
+    await server.wait_closed()
+    await asyncio.sleep(0.1)  # the silent handler sees its connection close
+    with pytest.raises(httpx.ConnectError):
+        await _post(f"http://127.0.0.1:{port}")
+
+
+async def test_a_cancelled_request_hangs_up_its_connection(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    async def slow(r: asyncio.StreamReader, _w: asyncio.StreamWriter, _n: int) -> None:
+        await r.read()  # no answer; returns when the client hangs up
+        started.hung_up.set()
+
+    started = RawServer(slow)
+    url = await started.start()
+    task = asyncio.ensure_future(_post(url))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The server sees the hang-up (llama-server then frees the slot).
+    await asyncio.wait_for(started.hung_up.wait(), 5)
+    await started.stop()
+
+
+async def test_failures_keep_their_classification_through_http_backend(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    async def reset(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.transport.abort()
+
+    backend = HttpBackend(await raw(reset), 2, 5.0)
+    with pytest.raises(BackendCallError) as caught:
+        await backend.post_json("/x", {})
+    await backend.aclose()
+    assert caught.value.failure is Failure.UNAVAILABLE
+
+
+def test_plain_http_without_a_proxy_only() -> None:
+    assert wanted("http://127.0.0.1:8080", {})
+    assert not wanted("https://api.example.com", {})
+    assert not wanted("http://llama:8080", {"HTTP_PROXY": "http://proxy:3128"})
