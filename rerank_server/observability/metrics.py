@@ -12,9 +12,10 @@ names, status codes, reason codes, backend instances from the configuration).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
+from opentelemetry.metrics import CallbackOptions, MeterProvider, NoOpMeterProvider, Observation
 
 from .. import __version__
 from ..domain import RerankSummary
@@ -122,8 +123,12 @@ class Metrics:
             "http.client.request.duration", unit="s",
             description="Duration of HTTP calls to scoring backends, by instance and outcome.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
-        self.http_active = meter.create_up_down_counter(
-            "http.client.active_requests", unit="{request}",
+        # Read when scraped, from each instance's own count (`watch_active`): counting
+        # up and down on every call cost about 13 µs of CPU per call.
+        self._active: dict[int, Callable[[], tuple[int, dict[str, str | int]]]] = {}
+        meter.create_observable_up_down_counter(
+            "http.client.active_requests", callbacks=[self._observe_active],
+            unit="{request}",
             description="HTTP calls to a scoring backend instance in flight.")
         self.backend_errors = meter.create_counter(
             "rerank.backend.errors", unit="{error}",
@@ -151,6 +156,20 @@ class Metrics:
         self.llama_restarts = meter.create_counter(
             "rerank.llama_server.restarts", unit="{restart}",
             description="Restarts of the managed llama-server after it exited.")
+
+    def watch_active(self, owner: object,
+                     source: Callable[[], tuple[int, dict[str, str | int]]] | None) -> None:
+        """Report `source()` (calls in flight, instance attributes) as the owner's
+        `http.client.active_requests` from now on; None stops it."""
+        if source is None:
+            self._active.pop(id(owner), None)
+        else:
+            self._active[id(owner)] = source
+
+    def _observe_active(self, _options: CallbackOptions) -> Iterable[Observation]:
+        for source in list(self._active.values()):
+            count, attributes = source()
+            yield Observation(count, attributes)
 
     @classmethod
     def noop(cls) -> Metrics:

@@ -12,7 +12,8 @@ sent), and is cancelled when the leash runs out; that counts as a timeout of the
 (`backend_pool.py` ejects an instance after a few in a row). Calls are never cancelled
 while still waiting for a pool connection: a slot is taken before the httpx call starts,
 and the connection pool is larger than the slots, so httpcore's pool-slot leak on
-cancellation under contention (httpcore #1093) cannot happen. On shutdown every call still
+cancellation under contention (httpcore #1093) cannot happen where httpcore is used
+(`https://`; plain HTTP goes through `transport.py`). On shutdown every call still
 running is cancelled.
 
 Health polls and metadata reads go through a client of their own, so a backend saturated
@@ -101,6 +102,7 @@ class HttpBackend:
         self.base_url = base_url.rstrip("/")
         self.health_path = health_path
         self._headers = dict(headers or {})
+        self._urls: dict[str, httpx.URL] = {}
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
@@ -123,6 +125,8 @@ class HttpBackend:
         self.abandoned = 0                      # abandoned calls still running
         # Every call's end, for the pool's ejection bookkeeping: None = answered.
         self.on_outcome: Outcome = lambda _failure: None
+        attributes = self.instance.attributes
+        self._metrics.watch_active(self, lambda: (len(self._calls), attributes))
 
     async def post_json(self, path: str, payload: Any, pairs: int = 1) -> Any:
         """POST `payload` (scoring `pairs` pairs), return the decoded JSON body.
@@ -250,7 +254,6 @@ class HttpBackend:
     async def _traced_post(self, path: str, payload: Any, pairs: int) -> Any:
         attributes = self.instance.attributes
         m = self._metrics
-        m.http_active.add(1, attributes)
         started = time.perf_counter()
         outcome: dict[str, str | int] = {HTTP_METHOD: "POST"}
         with self._tracer.start_as_current_span(
@@ -273,13 +276,17 @@ class HttpBackend:
                 raise
             finally:
                 span.set_attributes(outcome)
-                m.http_active.add(-1, attributes)
                 m.http_duration.record(time.perf_counter() - started, {**attributes, **outcome})
 
     async def _post(self, path: str, payload: Any, headers: dict[str, str]) -> tuple[Any, int]:
-        url = self.base_url + path
+        url = self._urls.get(path)
+        if url is None:  # parsed once per path: httpx parses a string on every call
+            url = self._urls[path] = httpx.URL(self.base_url + path)
+        headers["content-type"] = "application/json"
         try:
-            response = await self._client.post(url, json=payload, headers=headers)
+            response = await self._client.post(
+                url, content=json.dumps(payload, ensure_ascii=False,
+                                        separators=(",", ":")).encode(), headers=headers)
         except httpx.TimeoutException as exc:
             raise BackendCallError(Failure.TIMEOUT, type(exc).__name__) from None
         except httpx.TransportError as exc:
@@ -304,6 +311,7 @@ class HttpBackend:
         if self._owns_client:
             await self._client.aclose()
         await self._side_client.aclose()
+        self._metrics.watch_active(self, None)
 
 
 def _too_long(response: httpx.Response) -> bool:
