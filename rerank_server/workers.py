@@ -262,6 +262,11 @@ class _Workers:
 
 def _worker_main(settings: Settings, index: int, supervisor: int, conn: Connection) -> None:
     """A worker process: a whole server on the shared ports, until SIGTERM."""
+    # A process group of its own: Ctrl-C in a terminal (SIGINT to the foreground group)
+    # reaches the supervisor alone, which then stops each worker once. A worker signalled
+    # directly as well would take the supervisor's SIGTERM as a second signal and end at
+    # once, dropping the calls it was draining.
+    os.setpgid(0, 0)
     _exit_with(supervisor)
     logs.configure(settings.log_level, settings.log_format, extra={"worker": index})
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +82,10 @@ async def supervised(backend_url: str, workers: int = 2, **env: str,
             "RERANK_WORKERS": str(workers), "RERANK_PROBE": "0", "RERANK_LOG_FORMAT": "json",
             "RERANK_LOG_LEVEL": "info", **env}
     # Popen returns at once; the test awaits everything that waits on the process.
+    # A session of its own, as in a terminal: the test can signal the whole group.
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=full,  # noqa: ASYNC220
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     server = Supervised(proc, port, http_port, metrics_port)
     try:
         started = await eventually(lambda: any("workers" in e for e in server.logged("serving"))
@@ -150,7 +152,17 @@ async def test_workers_split_the_backend_concurrency(fake_llama: FakeLlamaServer
     assert fake_llama.max_in_flight == 3
 
 
-async def test_sigterm_drains_every_worker_and_exits_zero(fake_llama: FakeLlamaServer) -> None:
+def _sigterm_to_supervisor(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)  # what Kubernetes does to PID 1
+
+
+def _ctrl_c(proc: subprocess.Popen[str]) -> None:
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
+
+
+@pytest.mark.parametrize("stop", [_sigterm_to_supervisor, _ctrl_c])
+async def test_a_stop_signal_drains_every_worker_and_exits_zero(
+        fake_llama: FakeLlamaServer, stop: Callable[[subprocess.Popen[str]], None]) -> None:
     fake_llama.latency_s = 1.0
     # 16 slots a worker: even all 8 requests on one worker score in 2 rounds, well
     # within the grace period, so every answer must be complete.
@@ -160,7 +172,7 @@ async def test_sigterm_drains_every_worker_and_exits_zero(fake_llama: FakeLlamaS
         calls = asyncio.ensure_future(_rerank_on_new_connections(server.port, 8))
         assert await eventually(lambda: fake_llama.in_flight >= 8, 5)
         signalled = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
+        stop(server.proc)
         answers = await calls
         code = await asyncio.to_thread(server.proc.wait, 15)
         exited = time.monotonic() - signalled
