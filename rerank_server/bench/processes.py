@@ -94,14 +94,15 @@ def rerank_server(args: Sequence[str]) -> Iterator[tuple[int, int]]:
 
 
 @contextmanager
-def llama_server(slots: int) -> Iterator[str]:
-    """The cached llama-server build with the stand-in model (from `make assets`)."""
+def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
+    """The cached llama-server build with the stand-in model (from `make assets`);
+    `extra`: more llama-server arguments."""
     cache = Settings().cache_dir
     binary = assets.resolve_llama_server(None, cache, build=False)
     model = assets.resolve_model(None, cache, fetch_missing=False)
     port = free_port()
     proc = subprocess.Popen([str(binary), "-m", str(model), "--port", str(port), "-np",
-                             str(slots), "-c", str(slots * 2048), "--no-webui"],
+                             str(slots), "-c", str(slots * 2048), "--no-webui", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)

@@ -21,6 +21,8 @@ ratios beside times (these machines are noisy). Scenarios:
   for every blend (the default included), against a backend with a fixed time per call
   and against llama-server, at 10/40/100 candidates.
 - backends: `chat` (per pair) against `completion` (batched) on llama-server.
+- settings (only when named): a fresh llama-server per `-np`/`-ub` cell of `--grid`,
+  `chat` and `completion` through rerank-server on each.
 
 The llama-server scenarios use the cached build and stand-in model (`make assets`), or
 any running backend: `--backend-url URL --slots N [--backend chat|embedding|rerank]`
@@ -56,6 +58,9 @@ from .processes import cpu_seconds, fake_backend, llama_server, rerank_server
 from .telemetry import telemetry_cost, telemetry_markdown
 
 SCENARIOS = ("overhead", "telemetry", "model", "throughput", "streaming", "backends")
+# Run only when named: a llama-server per grid cell takes minutes on a CPU.
+OPT_IN = ("settings",)
+GRID = ((1, 512), (2, 512), (4, 512), (4, 2048))
 KINDS = ("chat", "completion", "rerank", "embedding", "ollama", "llm")
 SIZES = (10, 40, 100)
 CLIENTS = (1, 4, 16, 64)
@@ -320,6 +325,37 @@ async def streaming(llama: str, rounds: int, latency_ms: float, sizes: Sequence[
     return out
 
 
+async def settings_grid(grid: Sequence[tuple[int, int]], rounds: int, count: int,
+                        ) -> dict[str, Any]:
+    """llama-server's settings against our two ways of calling it: for each (-np, -ub)
+    a fresh llama-server (stand-in model), `count` passages through rerank-server as
+    concurrent `chat` calls and as one `completion` call with an array of prompts; the
+    median of `rounds` after a warm-up, each round with a query of its own (no prompt
+    cache across rounds)."""
+    docs = passages(count, seed=13)
+    out: dict[str, Any] = {}
+    for slots, ubatch in grid:
+        row: dict[str, Any] = {}
+        with llama_server(slots, ["-b", str(max(2048, ubatch)), "-ub", str(ubatch)]) as url:
+            for kind in ("chat", "completion"):
+                args = ["--backend", kind, "--backend-url", url, "--concurrency", str(slots),
+                        "--no-assistant-prefill", "--timeout-ms", "600000",
+                        "--max-batch", str(count), "--max-candidates", str(count)]
+                times: list[float] = []
+                with rerank_server(args) as (port, _):
+                    async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+                        for r in range(rounds + 1):
+                            query = f"round {r} {kind} np {slots} ub {ubatch} river energy"
+                            t = await _timed(partial(client.rerank, query, docs))
+                            if r:
+                                times.append(t)
+                median = statistics.median(times)
+                row[kind] = {"ms": round(median * 1000),
+                             "pairs_per_s": round(len(docs) / median, 2)}
+        out[f"-np {slots} -ub {ubatch}"] = row
+    return out
+
+
 async def backends(llama: str, rounds: int, count: int) -> dict[str, Any]:
     docs = passages(count, seed=9)
     times: dict[str, list[float]] = {"chat": [], "completion": []}
@@ -386,6 +422,14 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{r['first_result_ms']} | {r['whole_answer_ms']} | "
                              f"{r['first_over_whole']} |")
         lines.append("")
+    if "settings" in report:
+        lines += ["#### llama-server settings (stand-in model, through rerank-server)", "",
+                  "| llama-server | chat ms | chat pairs/s | completion ms | "
+                  "completion pairs/s |", "|---|---|---|---|---|"]
+        for cell, r in report["settings"].items():
+            lines.append(f"| `{cell}` | {r['chat']['ms']} | {r['chat']['pairs_per_s']} | "
+                         f"{r['completion']['ms']} | {r['completion']['pairs_per_s']} |")
+        lines.append("")
     if "backends" in report:
         b = report["backends"]
         lines += ["#### chat vs completion", "", f"{b['passages']} passages, {b['slots']} "
@@ -431,7 +475,7 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     chosen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = set(chosen) - set(SCENARIOS)
+    unknown = set(chosen) - set(SCENARIOS) - set(OPT_IN)
     if unknown:
         raise SystemExit(f"unknown scenarios: {', '.join(sorted(unknown))}")
     report: dict[str, Any] = {
@@ -470,6 +514,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # chat against completion is a llama-server comparison of one model.
             if "backends" in chosen and args.backend == "chat":
                 report["backends"] = await backends(llama, args.rounds, args.passages)
+    if "settings" in chosen:
+        grid = [tuple(int(v) for v in cell.split(":")) for cell in args.grid.split(",")]
+        report["settings"] = await settings_grid(
+            [(np, ub) for np, ub in grid], args.rounds, args.passages)
     return report
 
 
@@ -487,6 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="llama-server scenarios: measured rounds (plus one warm-up)")
     parser.add_argument("--passages", type=int, default=20,
                         help="llama-server and telemetry scenarios: passages per request")
+    parser.add_argument("--grid", default=",".join(f"{np}:{ub}" for np, ub in GRID),
+                        help="settings: llama-server -np:-ub cells")
     parser.add_argument("--stream-latency-ms", type=float, default=300.0,
                         help="streaming: the fixed-latency backend's time per call")
     parser.add_argument("--stream-sizes", default=",".join(map(str, SIZES)),
