@@ -338,8 +338,10 @@ async def settings_grid(grid: Sequence[tuple[int, int]], rounds: int, count: int
         row: dict[str, Any] = {}
         with llama_server(slots, ["-b", str(max(2048, ubatch)), "-ub", str(ubatch)]) as url:
             for kind in ("chat", "completion"):
+                # position_aware: the stand-in's profile would send no pair at all.
                 args = ["--backend", kind, "--backend-url", url, "--concurrency", str(slots),
                         "--no-assistant-prefill", "--timeout-ms", "600000",
+                        "--blend-strategy", "position_aware",
                         "--max-batch", str(count), "--max-candidates", str(count)]
                 times: list[float] = []
                 with rerank_server(args) as (port, _):

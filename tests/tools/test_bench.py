@@ -77,8 +77,10 @@ def test_model_and_streaming_against_any_backend(tmp_path: Path, kind: str) -> N
 
 def test_the_settings_grid_runs_llama_server_per_cell(tmp_path: Path) -> None:
     code = main(["--scenarios", "settings", "--grid", "1:512", "--rounds", "1",
-                 "--passages", "2", "--out", str(tmp_path)])
+                 "--passages", "3", "--out", str(tmp_path)])
     assert code == 0
     cell = json.loads((tmp_path / "bench.json").read_text())["settings"]["-np 1 -ub 512"]
     assert cell["chat"]["pairs_per_s"] > 0 and cell["completion"]["pairs_per_s"] > 0
+    # Pairs were scored (the stand-in's profile alone would send none: milliseconds).
+    assert cell["chat"]["ms"] > 20 and cell["completion"]["ms"] > 20
     assert "`-np 1 -ub 512`" in (tmp_path / "bench.md").read_text()
