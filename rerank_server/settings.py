@@ -233,6 +233,11 @@ class Settings:
     metrics_port: int = field(default=9464, metadata=_opt(
         "Port of the metrics endpoint (0 picks a free one).", minimum=0, maximum=65535,
         group="observability"))
+    trace_backend_calls: bool = field(default=False, metadata=_opt(
+        "With tracing on, one client span per backend HTTP call (a 40-candidate chat "
+        "request makes 40). Off: calls carry the rerank.score span's traceparent, so a "
+        "traced backend still joins the trace, at a fraction of the cost.",
+        group="observability"))
     otlp_endpoint: str = field(default="", metadata=_opt(
         "OTLP/gRPC collector for traces and metrics, e.g. http://otel-collector:4317 "
         "(empty: OTEL_EXPORTER_OTLP_ENDPOINT if set, else no export and no tracing).",

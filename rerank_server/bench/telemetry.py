@@ -1,10 +1,11 @@
 """The `telemetry` scenario: what metrics and tracing add per request, side by side.
 
-Three servers run in this process against the same instant fake backend: `off` (no
-metrics, no tracing), `metrics` (the Prometheus reader, as shipped) and `metrics+traces`
+Four servers run in this process against the same instant fake backend: `off` (no
+metrics, no tracing), `metrics` (the Prometheus reader, as shipped), `metrics+traces`
 (also every span, handed to a batch processor whose exporter drops them, so the cost is
-ours and not a collector's). Requests go round-robin over the three so machine noise hits
-each alike. CPU time is this process's (servers and client together), so the ratios to
+ours and not a collector's) and `metrics+traces+calls` (with `--trace-backend-calls`: a
+client span per backend call). Requests go round-robin over the four so machine noise
+hits each alike. CPU time is this process's (servers and client together), so the ratios to
 `off` are the figures to read.
 """
 
@@ -23,7 +24,7 @@ from ..observability.telemetry import Telemetry
 from ..server import RunningServer, build_server
 from ..settings import Settings
 
-SETUPS = ("off", "metrics", "metrics+traces")
+SETUPS = ("off", "metrics", "metrics+traces", "metrics+traces+calls")
 
 
 class _Drop(SpanExporter):
@@ -33,9 +34,10 @@ class _Drop(SpanExporter):
 
 async def _start(setup: str, backend_url: str) -> RunningServer:
     settings = Settings(port=0, backend_url=backend_url, probe=False, metrics=setup != "off",
-                        http_port=0, metrics_port=0, cache_entries=0, log_level="warning")
+                        http_port=0, metrics_port=0, cache_entries=0, log_level="warning",
+                        trace_backend_calls=setup.endswith("+calls"))
     # As in production: a batch processor, not the synchronous one tests use.
-    processor = BatchSpanProcessor(_Drop()) if setup == "metrics+traces" else None
+    processor = BatchSpanProcessor(_Drop()) if "traces" in setup else None
     telemetry = Telemetry.create(settings, span_processor=processor, environ={})
     return await build_server(settings, telemetry=telemetry)
 

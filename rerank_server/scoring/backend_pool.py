@@ -96,7 +96,8 @@ class BackendPool:
                  kind: str, metrics: Metrics | None = None,
                  tracer: trace.Tracer | None = None, ejection: Ejection | None = None,
                  headers: dict[str, str] | None = None, health_path: str = "/health",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, trace_calls: bool = False,
+                 ) -> None:
         if not urls:
             raise ValueError("a backend pool needs at least one URL")
         self.kind = kind
@@ -105,7 +106,8 @@ class BackendPool:
         self._clock = clock
         self.endpoints = [
             Endpoint(HttpBackend(url, concurrency, timeout_s, kind=kind, metrics=metrics,
-                                 tracer=tracer, headers=headers, health_path=health_path),
+                                 tracer=tracer, headers=headers, health_path=health_path,
+                                 trace_calls=trace_calls),
                      concurrency)
             for url in urls]
         for endpoint in self.endpoints:

@@ -19,9 +19,10 @@ running is cancelled.
 Health polls and metadata reads go through a client of their own, so a backend saturated
 by scoring calls is not taken for a dead one because its poll waited for a connection.
 
-Every call is one `http.client.request.duration` sample and, with tracing on, one client
-span (`POST`) carrying the backend, the instance, the pair count and the status; the
-W3C `traceparent` goes out with it so a traced backend continues the trace.
+Every call is one `http.client.request.duration` sample. With tracing on, the W3C
+`traceparent` goes out with it so a traced backend continues the trace: from the
+request's `rerank.score` span, or with `--trace-backend-calls` from a client span of its
+own (`POST`) carrying the backend, the instance, the pair count and the status.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class HttpBackend:
     def __init__(self, base_url: str, concurrency: int, timeout_s: float,
                  client: httpx.AsyncClient | None = None, *, kind: str = "",
                  metrics: Metrics | None = None, tracer: trace.Tracer | None = None,
-                 headers: dict[str, str] | None = None, health_path: str = "/health") -> None:
+                 headers: dict[str, str] | None = None, health_path: str = "/health",
+                 trace_calls: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
         self.health_path = health_path
         self._headers = dict(headers or {})
@@ -106,6 +108,7 @@ class HttpBackend:
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
+        self._trace_calls = trace_calls  # a client span per call (--trace-backend-calls)
         self._timeout_s = timeout_s
         self._client = client or new_client(concurrency, timeout_s, self.base_url)
         self._owns_client = client is None
@@ -256,27 +259,32 @@ class HttpBackend:
         m = self._metrics
         started = time.perf_counter()
         outcome: dict[str, str | int] = {HTTP_METHOD: "POST"}
-        with self._tracer.start_as_current_span(
-                "POST", kind=trace.SpanKind.CLIENT,
-                attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
-                            "rerank.pairs": pairs}) as span:
-            try:
-                headers = dict(self._headers)
-                if span.is_recording():
-                    propagate.inject(headers)
-                body, status = await self._post(path, payload, headers)
-                outcome[HTTP_STATUS] = status
-                return body
-            except BackendCallError as exc:
-                outcome[ERROR_TYPE] = ERROR_TYPES[exc.failure]
-                if exc.status:
-                    outcome[HTTP_STATUS] = exc.status
-                m.backend_errors.add(1, {**attributes, ERROR_TYPE: outcome[ERROR_TYPE]})
+        # Not made current: nothing below starts spans, and attaching costs per call.
+        span = self._tracer.start_span(
+            "POST", kind=trace.SpanKind.CLIENT,
+            attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
+                        "rerank.pairs": pairs}) if self._trace_calls else None
+        parent = span or trace.get_current_span()
+        headers = dict(self._headers)
+        if parent.is_recording():  # the backend continues the trace from here
+            propagate.inject(headers, context=trace.set_span_in_context(parent))
+        try:
+            body, status = await self._post(path, payload, headers)
+            outcome[HTTP_STATUS] = status
+            return body
+        except BackendCallError as exc:
+            outcome[ERROR_TYPE] = ERROR_TYPES[exc.failure]
+            if exc.status:
+                outcome[HTTP_STATUS] = exc.status
+            m.backend_errors.add(1, {**attributes, ERROR_TYPE: outcome[ERROR_TYPE]})
+            if span is not None:
                 span.set_status(trace.StatusCode.ERROR, exc.detail)
-                raise
-            finally:
+            raise
+        finally:
+            if span is not None:
                 span.set_attributes(outcome)
-                m.http_duration.record(time.perf_counter() - started, {**attributes, **outcome})
+                span.end()
+            m.http_duration.record(time.perf_counter() - started, {**attributes, **outcome})
 
     async def _post(self, path: str, payload: Any, headers: dict[str, str]) -> tuple[Any, int]:
         url = self._urls.get(path)

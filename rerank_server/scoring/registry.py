@@ -23,7 +23,7 @@ def build_pool(settings: Settings, telemetry: Telemetry | None = None) -> Backen
         settings.backend_urls, concurrency=settings.concurrency,
         timeout_s=settings.backend_timeout_ms / 1000, kind=settings.backend,
         metrics=telemetry.metrics, tracer=telemetry.tracer, headers=headers,
-        health_path=settings.health_path,
+        health_path=settings.health_path, trace_calls=settings.trace_backend_calls,
         ejection=Ejection(settings.eject_after, settings.eject_base_s, settings.eject_max_s))
 
 

@@ -44,7 +44,8 @@ async def traced_server() -> AsyncIterator[Start]:
         exporter = InMemorySpanExporter()
         settings = dataclasses.replace(
             Settings(port=0, backend_url=url, concurrency=SLOTS, assistant_prefill=False,
-                     http_port=0, timeout_ms=60_000, probe=False, metrics=False, cache_entries=0),
+                     http_port=0, timeout_ms=60_000, probe=False, metrics=False, cache_entries=0,
+                     trace_backend_calls=True),  # the tests count calls by their spans
             **overrides)
         server = await build_server(settings, telemetry=Telemetry.create(
             settings, span_processor=SimpleSpanProcessor(exporter), environ={}))

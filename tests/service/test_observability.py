@@ -170,11 +170,13 @@ async def test_overload_is_shed_counted_and_health_still_answers(
                  rpc_response_status_code="RESOURCE_EXHAUSTED") == 1
 
 
-@pytest.fixture
-async def traced(fake_llama: FakeLlamaServer,
+@pytest.fixture(params=[False, True], ids=["call-spans-off", "call-spans-on"])
+async def traced(fake_llama: FakeLlamaServer, request: pytest.FixtureRequest,
                  ) -> AsyncIterator[tuple[RunningServer, InMemorySpanExporter]]:
+    """A traced server, without and with a client span per backend call."""
     exporter = InMemorySpanExporter()
-    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, probe=False, metrics=False)
+    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, probe=False,
+                        metrics=False, trace_backend_calls=request.param)
     server = await build_server(settings, telemetry=Telemetry.create(
         settings, span_processor=SimpleSpanProcessor(exporter), environ={}))
     yield server, exporter
@@ -213,15 +215,23 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
     assert score.attributes["rerank.backend"] == "chat"
     assert score.attributes["rerank.scored"] == 4
     calls = _children(spans, score)
-    assert len(calls) == 4
-    for call in calls:
-        assert call.name == "POST" and call.attributes is not None
-        assert call.attributes["server.address"] == "127.0.0.1"
-        assert call.attributes["http.response.status_code"] == 200
-        assert call.attributes["rerank.pairs"] == 1
-    # The backend received the trace too, each call with its own span as parent.
-    sent = {tp.split("-")[2] for tp in fake_llama.traceparents}
-    assert sent == {format(c.context.span_id, "016x") for c in calls if c.context}
+    sent = [tp.split("-")[2] for tp in fake_llama.traceparents]
+    assert len(sent) == 4 and all(tp.split("-")[1] == TRACE_ID
+                                  for tp in fake_llama.traceparents)
+    if server.settings.trace_backend_calls:
+        assert len(calls) == 4
+        for call in calls:
+            assert call.name == "POST" and call.attributes is not None
+            assert call.attributes["server.address"] == "127.0.0.1"
+            assert call.attributes["http.response.status_code"] == 200
+            assert call.attributes["rerank.pairs"] == 1
+        # The backend received the trace too, each call with its own span as parent.
+        assert set(sent) == {format(c.context.span_id, "016x") for c in calls if c.context}
+    else:
+        # No span per call: every call continues the trace from rerank.score.
+        assert calls == []
+        assert score.context is not None
+        assert set(sent) == {format(score.context.span_id, "016x")}
 
     for s in spans:
         for key, value in (s.attributes or {}).items():
