@@ -73,8 +73,11 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
     try:
         while remaining:
             try:
-                outcome = await asyncio.wait_for(_next_outcome(outcomes, task, stop),
-                                                 max(deadline - loop.time(), 0))
+                # Outcomes already in (a batch lands all at once) are taken as they are:
+                # a wait_for per pair costs a task and a timer, and waits for nothing.
+                outcome = outcomes.get_nowait() if not outcomes.empty() else \
+                    await asyncio.wait_for(_next_outcome(outcomes, task, stop),
+                                           max(deadline - loop.time(), 0))
             except TimeoutError:
                 rest = (Failure.TIMEOUT, "time budget spent")
                 break
