@@ -145,6 +145,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         try:
             async with asyncio.timeout(read_s):
                 status, headers, keep_alive = await _read_head(connection, reused, request)
+                while 100 <= status < 200:  # interim answers (100 Continue, 103): skip
+                    status, headers, keep_alive = await _read_head(connection, False,
+                                                                   request)
                 content = b"" if status in _NO_BODY or request.method == "HEAD" \
                     else await _read_body(connection, headers, request)
             done = True

@@ -102,7 +102,11 @@ async def test_content_length_chunked_gzip_and_close_delimited_bodies(
         w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + payload)
         w.close()
 
-    for handler in (chunked, gzipped, until_close):
+    async def interim_first(_r: asyncio.StreamReader, w: asyncio.StreamWriter,
+                            _n: int) -> None:
+        w.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + _answer(payload))
+
+    for handler in (chunked, gzipped, until_close, interim_first):
         response = await _post(await raw(handler))
         assert response.status_code == 200 and response.json() == {"ok": [1, 2, 3]}
 
