@@ -15,7 +15,6 @@ candidates keep their retrieval order relative to each other.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,8 +110,16 @@ def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> f
 
 
 def spread(scores: Sequence[float]) -> float:
-    """The evidence the adaptive blend weighs: the population standard deviation."""
-    return statistics.pstdev(scores) if len(scores) >= 2 else 0.0
+    """The evidence the adaptive blend weighs: the population standard deviation.
+
+    Computed in floats with compensated sums, not with `statistics.pstdev`, whose exact
+    rational arithmetic took 61 µs for 20 scores against 3.5 µs (`python -m timeit`; a
+    test holds the two within 1e-12)."""
+    n = len(scores)
+    if n < 2:
+        return 0.0
+    mean = math.fsum(scores) / n
+    return math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / n)
 
 
 def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) -> float:

@@ -105,7 +105,9 @@ def shape(query: Request) -> Shaped:
                 ranks = [m.retrieval_rank for m in members if source_of[m.index] is src]
                 if ranks:
                     score += src.weight / (k + min(ranks)) + rank_bonus(min(ranks))
-        merged.append((dataclasses.replace(best, found_in=names), score))
+        # Most groups are one occurrence, already marked with its list (`_sources`).
+        merged.append((best if best.found_in == names
+                       else dataclasses.replace(best, found_in=names), score))
 
     if fused:
         merged.sort(key=lambda cs: (-cs[1], cs[0].retrieval_rank, cs[0].index))
@@ -135,7 +137,7 @@ def _sources(query: Request) -> list[_Source]:
     for lst in lists:
         scores, kind = normalize([c.retrieval_score for c in lst.candidates], lst.score_kind)
         weight = query.candidates_weight if lst.weight is None else lst.weight  # resolved
-        candidates = tuple(dataclasses.replace(c, normalized_score=s)
+        candidates = tuple(dataclasses.replace(c, normalized_score=s, found_in=(lst.name,))
                            for c, s in zip(lst.candidates, scores, strict=True))
         sources.append(_Source(lst.name, weight, kind, candidates))
     return sources

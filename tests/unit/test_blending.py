@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 from hypothesis import given
@@ -17,6 +18,7 @@ from rerank_server.ranking.blending import (
     adaptive_weight,
     blend,
     scores_can_matter,
+    spread,
     upper_bound,
 )
 
@@ -212,3 +214,9 @@ def test_scores_cannot_matter_when_no_weight_or_no_score_can_move_the_top_k() ->
         scores = [rng.random() for _ in ranks]
         finals = [blend(PA, r, p) for r, p in zip(ranks, scores, strict=True)]
         assert max(range(20), key=lambda i: (finals[i], -ranks[i])) == 0
+
+
+@given(st.lists(st.floats(min_value=-1.0, max_value=1.0), min_size=0, max_size=120))
+def test_spread_is_the_population_standard_deviation(scores: list[float]) -> None:
+    expected = statistics.pstdev(scores) if len(scores) >= 2 else 0.0
+    assert abs(spread(scores) - expected) <= 1e-12
