@@ -45,7 +45,7 @@ from .errors import BindError, ConfigError
 from .loops import loop_factory
 from .managed.llama_server import start_managed
 from .observability import logs
-from .observability.telemetry import metrics_server
+from .observability.telemetry import metrics_endpoint
 from .observability.worker_metrics import merged_app
 from .server import RunningServer, serve, stop_signals
 from .settings import Settings, host_port
@@ -117,14 +117,7 @@ async def _supervise(settings: Settings, count: int) -> None:
             stack.push_async_callback(workers.stop)
             metrics_port = None
             if settings.metrics:
-                host = settings.metrics_host or settings.host
-                try:
-                    metrics = metrics_server(host, settings.metrics_port,
-                                             merged_app(workers.metrics_ports))
-                except OSError as exc:
-                    raise BindError("--metrics-port / RERANK_METRICS_PORT",
-                                    host_port(host, settings.metrics_port),
-                                    exc.strerror or "") from None
+                metrics = metrics_endpoint(settings, merged_app(workers.metrics_ports))
                 stack.callback(metrics.server_close)
                 stack.callback(metrics.shutdown)
                 metrics_port = metrics.server_port

@@ -123,14 +123,11 @@ class Telemetry:
         return telemetry
 
     def _serve_metrics(self, settings: Settings, registry: CollectorRegistry) -> None:
-        host = settings.metrics_host or settings.host
         try:
-            server = metrics_server(host, settings.metrics_port, make_wsgi_app(registry))
-        except OSError as exc:
+            self.metrics_server = metrics_endpoint(settings, make_wsgi_app(registry))
+        except BindError:
             self.shutdown()
-            raise BindError("--metrics-port / RERANK_METRICS_PORT",
-                            host_port(host, settings.metrics_port), exc.strerror or "") from None
-        self.metrics_server = server
+            raise
 
     def shutdown(self) -> None:
         """Stop the metrics endpoint and flush what is buffered for export."""
@@ -178,7 +175,18 @@ def _only_metrics(app: WSGIApplication) -> WSGIApplication:
     return serve
 
 
-def metrics_server(host: str, port: int, app: WSGIApplication) -> WSGIServer:
+def metrics_endpoint(settings: Settings, app: WSGIApplication) -> WSGIServer:
+    """`app` served at `/metrics` on `--metrics-host`/`--metrics-port`; a port in use is a
+    `BindError` naming the flag."""
+    host = settings.metrics_host or settings.host
+    try:
+        return _metrics_server(host, settings.metrics_port, app)
+    except OSError as exc:
+        raise BindError("--metrics-port / RERANK_METRICS_PORT",
+                        host_port(host, settings.metrics_port), exc.strerror or "") from None
+
+
+def _metrics_server(host: str, port: int, app: WSGIApplication) -> WSGIServer:
     """The Prometheus endpoint in a daemon thread."""
     server_class = type("_Server", (_ThreadingServer,), {
         "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
