@@ -202,14 +202,18 @@ async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> No
     assert all(a.reranked for a in answers)
 
 
-def test_a_port_in_use_is_one_line_naming_the_flag(fake_llama: FakeLlamaServer) -> None:
-    with _listening() as port:
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_in_use_is_one_line_naming_the_flag(fake_llama: FakeLlamaServer,
+                                                   flag: str) -> None:
+    ports = {"--port": "0", "--metrics-port": "0"}
+    with _listening() as taken:
+        ports[flag] = str(taken)
         done = subprocess.run(
-            [sys.executable, "-m", "rerank_server", "--workers", "2", "--port", str(port),
-             "--backend-url", fake_llama.url, "--http-port", "0", "--metrics-port", "0"],
+            [sys.executable, "-m", "rerank_server", "--workers", "2", "--backend-url",
+             fake_llama.url, "--http-port", "0", *(x for kv in ports.items() for x in kv)],
             capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "--port / RERANK_PORT" in done.stderr and "Traceback" not in done.stderr
+    assert f"{flag} / RERANK_" in done.stderr and "Traceback" not in done.stderr
 
 
 @contextlib.contextmanager
