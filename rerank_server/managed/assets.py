@@ -218,15 +218,7 @@ def prepare_embedding_model(cache: Path) -> Path:
     it, run by a venv in the cache that holds the converter's requirements. Minutes the
     first time (installing torch), seconds for the conversion itself.
     """
-    target = embedding_model_path(cache)
-    if target.exists():
-        return target
-    source = llama_source(cache)
-    hf_dir = _minilm_folder(cache)
-    python = _convert_venv(cache, source)
-    say("converting MiniLM-L6 to GGUF with llama.cpp's convert_hf_to_gguf.py")
-    _convert(python, source, hf_dir, target)
-    return target
+    return _prepare_minilm(cache, embedding_model_path(cache), rank_head=False)
 
 
 def rank_head_model_path(cache: Path) -> Path:
@@ -236,16 +228,25 @@ def rank_head_model_path(cache: Path) -> Path:
 def prepare_rank_head_model(cache: Path) -> Path:
     """MiniLM-L6 with an untrained classification head, as an f16 GGUF that `llama-server
     --rerank` serves on `/v1/rerank` (rank pooling): the `rerank` backend's real peer."""
-    target = rank_head_model_path(cache)
+    return _prepare_minilm(cache, rank_head_model_path(cache), rank_head=True)
+
+
+def _prepare_minilm(cache: Path, target: Path, rank_head: bool) -> Path:
+    """MiniLM-L6 converted to `target` by llama.cpp's converter, with a rank head added
+    first when asked; nothing to do when `target` exists."""
     if target.exists():
         return target
     source = llama_source(cache)
     hf_dir = _minilm_folder(cache)
     python = _convert_venv(cache, source)
-    headed = cache / "build" / "all-MiniLM-L6-v2-rank-head"
-    say("adding an untrained classification head to MiniLM-L6 and converting it to GGUF")
-    _run([str(python), "-c", _ADD_RANK_HEAD, str(hf_dir), str(headed)], "rank head")
-    _convert(python, source, headed, target)
+    if rank_head:
+        headed = cache / "build" / "all-MiniLM-L6-v2-rank-head"
+        say("adding an untrained classification head to MiniLM-L6 and converting it to GGUF")
+        _run([str(python), "-c", _ADD_RANK_HEAD, str(hf_dir), str(headed)], "rank head")
+        hf_dir = headed
+    else:
+        say("converting MiniLM-L6 to GGUF with llama.cpp's convert_hf_to_gguf.py")
+    _convert(python, source, hf_dir, target)
     return target
 
 
