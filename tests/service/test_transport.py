@@ -210,3 +210,56 @@ def test_plain_http_without_a_proxy_only() -> None:
     assert wanted("http://127.0.0.1:8080", {})
     assert not wanted("https://api.example.com", {})
     assert not wanted("http://llama:8080", {"HTTP_PROXY": "http://proxy:3128"})
+
+
+async def test_http_backend_sends_what_a_model_server_expects(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    """`HttpBackend` hands its requests to the transport itself (no httpx client in
+    between): the head still carries Host, the length, the JSON type and who we are, and
+    the body is the payload as UTF-8 JSON, text left as it is."""
+    seen: list[bytes] = []
+
+    class Capturing(RawServer):
+        async def _serve(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            seen.extend([head, await reader.readexactly(length)])
+            writer.write(_answer(b'{"ok": true}'))
+            await writer.drain()
+            writer.close()
+
+    server = Capturing(lambda _r, _w, _n: asyncio.sleep(0))
+    url = await server.start()
+    backend = HttpBackend(url, 2, 5.0)
+    payload = {"query": "café ü", "documents": ["naïve \"quoted\""], "n": 1}
+    assert await backend.post_json("/v1/rerank", payload) == {"ok": True}
+    await backend.aclose()
+    await server.stop()
+    head, body = seen
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /v1/rerank HTTP/1.1"
+    fields = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+    assert fields["host"] == url.removeprefix("http://")
+    assert fields["content-type"] == "application/json"
+    assert fields["user-agent"].startswith("rerank-server/")
+    assert int(fields["content-length"]) == len(body)
+    assert json.loads(body.decode("utf-8")) == payload
+    assert "café".encode() in body  # UTF-8, not \u escapes
+
+
+async def test_http_backend_times_out_a_backend_that_never_answers(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    async def silent(_r: asyncio.StreamReader, _w: asyncio.StreamWriter, _n: int) -> None:
+        await asyncio.sleep(30)
+
+    backend = HttpBackend(await raw(silent), 2, 0.3)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(BackendCallError) as caught:
+        await backend.post_json("/x", {})
+    elapsed = loop.time() - started
+    await backend.aclose()
+    assert caught.value.failure is Failure.TIMEOUT
+    assert 0.25 < elapsed < 2.0
