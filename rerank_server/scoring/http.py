@@ -151,8 +151,9 @@ class HttpBackend:
         finally:
             self.queued_pairs -= pairs
             self.waiting -= 1
-        call = asyncio.ensure_future(self._call(path, payload, pairs))
-        self._calls[call] = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        call = loop.create_task(self._call(path, payload, pairs))
+        self._calls[call] = loop.time()
         # Released when the call ends however it ends, even cancelled before it started.
         call.add_done_callback(self._forget)
         try:
