@@ -1,7 +1,8 @@
 """A lean HTTP/1.1 transport under httpx for plain-HTTP backends.
 
 httpx stays the client API (requests, responses, timeouts, error types); this replaces
-what sits under it for `http://` URLs. httpcore's general-purpose pool (anyio streams,
+what sits under it for `http://` URLs. `HttpBackend` hands its `httpx.Request`s to it
+directly, without an `httpx.AsyncClient` in between (`http.py`). httpcore's general-purpose pool (anyio streams,
 h11, a socket-readability check on every request) cost about 60% of the server's CPU per
 scored pair in the profile (docs/benchmarks.md, "Where the CPU goes"). Model servers on
 the same host or pod speak a narrow HTTP/1.1: one request per connection at a time,
