@@ -24,6 +24,9 @@ ratios beside times (these machines are noisy). Scenarios:
 - backends: `chat` (per pair) against `completion` (batched) on llama-server.
 - settings (only when named): a fresh llama-server per `-np`/`-ub` cell of `--grid`,
   `chat` and `completion` through rerank-server on each.
+- completion-options (only when named): llama-server's `/completion` with an array of
+  prompts, called directly, per `n_probs` (20, what `completion` asks for, 5, 1) and with
+  `cache_prompt` off: the time, and how often "yes" or "no" is among the top `n_probs`.
 
 The llama-server scenarios use the cached build and stand-in model (`make assets`), or
 any running backend: `--backend-url URL --slots N [--backend chat|embedding|rerank]`
@@ -60,7 +63,7 @@ from .telemetry import telemetry_cost, telemetry_markdown
 
 SCENARIOS = ("overhead", "telemetry", "model", "throughput", "streaming", "backends")
 # Run only when named: a llama-server per grid cell takes minutes on a CPU.
-OPT_IN = ("settings",)
+OPT_IN = ("settings", "completion-options")
 GRID = ((1, 512), (2, 512), (4, 512), (4, 2048))
 KINDS = ("chat", "completion", "rerank", "embedding", "ollama", "llm")
 SIZES = (10, 40, 100)
@@ -359,6 +362,52 @@ async def settings_grid(grid: Sequence[tuple[int, int]], rounds: int, count: int
     return out
 
 
+# (n_probs, cache_prompt): what the `completion` backend sends first.
+COMPLETION_OPTIONS = ((20, True), (5, True), (1, True), (20, False))
+
+
+async def completion_options(llama: str, rounds: int, count: int) -> dict[str, Any]:
+    """`count` prompts in one `/completion` call straight to llama-server, per option in
+    `COMPLETION_OPTIONS`: the median time of `rounds` (after a warm-up, options
+    alternating, each call with a query of its own so no prompt is cached from an earlier
+    call) and the share of prompts with "yes" or "no" among the top `n_probs`."""
+    docs = passages(count, seed=17)
+    times: dict[tuple[int, bool], list[float]] = {o: [] for o in COMPLETION_OPTIONS}
+    found: dict[tuple[int, bool], list[float]] = {o: [] for o in COMPLETION_OPTIONS}
+    async with httpx.AsyncClient(base_url=llama, timeout=600) as http:
+        answer_ids = set()
+        for word in ("yes", "Yes", "no", "No"):
+            tokens = (await http.post("/tokenize", json={"content": word})).json()["tokens"]
+            if len(tokens) == 1:
+                answer_ids.add(tokens[0])
+        for r in range(rounds + 1):
+            for option in COMPLETION_OPTIONS if r % 2 == 0 else COMPLETION_OPTIONS[::-1]:
+                n_probs, cache = option
+                query = f"round {r} n_probs {n_probs} cache {cache} harbour light"
+                message = prompt.user_message(DEFAULT_INSTRUCTION, query, "\x00")
+                rendered = (await http.post("/apply-template", json={"messages": [
+                    {"role": "system", "content": prompt.SYSTEM_PROMPT},
+                    {"role": "user", "content": message}]})).json()["prompt"]
+                prefix, _, suffix = rendered.partition("\x00")
+                body = {"prompt": [prefix + d + suffix for d in docs], "n_probs": n_probs,
+                        "n_predict": 1, "temperature": 0.0, "cache_prompt": cache}
+                started = time.perf_counter()
+                response = await http.post("/completion", json=body)
+                elapsed = time.perf_counter() - started
+                results = response.json()
+                if r:
+                    times[option].append(elapsed)
+                    found[option].append(statistics.fmean(
+                        any(e.get("id") in answer_ids
+                            for e in res["completion_probabilities"][0]["top_logprobs"])
+                        for res in results))
+    return {f"n_probs {n}, cache_prompt {'on' if c else 'off'}": {
+        "ms": round(statistics.median(times[(n, c)]) * 1000),
+        "pairs_per_s": round(count / statistics.median(times[(n, c)]), 2),
+        "yes_or_no_in_top": round(statistics.fmean(found[(n, c)]), 3)}
+        for n, c in COMPLETION_OPTIONS}
+
+
 async def backends(llama: str, rounds: int, count: int) -> dict[str, Any]:
     docs = passages(count, seed=9)
     times: dict[str, list[float]] = {"chat": [], "completion": []}
@@ -432,6 +481,14 @@ def markdown(report: dict[str, Any]) -> str:
         for cell, r in report["settings"].items():
             lines.append(f"| `{cell}` | {r['chat']['ms']} | {r['chat']['pairs_per_s']} | "
                          f"{r['completion']['ms']} | {r['completion']['pairs_per_s']} |")
+        lines.append("")
+    if "completion_options" in report:
+        lines += ["#### `/completion` options (llama-server called directly)", "",
+                  "| options | ms | pairs/s | yes or no in the top n_probs |",
+                  "|---|---|---|---|"]
+        for option, r in report["completion_options"].items():
+            lines.append(f"| {option} | {r['ms']} | {r['pairs_per_s']} | "
+                         f"{r['yes_or_no_in_top']} |")
         lines.append("")
     if "backends" in report:
         b = report["backends"]
@@ -517,6 +574,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # chat against completion is a llama-server comparison of one model.
             if "backends" in chosen and args.backend == "chat":
                 report["backends"] = await backends(llama, args.rounds, args.passages)
+    if "completion-options" in chosen:
+        with contextlib.nullcontext(args.backend_url) if args.backend_url \
+                else llama_server(SLOTS) as llama:
+            report["completion_options"] = await completion_options(llama, args.rounds,
+                                                                    args.passages)
     if "settings" in chosen:
         grid = [tuple(int(v) for v in cell.split(":")) for cell in args.grid.split(",")]
         report["settings"] = await settings_grid(

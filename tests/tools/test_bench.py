@@ -84,3 +84,16 @@ def test_the_settings_grid_runs_llama_server_per_cell(tmp_path: Path) -> None:
     # Pairs were scored (the stand-in's profile alone would send none: milliseconds).
     assert cell["chat"]["ms"] > 20 and cell["completion"]["ms"] > 20
     assert "`-np 1 -ub 512`" in (tmp_path / "bench.md").read_text()
+
+
+def test_completion_options_call_llama_server_directly(tmp_path: Path) -> None:
+    code = main(["--scenarios", "completion-options", "--rounds", "1", "--passages", "2",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    options = json.loads((tmp_path / "bench.json").read_text())["completion_options"]
+    assert set(options) == {"n_probs 20, cache_prompt on", "n_probs 5, cache_prompt on",
+                            "n_probs 1, cache_prompt on", "n_probs 20, cache_prompt off"}
+    assert all(r["ms"] > 0 and 0.0 <= r["yes_or_no_in_top"] <= 1.0 for r in options.values())
+    # What the completion backend asks for finds an answer token for every prompt.
+    assert options["n_probs 20, cache_prompt on"]["yes_or_no_in_top"] == 1.0
+    assert "#### `/completion` options" in (tmp_path / "bench.md").read_text()
