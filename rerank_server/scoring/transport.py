@@ -3,11 +3,12 @@
 httpx stays the client API (requests, responses, timeouts, error types); this replaces
 what sits under it for `http://` URLs. `HttpBackend` hands its `httpx.Request`s to it
 directly, without an `httpx.AsyncClient` in between (`http.py`). httpcore's
-general-purpose pool (anyio streams, h11, a socket-readability check on every request) cost about 60% of the server's CPU per
-scored pair in the profile (docs/benchmarks.md, "Where the CPU goes"). Model servers on
-the same host or pod speak a narrow HTTP/1.1: one request per connection at a time,
-`Content-Length` or chunked bodies, keep-alive. That fits in an asyncio protocol that
-hands whole responses over, with one timer per request.
+general-purpose pool (anyio streams, h11, a socket-readability check on every request)
+cost about 60% of the server's CPU per scored pair in the profile (docs/benchmarks.md,
+"CPU per pair, profiled"). Model servers on the same host or pod speak a narrow
+HTTP/1.1: one request per connection at a time, `Content-Length` or chunked bodies,
+keep-alive. That fits in an asyncio protocol that hands whole responses over, with one
+timer per request.
 
 - Connections are kept alive per host and port and reused most recent first; one the
   server closed while idle is dropped as soon as the event loop sees the close, so no
