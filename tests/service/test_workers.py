@@ -142,6 +142,30 @@ async def test_two_workers_answer_on_one_port_and_metrics_merge(
     assert 'rerank_worker_up{worker="0"} 1.0' in metrics
 
 
+async def test_workers_share_the_score_cache_on_disk(fake_llama: FakeLlamaServer,
+                                                     tmp_path: Path) -> None:
+    """With --cache-path, a pair scored by one worker is a hit for the other: after the
+    first request, the same request on new connections (served by both workers) sends
+    nothing to the backend."""
+    async with supervised(fake_llama.url, RERANK_CACHE_PATH=str(tmp_path / "scores.db"),
+                          RERANK_CACHE_ENTRIES="0") as server:
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}",
+                                     own_connection=True) as client:
+            first = await client.rerank("shared query", DOCS, timeout=30)
+        scored = len(fake_llama.requests)
+
+        async def again() -> Any:
+            async with AsyncRerankClient(f"127.0.0.1:{server.port}",
+                                         own_connection=True) as client:
+                return await client.rerank("shared query", DOCS, timeout=30)
+        answers = await asyncio.gather(*(again() for _ in range(12)))
+        served_by = {e["worker"] for e in server.logged("rpc")}
+    assert first.summary.cached == 0 and scored == len(DOCS)
+    assert served_by == {0, 1}, "the kernel gave every connection to one worker"
+    assert all(a.summary.cached == len(DOCS) for a in answers)
+    assert len(fake_llama.requests) == scored
+
+
 async def test_workers_split_the_backend_concurrency(fake_llama: FakeLlamaServer) -> None:
     """--concurrency 3 over 2 workers: the backend never sees more than 3 pairs at once,
     and sees 3 when both workers are busy (2 + 1)."""
