@@ -95,9 +95,11 @@ def shape(query: Request) -> Shaped:
 
     merged: list[tuple[Candidate, float]] = []
     for members in groups:
-        best = min(members, key=lambda c: (c.retrieval_rank, c.index))
-        names = tuple(dict.fromkeys(src.name for src in sources
-                                    if any(source_of[m.index] is src for m in members)))
+        best = members[0] if len(members) == 1 \
+            else min(members, key=lambda c: (c.retrieval_rank, c.index))
+        # One list: every candidate already names it (`_sources`).
+        names = best.found_in if len(sources) == 1 else tuple(dict.fromkeys(
+            src.name for src in sources if any(source_of[m.index] is src for m in members)))
         score = 0.0
         if fused:
             k = query.fusion_k
@@ -137,14 +139,26 @@ def _sources(query: Request) -> list[_Source]:
     for lst in lists:
         scores, kind = normalize([c.retrieval_score for c in lst.candidates], lst.score_kind)
         weight = query.candidates_weight if lst.weight is None else lst.weight  # resolved
-        candidates = tuple(dataclasses.replace(c, normalized_score=s, found_in=(lst.name,))
+        found_in = (lst.name,)
+        candidates = tuple(_shaped(c, s, found_in)
                            for c, s in zip(lst.candidates, scores, strict=True))
         sources.append(_Source(lst.name, weight, kind, candidates))
     return sources
 
 
+def _shaped(c: Candidate, normalized_score: float | None, found_in: tuple[str, ...],
+            ) -> Candidate:
+    """`c` with its shaping fields set: `dataclasses.replace` without its per-call field
+    introspection (3 against 1 µs a candidate; a test holds the two equal)."""
+    return Candidate(id=c.id, text=c.text, index=c.index, retrieval_rank=c.retrieval_rank,
+                     title=c.title, retrieval_score=c.retrieval_score, metadata=c.metadata,
+                     normalized_score=normalized_score, found_in=found_in)
+
+
 def _groups(candidates: list[Candidate], dedup_key: str) -> list[list[Candidate]]:
     """Occurrences of the same document: linked by `id`, or by `metadata[dedup_key]`."""
+    if not dedup_key and len({c.id for c in candidates}) == len(candidates):
+        return [[c] for c in candidates]  # nothing to merge: the common case
     parent = list(range(len(candidates)))
 
     def find(i: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rerank_server.domain import (
@@ -12,7 +14,7 @@ from rerank_server.domain import (
     ThresholdMode,
     ThresholdSpec,
 )
-from rerank_server.ranking.shaping import normalize, shape
+from rerank_server.ranking.shaping import _shaped, normalize, shape
 from rerank_server.ranking.validation import resolve
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
@@ -192,3 +194,25 @@ def test_lexical_top_is_reported_for_the_strong_signal_rule() -> None:
     shaped = shape(resolve(query(lists=lists), RULES))
     assert shaped.lexical_top == (1.0, 0.0)
     assert shape(resolve(query(lists=lists[:1]), RULES)).lexical_top is None
+
+
+def test_shaped_copy_keeps_every_field_as_replace_does() -> None:
+    """`_shaped` spells out Candidate's fields for speed: a field added to Candidate and
+    not to `_shaped` would be dropped silently, so compare with `dataclasses.replace`
+    over every field."""
+    c = Candidate(id="a", text="t", index=3, retrieval_rank=2, title="T",
+                  retrieval_score=0.4, metadata={"k": "v"}, normalized_score=0.1,
+                  found_in=("x",))
+    fields = {f.name for f in dataclasses.fields(Candidate)}
+    assert fields == {"id", "text", "index", "retrieval_rank", "title", "retrieval_score",
+                      "metadata", "normalized_score", "found_in"}, "update _shaped"
+    assert _shaped(c, 0.7, ("l",)) == dataclasses.replace(c, normalized_score=0.7,
+                                                          found_in=("l",))
+
+
+def test_unique_ids_in_one_list_keep_their_order_and_list() -> None:
+    shaped = shape(resolve(query(cands("cab", scores=[3.0, 2.0, 1.0])), RULES))
+    assert [c.id for c in shaped.candidates] == ["c", "a", "b"]
+    assert all(c.found_in == ("candidates",) for c in shaped.candidates)
+    assert [c.normalized_score for c in shaped.candidates] == [1.0, 0.5, 0.0]
+    assert shaped.deduplicated == 0
