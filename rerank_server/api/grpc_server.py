@@ -56,18 +56,9 @@ def _handlers(service: RerankService) -> grpc.GenericRpcHandler:
 
 def _interceptors(settings: Settings, telemetry: Telemetry, tokens: TokenSet,
                   ) -> list[grpc.aio.ServerInterceptor]:
-    """Tracing outermost (so the log line and metrics see the span), then ours."""
-    ours = RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs,
-                          tokens)
-    if not telemetry.tracing:
-        return [ours]
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
-
-    # Health checks every few seconds would bury the traces that matter.
-    tracing = aio_server_interceptor(  # type: ignore[no-untyped-call]
-        tracer_provider=telemetry.tracer_provider,
-        filter_=filters.negate(filters.service_prefix("grpc.")))
-    return [tracing, ours]
+    """Ours: log context, the server span (with tracing on), auth, shedding, metrics."""
+    return [RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs,
+                           tokens, telemetry.tracer if telemetry.tracing else None)]
 
 
 def _credentials(tls: CertificateFiles) -> grpc.ServerCredentials:

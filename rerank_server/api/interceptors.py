@@ -1,5 +1,12 @@
-"""The server interceptor every RPC passes: fresh log context, authentication, load
-shedding, RPC metrics.
+"""The server interceptor every RPC passes: fresh log context, the server span,
+authentication, load shedding, RPC metrics.
+
+The server span (with tracing on) is ours rather than OpenTelemetry's gRPC interceptor:
+a second interceptor layer cost half of what tracing added per request (about 0.5 ms,
+docs/observability.md, "Cost"). It follows the same conventions: named after the full
+method (`/rerank.v1.Reranker/Rerank`), kind SERVER, `rpc.system`, `rpc.service`,
+`rpc.method` and `rpc.grpc.status_code`, a child of the caller's span when the metadata
+carries a W3C `traceparent`. Health and reflection calls (`grpc.*`) are not traced.
 
 Authentication (`--auth-tokens`): every method but `grpc.health.v1.Health` needs
 `authorization: Bearer <token>` metadata; without an accepted one the call ends
@@ -23,6 +30,7 @@ from typing import Any
 
 import grpc
 import structlog
+from opentelemetry import propagate, trace
 
 from ..observability.metrics import RPC_METHOD, RPC_STATUS, RPC_SYSTEM_NAME, Metrics
 from ..security.tokens import TokenSet
@@ -31,6 +39,12 @@ log = structlog.get_logger("rerank_server.rpc")
 
 # Methods open without a token: health, for load balancers and kubelet probes.
 OPEN_PREFIX = "/grpc.health.v1.Health/"
+UNTRACED_PREFIX = "/grpc."  # health and reflection: probes every few seconds
+# Status codes that mark a server span as failed (OpenTelemetry's gRPC conventions: the
+# server's fault, not the caller's).
+SERVER_FAULTS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL,
+                           grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 Behavior = Callable[..., Any]
 
@@ -39,8 +53,10 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Binds log context, sheds load above `max_active` Reranker RPCs, records each call."""
 
     def __init__(self, metrics: Metrics, limited_service: str, max_active: int,
-                 tokens: TokenSet | None = None) -> None:
+                 tokens: TokenSet | None = None, tracer: trace.Tracer | None = None,
+                 ) -> None:
         self._metrics = metrics
+        self._tracer = tracer  # None: tracing off, no server spans
         self._limited_prefix = f"/{limited_service}/"
         self._max_active = max_active
         self._tokens = tokens or TokenSet()
@@ -58,11 +74,29 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         limited = details.method.startswith(self._limited_prefix)
         allowed = details.method.startswith(OPEN_PREFIX) or self._tokens.accepts(
             _metadata(details, "authorization"))
+        span = self._span_starter(details)
         if handler.response_streaming:
-            wrapped = self._streaming(handler_behavior(handler), method, limited, allowed)
+            wrapped = self._streaming(handler_behavior(handler), method, limited, allowed, span)
         else:
-            wrapped = self._unary(handler_behavior(handler), method, limited, allowed)
+            wrapped = self._unary(handler_behavior(handler), method, limited, allowed, span)
         return replace_behavior(handler, wrapped)
+
+    def _span_starter(self, details: grpc.HandlerCallDetails,
+                      ) -> Callable[[], trace.Span] | None:
+        """What starts this call's server span when it runs; None when it is not traced."""
+        if self._tracer is None or details.method.startswith(UNTRACED_PREFIX):
+            return None
+        tracer = self._tracer
+        service, _, name = details.method.lstrip("/").rpartition("/")
+        carrier = {key: value for key, value in details.invocation_metadata or ()
+                   if isinstance(value, str)}
+
+        def start() -> trace.Span:
+            return tracer.start_span(
+                details.method, context=propagate.extract(carrier),
+                kind=trace.SpanKind.SERVER,
+                attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        return start
 
     def _admit(self, method: str, limited: bool) -> bool:
         if not limited:
@@ -86,7 +120,32 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     @contextlib.asynccontextmanager
     async def _tracked(self, method: str, limited: bool, allowed: bool,
-                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+                       context: grpc.aio.ServicerContext[Any, Any],
+                       span: Callable[[], trace.Span] | None) -> AsyncIterator[None]:
+        """The call in its server span (when traced): admitted, or aborted with
+        UNAUTHENTICATED or RESOURCE_EXHAUSTED, and recorded as it ended."""
+        if span is None:
+            async with self._admitted(method, limited, allowed, context):
+                yield
+            return
+        server_span = span()
+        code = grpc.StatusCode.OK
+        with trace.use_span(server_span, end_on_exit=True, record_exception=False,
+                            set_status_on_exception=False):
+            try:
+                async with self._admitted(method, limited, allowed, context):
+                    yield
+            except BaseException as exc:
+                code = _code_of(exc, context)
+                raise
+            finally:
+                server_span.set_attribute("rpc.grpc.status_code", code.value[0])
+                if code in SERVER_FAULTS:
+                    server_span.set_status(trace.StatusCode.ERROR, code.name)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, method: str, limited: bool, allowed: bool,
+                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
         """Admit the call (or abort it with UNAUTHENTICATED or RESOURCE_EXHAUSTED), then
         record how it ended."""
         started = time.perf_counter()
@@ -113,17 +172,17 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self._record(method, started, code)
 
     def _unary(self, behavior: Behavior, method: str, limited: bool,
-               allowed: bool) -> Behavior:
+               allowed: bool, span: Callable[[], trace.Span] | None) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            async with self._tracked(method, limited, allowed, context):
+            async with self._tracked(method, limited, allowed, context, span):
                 return await behavior(request, context)
         return call
 
     def _streaming(self, behavior: Behavior, method: str, limited: bool,
-                   allowed: bool) -> Behavior:
+                   allowed: bool, span: Callable[[], trace.Span] | None) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any],
                        ) -> AsyncIterator[Any]:
-            async with self._tracked(method, limited, allowed, context):
+            async with self._tracked(method, limited, allowed, context, span):
                 async for response in behavior(request, context):
                     yield response
         return call

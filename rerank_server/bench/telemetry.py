@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from rerank_client import AsyncRerankClient
 
 from ..observability.telemetry import Telemetry
-from ..server import RunningServer, build_server
+from ..server import RunningServer, build_server, freeze_startup_objects
 from ..settings import Settings
 
 SETUPS = ("off", "metrics", "metrics+traces", "metrics+traces+calls")
@@ -45,6 +45,7 @@ async def _start(setup: str, backend_url: str) -> RunningServer:
 async def telemetry_cost(backend_url: str, requests: int, docs: Sequence[str],
                          ) -> dict[str, Any]:
     servers = {s: await _start(s, backend_url) for s in SETUPS}
+    freeze_startup_objects()  # as `server.serve` does
     clients = {s: AsyncRerankClient(f"127.0.0.1:{server.port}")
                for s, server in servers.items()}
     latencies: dict[str, list[float]] = {s: [] for s in SETUPS}

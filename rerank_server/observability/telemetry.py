@@ -9,8 +9,8 @@ server produced.
   an endpoint is configured. With neither, the no-op provider is used.
 - Traces: on only when there is somewhere to send them, an OTLP endpoint (from
   `--otlp-endpoint` or the standard `OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`) or, in tests,
-  a span processor passed in. Otherwise the tracer is the no-op one and the gRPC tracing
-  interceptor is not installed, so tracing costs nothing.
+  a span processor passed in. Otherwise the tracer is the no-op one and no server span is
+  started, so tracing costs nothing.
 
 The standard `OTEL_*` variables keep their meaning: `OTEL_SERVICE_NAME` and
 `OTEL_RESOURCE_ATTRIBUTES` name the resource, `OTEL_TRACES_SAMPLER[_ARG]` pick the

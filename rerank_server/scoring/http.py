@@ -109,6 +109,7 @@ class HttpBackend:
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
         self._trace_calls = trace_calls  # a client span per call (--trace-backend-calls)
+        self._propagated: tuple[trace.SpanContext, dict[str, str]] | None = None
         self._timeout_s = timeout_s
         # Plain HTTP: requests go straight to the lean transport, built once per call
         # with what the client would add (the timeout); httpx's client adds per call a
@@ -275,7 +276,7 @@ class HttpBackend:
         parent = span or trace.get_current_span()
         headers = dict(self._headers)
         if parent.is_recording():  # the backend continues the trace from here
-            propagate.inject(headers, context=trace.set_span_in_context(parent))
+            headers.update(self._trace_headers(parent))
         try:
             body, status = await self._post(path, payload, headers)
             outcome[HTTP_STATUS] = status
@@ -293,6 +294,16 @@ class HttpBackend:
                 span.set_attributes(outcome)
                 span.end()
             m.http_duration.record(time.perf_counter() - started, {**attributes, **outcome})
+
+    def _trace_headers(self, parent: trace.Span) -> dict[str, str]:
+        """The `traceparent` (and baggage) that continues `parent`'s trace; kept for the
+        last parent, since every call of a request continues the same `rerank.score`."""
+        context = parent.get_span_context()
+        if self._propagated is None or self._propagated[0] != context:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier, context=trace.set_span_in_context(parent))
+            self._propagated = (context, carrier)
+        return self._propagated[1]
 
     async def _post(self, path: str, payload: Any, headers: dict[str, str]) -> tuple[Any, int]:
         url = self._urls.get(path)

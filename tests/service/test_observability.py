@@ -16,8 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
-from rerank_client import AsyncRerankClient, ServerBusyError, Threshold
+from rerank_client import AsyncRerankClient, RerankError, ServerBusyError, Threshold
 
 from rerank_server.observability.telemetry import Telemetry
 from rerank_server.server import RunningServer, build_server
@@ -206,6 +207,10 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
 
     (root,) = [s for s in spans if s.name == f"/{RERANK}"]
     assert root.parent is not None and format(root.parent.span_id, "016x") == PARENT_ID
+    assert root.kind is SpanKind.SERVER and root.status.status_code is StatusCode.UNSET
+    assert dict(root.attributes or {}) == {
+        "rpc.system": "grpc", "rpc.service": "rerank.v1.Reranker", "rpc.method": "Rerank",
+        "rpc.grpc.status_code": 0}
     assert all(format(s.context.trace_id, "032x") == TRACE_ID for s in spans if s.context)
     steps = {s.name: s for s in _children(spans, root)}
     assert set(steps) == {"rerank.validate", "rerank.shape", "rerank.chunk", "rerank.score",
@@ -243,6 +248,20 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
     (line,) = [e for e in rpc_lines if e.get("request_id") == "r-1"]
     assert line["trace_id"] == TRACE_ID
     assert root.context is not None and line["span_id"] == format(root.context.span_id, "016x")
+
+
+async def test_a_refused_call_is_traced_with_its_status(
+        traced: tuple[RunningServer, InMemorySpanExporter]) -> None:
+    """A caller's mistake (INVALID_ARGUMENT) is recorded on the server span but is not the
+    server's failure; the span still ends."""
+    server, exporter = traced
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(RerankError):
+            await client.rerank("", ["a document"])
+    (root,) = [s for s in exporter.get_finished_spans() if s.name == f"/{RERANK}"]
+    assert root.attributes is not None
+    assert root.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert root.status.status_code is StatusCode.UNSET
 
 
 async def test_health_checks_are_not_traced(
