@@ -11,6 +11,7 @@ hits each alike. CPU time is this process's (servers and client together), so th
 
 from __future__ import annotations
 
+import io
 import statistics
 import time
 from collections.abc import Sequence
@@ -20,11 +21,17 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from rerank_client import AsyncRerankClient
 
+from ..observability import logs
 from ..observability.telemetry import Telemetry
 from ..server import RunningServer, build_server, freeze_startup_objects
-from ..settings import Settings
+from ..settings import LogFormat, Settings
 
 SETUPS = ("off", "metrics", "metrics+traces", "metrics+traces+calls")
+
+
+class _Discard(io.TextIOBase):
+    def write(self, text: str) -> int:
+        return len(text)
 
 
 class _Drop(SpanExporter):
@@ -44,6 +51,9 @@ async def _start(setup: str, backend_url: str) -> RunningServer:
 
 async def telemetry_cost(backend_url: str, requests: int, docs: Sequence[str],
                          ) -> dict[str, Any]:
+    # Logs as a server writes them by default (a JSON line per RPC at info), discarded:
+    # part of every setup's cost, and not the benchmark's output.
+    logs.configure("info", LogFormat.JSON, stream=_Discard())
     servers = {s: await _start(s, backend_url) for s in SETUPS}
     freeze_startup_objects()  # as `server.serve` does
     clients = {s: AsyncRerankClient(f"127.0.0.1:{server.port}")
@@ -64,6 +74,7 @@ async def telemetry_cost(backend_url: str, requests: int, docs: Sequence[str],
         for s in SETUPS:
             await clients[s].close()
             await servers[s].stop(grace=0)
+        logs.configure("warning")
     report: dict[str, Any] = {"candidates": len(docs), "requests": requests}
     for s in SETUPS:
         report[s] = {"p50_ms": round(statistics.median(latencies[s]) * 1000, 2),
