@@ -118,16 +118,20 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             time.perf_counter() - started,
             {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: code.name})
 
-    @contextlib.asynccontextmanager
-    async def _tracked(self, method: str, limited: bool, allowed: bool,
-                       context: grpc.aio.ServicerContext[Any, Any],
-                       span: Callable[[], trace.Span] | None) -> AsyncIterator[None]:
-        """The call in its server span (when traced): admitted, or aborted with
-        UNAUTHENTICATED or RESOURCE_EXHAUSTED, and recorded as it ended."""
+    def _tracked(self, method: str, limited: bool, allowed: bool,
+                 context: grpc.aio.ServicerContext[Any, Any],
+                 span: Callable[[], trace.Span] | None,
+                 ) -> contextlib.AbstractAsyncContextManager[None]:
+        """The call admitted (`_admitted`), in its server span when traced."""
         if span is None:
-            async with self._admitted(method, limited, allowed, context):
-                yield
-            return
+            return self._admitted(method, limited, allowed, context)
+        return self._traced(method, limited, allowed, context, span)
+
+    @contextlib.asynccontextmanager
+    async def _traced(self, method: str, limited: bool, allowed: bool,
+                      context: grpc.aio.ServicerContext[Any, Any],
+                      span: Callable[[], trace.Span]) -> AsyncIterator[None]:
+        """`_admitted` inside the call's server span, which records the status code."""
         server_span = span()
         code = grpc.StatusCode.OK
         with trace.use_span(server_span, end_on_exit=True, record_exception=False,
@@ -135,6 +139,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 async with self._admitted(method, limited, allowed, context):
                     yield
+                set_code = context.code()  # set without raising
+                if isinstance(set_code, grpc.StatusCode):
+                    code = set_code
             except BaseException as exc:
                 code = _code_of(exc, context)
                 raise
