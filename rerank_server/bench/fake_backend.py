@@ -31,7 +31,9 @@ def _logprobs(p: float) -> list[dict[str, Any]]:
 
 def answer(path: str, body: Any) -> Any:
     if path == "/v1/chat/completions":
-        content = body["messages"][-1]["content"]
+        # The user's message holds the document (the last one may be the assistant's
+        # prefill, the same for every pair).
+        content = next(m["content"] for m in body["messages"] if m["role"] == "user")
         if "JSON array" in body["messages"][0]["content"]:  # the llm backend
             n = content.count("\n[")
             scores = [{"index": i, "score": round(_score(f"{i}{content}"), 3)}

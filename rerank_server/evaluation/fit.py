@@ -49,6 +49,7 @@ from ..ranking.blending import (
     Settled,
     adaptive_scores,
     blend,
+    normalize_basis,
     retrieval_input,
     settle_basis,
     spread,
@@ -130,7 +131,7 @@ class Curve:
         self.top = max(basis, default=0.0)
         # final_i(w) = r_i + w * (n_i - r_i): n is the normalized score, r = 1/rank
         # (`blending.Settled`; the weight does not change n).
-        settled = Settled.on(basis)
+        settled = Settled.on(basis, normalize_on=normalize_basis(query.ranks, query.scores))
         r = [retrieval_input(k) for k in query.ranks]
         n = [settled.normalized(k, p) for k, p in zip(query.ranks, query.scores, strict=True)]
         slope = [a - b for a, b in zip(n, r, strict=True)]
@@ -140,8 +141,10 @@ class Curve:
         self.steps: Floats = np.array(sorted(w for w in crossings if 0.0 < w < 1.0))
 
         def value(w: float) -> float:
-            return ndcg(query._order([a + w * s for a, s in zip(r, slope, strict=True)]),
-                        judged)
+            # The very arithmetic of `Settled.final`, so that ties at a step fall the
+            # same way as in the server.
+            return ndcg(query._order([w * b + (1.0 - w) * a
+                                      for a, b in zip(r, n, strict=True)]), judged)
 
         edges = [0.0, *self.steps.tolist(), 1.0]
         self.between: Floats = np.array([value((a + b) / 2)

@@ -73,8 +73,9 @@ def ramp(x: float, low: float, high: float) -> float:
 
 ADAPTIVE = AdaptiveParams()
 # Strategies whose weight depends on the scores of the request: nothing is released before
-# they settle, on the best-ranked half of its candidates (`Settled`).
-SETTLE_SHARE = 0.5
+# they settle (`Settled`): the weight on the best-ranked half of the candidates (sooner
+# when those already in fix it, `weight_bounds`), the normalization on the best-ranked
+# third; at least `SETTLE_MIN` candidates each.
 SETTLE_MIN = 4
 REQUEST_WIDE = frozenset({BlendStrategy.ADAPTIVE, BlendStrategy.PROFILE})
 
@@ -135,24 +136,87 @@ def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) 
 
 def settle_count(n: int) -> int:
     """How many of a request's `n` scored candidates, best retrieval ranks first, settle a
-    request-wide blend (`Settled`): half, and at least `SETTLE_MIN` (a small request's
-    whole spread is little to wait for, and half of it little evidence)."""
-    return min(n, max(SETTLE_MIN, math.ceil(n * SETTLE_SHARE)))
+    request-wide blend's weight (`Settled`): half, and at least `SETTLE_MIN` (a small
+    request's whole spread is little to wait for, and half of it little evidence)."""
+    return min(n, max(SETTLE_MIN, (n + 1) // 2))
+
+
+def normalize_count(n: int) -> int:
+    """How many of them, best retrieval ranks first, settle its normalization: a third,
+    and at least `SETTLE_MIN`."""
+    return min(n, max(SETTLE_MIN, (n + 2) // 3))
+
+
+def _best_ranked(ranks: Sequence[int], scores: Sequence[float | None],
+                 count: int) -> list[float]:
+    order = sorted(range(len(ranks)), key=lambda i: (ranks[i], i))
+    return [p for i in order[:count] if (p := scores[i]) is not None]
 
 
 def settle_basis(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
-    """The scores a request-wide blend settles on: those present among the
+    """The scores a request-wide blend's weight settles on: those present among the
     `settle_count` best-ranked candidates (ties in rank by position)."""
-    order = sorted(range(len(ranks)), key=lambda i: (ranks[i], i))
-    return [p for i in order[:settle_count(len(ranks))] if (p := scores[i]) is not None]
+    return _best_ranked(ranks, scores, settle_count(len(ranks)))
+
+
+def normalize_basis(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
+    """The scores its normalization settles on: those present among the
+    `normalize_count` best-ranked candidates."""
+    return _best_ranked(ranks, scores, normalize_count(len(ranks)))
+
+
+# Slack on the bounds below, so that rounding never calls a weight certain that the
+# scores, computed another way (`spread`), would put a hair off a threshold.
+_SLACK = 1e-9
+_FLAT = 1e-12  # a normalization range no wider than this is no range (`Settled`)
+
+
+def weight_bounds(known: Sequence[float], unknown: int,
+                  params: AdaptiveParams = ADAPTIVE) -> tuple[float, float]:
+    """The least and greatest weight `adaptive_weight` can give `known` plus up to
+    `unknown` more scores, each anywhere in 0..1 or missing (a failed pair).
+
+    The weight rises with the spread and with the best score, so the extremes of those
+    bound it. The spread is least with the others at the known mean and greatest with
+    them at 0 or 1 (a convex function's maximum over a box lies at a corner, and only
+    how many are at 1 matters); the best score lies between the known best and 1."""
+    k = len(known)
+    total = math.fsum(known)
+    squares = math.fsum(x * x for x in known)
+    top_known = max(known, default=0.0)
+    lows: list[float] = []
+    highs: list[float] = []
+    for present in range(unknown + 1):  # how many of the others end up scored
+        n = k + present
+        top_low = top_known if k else 0.0
+        top_high = 1.0 if present else top_known
+        if n < 2:
+            lows.append(params.min_weight * ramp(top_low, params.top_floor, params.top_full))
+            highs.append(params.min_weight * ramp(top_high, params.top_floor, params.top_full))
+            continue
+        # Least spread: the others at the known mean (anywhere equal when none is known).
+        deviation = squares - total * total / k if k else 0.0
+        least = math.sqrt(max(0.0, deviation) / n)
+        # Greatest: j of the others at 1, the rest at 0; the variance is concave in j.
+        best = 0.0
+        centre = n / 2 - total
+        for j in {max(0, min(present, math.floor(centre))),
+                  max(0, min(present, math.ceil(centre)))}:
+            mean = (total + j) / n
+            best = max(best, math.sqrt(max(0.0, (squares + j) / n - mean * mean)))
+        lows.append(params.weight(max(0.0, least * (1 - _SLACK) - _SLACK),
+                                  top_low - _SLACK))
+        highs.append(params.weight(best * (1 + _SLACK) + _SLACK, top_high + _SLACK))
+    return min(lows), max(highs)
 
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """A request-wide blend, settled on the best-ranked half of the candidates' scores.
+    """A request-wide blend, settled on its best-ranked candidates' scores.
 
-    `w * n + (1 - w) * 1/rank`, where `w` is `adaptive_weight` of the basis scores and n
-    is a reranker score min-max normalized on the basis range and clipped to 0..1 (so
+    `w * n + (1 - w) * 1/rank`, where `w` is `adaptive_weight` of the best-ranked half's
+    scores and n is a reranker score min-max normalized on the best-ranked third's range
+    and clipped to 0..1 (so
     decisive scores span 0..1 like the retrieval input, whatever their absolute scale). A
     failed pair's n is its 1/rank, as in the other blends. Once settled, every candidate's
     final score depends on its own score only, and no later score can exceed 1 after
@@ -165,12 +229,22 @@ class Settled:
     high: float
 
     @classmethod
-    def on(cls, basis: Sequence[float], params: AdaptiveParams = ADAPTIVE) -> Settled:
-        low, high = (min(basis), max(basis)) if basis else (0.0, 0.0)
-        return cls(adaptive_weight(basis, params), low, high)
+    def on(cls, basis: Sequence[float], params: AdaptiveParams = ADAPTIVE,
+           normalize_on: Sequence[float] | None = None) -> Settled:
+        """Weighted by `basis` (the half), normalized on `normalize_on` (the third;
+        `basis` when not given)."""
+        return cls.weighted(adaptive_weight(basis, params),
+                            basis if normalize_on is None else normalize_on)
+
+    @classmethod
+    def weighted(cls, weight: float, normalize_on: Sequence[float]) -> Settled:
+        low, high = (min(normalize_on), max(normalize_on)) if normalize_on else (0.0, 0.0)
+        return cls(weight, low, high)
 
     def normalized(self, rank: int, score: float | None) -> float:
-        if score is None or self.high <= self.low:
+        # A range too narrow to tell scores apart (a basis of equal scores, or equal but
+        # for rounding) normalizes nothing: every candidate keeps its retrieval input.
+        if score is None or self.high - self.low <= _FLAT:
             return retrieval_input(rank)
         return min(1.0, max(0.0, (score - self.low) / (self.high - self.low)))
 
@@ -192,7 +266,7 @@ def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
 def adaptive_blend(ranks: Sequence[int], scores: Sequence[float | None],
                    params: AdaptiveParams = ADAPTIVE) -> tuple[list[float], float]:
     """Final scores under the request-wide blend (`Settled`), and the reranker's weight."""
-    settled = Settled.on(settle_basis(ranks, scores), params)
+    settled = Settled.on(settle_basis(ranks, scores), params, normalize_basis(ranks, scores))
     return [settled.final(r, p) for r, p in zip(ranks, scores, strict=True)], settled.weight
 
 

@@ -5,8 +5,10 @@ The final order is: the scored set (the best `max_candidates` by retrieval rank)
 retrieval order. While pairs are outstanding, the best resolved candidate can be released
 once no outstanding candidate could still beat it, that is once its score is above every
 outstanding candidate's upper bound (`blending.upper_bound`), or equal to it with the
-better retrieval position. The request-wide blends hold everything until the
-best-ranked half of the candidates is in and the blend settles (`blending.Settled`);
+better retrieval position. The request-wide blends hold everything until the blend
+settles (`blending.Settled`): the best-ranked third is in (the normalization) and the
+weight is certain, either because the best-ranked half is in or because the scores of
+the half already in fix it whatever the others will be (`blending.weight_bounds`);
 from then on they release like the others. `RerankStream` sends results at exactly those
 moments; `Rerank` uses the same engine and simply waits for the end, so both give the
 same order.
@@ -65,8 +67,12 @@ class IncrementalRanking:
         # before it settled, and the settled blend.
         best_ranked = sorted(scored, key=lambda c: (c.retrieval_rank, c.index)) \
             if self._request_wide else []
-        self._basis = frozenset(c.index for c in best_ranked[:blending.settle_count(len(scored))])
+        n = len(scored)
+        # The weight settles on the best-ranked half, the normalization on the third.
+        self._basis = frozenset(c.index for c in best_ranked[:blending.settle_count(n)])
+        self._normal = frozenset(c.index for c in best_ranked[:blending.normalize_count(n)])
         self._basis_outstanding = set(self._basis)
+        self._normal_outstanding = set(self._normal)
         self._held: list[tuple[Candidate, float | None]] = []
         self._settled: blending.Settled | None = None
         self.reranker_weight: float | None = None  # set when a request-wide blend settles
@@ -81,7 +87,8 @@ class IncrementalRanking:
         if self._request_wide and self._settled is None:
             self._held.append((c, reranker_score))
             self._basis_outstanding.discard(c.index)
-            if not self._basis_outstanding:
+            self._normal_outstanding.discard(c.index)
+            if not self._normal_outstanding:
                 self._settle()
             return
         score = self._settled.final(c.retrieval_rank, reranker_score) if self._settled \
@@ -89,11 +96,20 @@ class IncrementalRanking:
         heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, reranker_score)))
 
     def _settle(self) -> None:
-        """The best-ranked half is in: settle the blend, place what is held, and bound
-        what is still outstanding."""
-        settled = blending.Settled.on(
-            [p for c, p in self._held if c.index in self._basis and p is not None],
-            self._params())
+        """The best-ranked third is in: settle the blend once its weight is certain (the
+        half is in, or the scores in fix it whatever the rest will be), place what is
+        held, and bound what is still outstanding."""
+        params = self._params()
+        known = [p for c, p in self._held if c.index in self._basis and p is not None]
+        if self._basis_outstanding:
+            low, high = blending.weight_bounds(known, len(self._basis_outstanding), params)
+            if low != high:
+                return
+            weight = low
+        else:
+            weight = blending.adaptive_weight(known, params)
+        settled = blending.Settled.weighted(
+            weight, [p for c, p in self._held if c.index in self._normal and p is not None])
         self._settled, self.reranker_weight = settled, settled.weight
         for c, p in self._held:
             score = settled.final(c.retrieval_rank, p)

@@ -20,6 +20,7 @@ from rerank_server.ranking.blending import (
     scores_can_matter,
     spread,
     upper_bound,
+    weight_bounds,
 )
 
 FIXED_BLENDS = [s for s in BlendStrategy if s not in REQUEST_WIDE]  # per candidate
@@ -220,3 +221,28 @@ def test_scores_cannot_matter_when_no_weight_or_no_score_can_move_the_top_k() ->
 def test_spread_is_the_population_standard_deviation(scores: list[float]) -> None:
     expected = statistics.pstdev(scores) if len(scores) >= 2 else 0.0
     assert abs(spread(scores) - expected) <= 1e-12
+
+
+@given(st.lists(st.floats(0.0, 1.0), max_size=10),
+       st.lists(st.one_of(st.none(), st.floats(0.0, 1.0)), max_size=6),
+       st.sampled_from([ADAPTIVE, AdaptiveParams(0.05, 0.2, 0.1, 0.8, 0.3, 0.6),
+                        AdaptiveParams(0.0, 0.0, 0.0, 0.0), AdaptiveParams(0.06, 0.1, 0.5, 0.5)]))
+def test_weight_bounds_hold_whatever_the_outstanding_scores_turn_out(
+        known: list[float], later: list[float | None], params: AdaptiveParams) -> None:
+    """The weight a request-wide blend would settle on, once `later` (some failed) join
+    `known`, lies within the bounds computed before they arrived; when the bounds meet,
+    it is exactly them (so a weight settled early is the weight settled late)."""
+    low, high = weight_bounds(known, len(later), params)
+    weight = adaptive_weight(known + [p for p in later if p is not None], params)
+    assert low <= weight <= high
+    if low == high:
+        assert weight == low
+
+
+def test_a_wide_spread_fixes_the_weight_before_the_half_is_in() -> None:
+    # Four scores spread by 0.31: two more anywhere in 0..1 leave at least 0.25.
+    assert weight_bounds([0.2, 0.9, 0.4, 0.1], 2) == (1.0, 1.0)
+    # Four scores spread by 0.074: two more could bring it down to 0.06 (a weight of
+    # 0.01) or up past decisive.
+    low, high = weight_bounds([0.5, 0.6, 0.7, 0.55], 2)
+    assert low == pytest.approx(0.0095, abs=1e-4) and high == 1.0

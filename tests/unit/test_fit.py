@@ -33,8 +33,8 @@ def make_queries(n: int, informative: bool, seed: int = 1,
                  ) -> tuple[list[ScoredQuery], dict[str, dict[str, int]]]:
     """Per query, 20 reranked candidates and one tail document.
 
-    Informative: the one highly relevant document sits at BM25 rank 4..10 (in the half a
-    request-wide blend settles on) and the scorer
+    Informative: the one highly relevant document sits at BM25 rank 4..7 (in the third a
+    request-wide blend normalizes on, so no clipping ties it with another) and the scorer
     gives it 0.4 more than the noise everyone gets. Not: BM25 already has the relevant
     documents on top and the scorer's values are noise.
     """
@@ -44,7 +44,7 @@ def make_queries(n: int, informative: bool, seed: int = 1,
         qid = f"q{q}"
         ids = tuple(f"{qid}-d{r}" for r in range(1, DEPTH + 1))
         if informative:
-            relevant = rng.randint(4, DEPTH // 2)
+            relevant = rng.randint(4, -(-DEPTH // 3))
             qrels[qid] = {ids[relevant - 1]: 2, ids[0]: 1}
         else:
             relevant = 0
@@ -107,6 +107,14 @@ def test_the_fast_curve_agrees_with_the_exact_replay(seed: int) -> None:
                                     w)
             expected = ndcg(q.ordered(params), qrels[q.qid])
             weight = adaptive_weight(settle_basis(q.ranks, q.scores), params)
+            near = np.abs(curve.steps - weight) < 1e-9
+            if near.any():
+                # Exactly where two candidates tie (clipped scores make round weights
+                # such as 0.25 land on a crossing), rounding decides their order in
+                # either path: the replay is one side of the step or the other.
+                sides = curve.at(np.array([weight - 1e-6, weight + 1e-6]))
+                assert any(float(v) == pytest.approx(expected) for v in sides)
+                continue
             assert float(curve.at(np.array([weight]))[0]) == pytest.approx(expected)
 
 
@@ -115,7 +123,9 @@ def test_a_decisive_scorer_is_trusted_and_a_noisy_one_is_not() -> None:
     strong_fit = fit(strong, strong_qrels)
     assert strong_fit.params.max_weight == 1.0
     strong_bm25 = mean_ndcg({q.qid: list(q.ids) for q in strong}, strong_qrels)
-    assert strong_fit.cross_validated > strong_bm25 + 0.2
+    # Out of fold it keeps most of what full trust could add (the gate's thresholds,
+    # fitted on the other folds, hold a few queries back).
+    assert strong_fit.cross_validated > strong_bm25 + 0.5 * (1.0 - strong_bm25)
 
     weak, weak_qrels = make_queries(40, informative=False)
     weak_fit = fit(weak, weak_qrels)
@@ -148,8 +158,9 @@ def test_failed_pairs_keep_their_retrieval_place_in_the_replay() -> None:
 
 
 def collection(name: str, n: int, readable: bool, seed: int) -> Collection:
-    """Readable: the relevant document sits at BM25 rank 4..10 (in the half a request-wide
-    blend settles on) and gets the best score,
+    """Readable: the relevant document sits at BM25 rank 4..7 (in the third a request-wide
+    blend normalizes on; beyond it, its score would be clipped to the third's best and
+    tie with it) and gets the best score,
     0.9, above noise at 0.3..0.6. Unreadable (a model on a script it cannot read): BM25
     already has it first, and the scores spread as widely but stay low (0..0.45), with
     the relevant document near the bottom: the spread alone would trust them fully."""
@@ -158,7 +169,7 @@ def collection(name: str, n: int, readable: bool, seed: int) -> Collection:
     for q in range(n):
         qid = f"{name}-q{q}"
         ids = tuple(f"{qid}-d{r}" for r in range(1, DEPTH + 1))
-        relevant = rng.randint(4, DEPTH // 2) if readable else 1
+        relevant = rng.randint(4, -(-DEPTH // 3)) if readable else 1
         qrels[qid] = {ids[relevant - 1]: 1}
         scores = tuple((0.9 if r == relevant else rng.uniform(0.3, 0.6)) if readable else
                        (0.02 if r == relevant else rng.uniform(0.0, 0.45))

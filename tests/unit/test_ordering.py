@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rerank_server.domain import BlendStrategy, Candidate
-from rerank_server.ranking.blending import AdaptiveParams
+from rerank_server.ranking.blending import AdaptiveParams, adaptive_weight
 from rerank_server.ranking.ordering import IncrementalRanking
 from tests.blend_oracle import final_scores
 
@@ -74,21 +75,37 @@ def test_fail_outstanding_releases_everything() -> None:
     assert len(ranking.release()) == 6
 
 
-def test_a_request_wide_blend_streams_once_the_best_ranked_half_is_in() -> None:
-    """12 candidates: the adaptive blend settles on ranks 1..6 and releases its best
-    while ranks 7..12 are still being scored; nothing before."""
+def test_a_request_wide_blend_streams_once_the_third_is_in_and_the_weight_certain() -> None:
+    """12 candidates: the normalization settles on ranks 1..4; their spread is so wide
+    that no two scores of ranks 5..6 could bring the half's below the decisive 0.10, so
+    the weight is certain (1) and the best is released while ranks 5..12 are still
+    being scored; nothing before."""
     ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(12), [])
-    for i, score in enumerate([0.2, 0.9, 0.4, 0.1, 0.3]):
+    for i, score in enumerate([0.2, 0.9, 0.4]):
         ranking.resolve(i, score)
         assert ranking.release() == []
-    ranking.resolve(5, 0.5)  # the half is in; spread 0.27: the reranker's order
+    ranking.resolve(3, 0.1)  # the third is in; spread 0.31, at least 0.25 with the half
     assert ranking.reranker_weight == 1.0
     # Rank 2 (0.9, the settled maximum) can be beaten by no later score: released.
     assert [p.candidate.id for p in ranking.release()] == ["1"]
-    assert ranking.outstanding == 6
-    for i in range(6, 12):
+    assert ranking.outstanding == 8
+    for i in range(4, 12):
         ranking.resolve(i, 0.0)
-    assert [p.candidate.id for p in ranking.release()][:3] == ["5", "2", "4"]
+    assert [p.candidate.id for p in ranking.release()][:3] == ["2", "0", "3"]
+
+
+def test_a_weight_the_half_could_still_change_waits_for_the_half() -> None:
+    """Ranks 1..4 spread by 0.074, between noise and decisive: ranks 5..6 could still
+    move the weight anywhere from 0.01 to 1, so nothing is released until they are in."""
+    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(12), [])
+    for i, score in enumerate([0.5, 0.6, 0.7, 0.55]):
+        ranking.resolve(i, score)
+    assert ranking.release() == [] and ranking.reranker_weight is None
+    ranking.resolve(4, 0.52)
+    assert ranking.release() == []
+    ranking.resolve(5, 0.58)  # the half is in: spread 0.063, a weight of 0.08
+    assert ranking.reranker_weight == pytest.approx(adaptive_weight([0.5, 0.6, 0.7, 0.55,
+                                                                     0.52, 0.58]))
 
 
 def test_scores_above_the_settled_range_count_as_its_top() -> None:
