@@ -3,8 +3,8 @@
 The reranker's scores are fetched once per query (`rerank-server eval` keeps them in its
 JSON); every candidate parameter set is then replayed offline. Per query the answer's
 order depends only on the reranker's weight `w` (`blending.adaptive_blend`: each
-candidate's final score is linear in `w` once the blend has settled on the best-ranked
-half of the scores, `blending.Settled`), so nDCG@10 is a step function of `w` whose
+candidate's final score is linear in `w` once the blend has settled its normalization on
+the best-ranked third of the scores, `blending.Settled`), so nDCG@10 is a step function of `w` whose
 steps lie where two candidates' lines cross. `Curve` computes those steps once, and
 a candidate's value on a query is a lookup at the weight it gives that query: the ~45,000
 candidates of the grid are scored in seconds. The figures a fit reports are then replayed
