@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from rerank_server.managed.llama_server import free_port
 
@@ -43,9 +44,15 @@ async def server_process(backend_url: str, **env: str,
         await wait_listening(port, proc)
         yield port, proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                await asyncio.to_thread(proc.wait, 15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        await stop_process(proc, 15)
+
+
+async def stop_process(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """SIGTERM `proc` if it still runs, SIGKILL it after `grace_s`, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            await asyncio.to_thread(proc.wait, grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    await asyncio.to_thread(proc.wait)

@@ -48,10 +48,9 @@ from ..ranking.blending import (
     AdaptiveParams,
     Settled,
     adaptive_scores,
+    bases,
     blend,
-    normalize_basis,
     retrieval_input,
-    settle_basis,
     spread,
 )
 
@@ -124,14 +123,14 @@ class Curve:
     """One query's nDCG@10 as a function of the reranker's weight `w` in 0..1."""
 
     def __init__(self, query: ScoredQuery, judged: Mapping[str, int]) -> None:
-        basis = settle_basis(query.ranks, query.scores)
+        basis, normalize_on = bases(query.ranks, query.scores)
         # Fewer than two scores: the weight is min_weight (`adaptive_weight`); a spread
         # below every threshold gives that.
         self.spread = spread(basis) if len(basis) >= 2 else -1.0
         self.top = max(basis, default=0.0)
         # final_i(w) = r_i + w * (n_i - r_i): n is the normalized score, r = 1/rank
         # (`blending.Settled`; the weight does not change n).
-        settled = Settled.on(basis, normalize_on=normalize_basis(query.ranks, query.scores))
+        settled = Settled.on(basis, normalize_on=normalize_on)
         r = [retrieval_input(k) for k in query.ranks]
         n = [settled.normalized(k, p) for k, p in zip(query.ranks, query.scores, strict=True)]
         slope = [a - b for a, b in zip(n, r, strict=True)]

@@ -147,22 +147,20 @@ def normalize_count(n: int) -> int:
     return min(n, max(SETTLE_MIN, (n + 2) // 3))
 
 
-def _best_ranked(ranks: Sequence[int], scores: Sequence[float | None],
-                 count: int) -> list[float]:
+def bases(ranks: Sequence[int], scores: Sequence[float | None],
+          ) -> tuple[list[float], list[float]]:
+    """The scores a request-wide blend settles on, those present among its best-ranked
+    candidates (ties in rank by position): the `settle_count` that weigh it, and the
+    `normalize_count` that normalize it."""
     order = sorted(range(len(ranks)), key=lambda i: (ranks[i], i))
-    return [p for i in order[:count] if (p := scores[i]) is not None]
+    present = [(k, p) for k, i in enumerate(order) if (p := scores[i]) is not None]
+    weigh, normalize = settle_count(len(ranks)), normalize_count(len(ranks))
+    return [p for k, p in present if k < weigh], [p for k, p in present if k < normalize]
 
 
 def settle_basis(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
-    """The scores a request-wide blend's weight settles on: those present among the
-    `settle_count` best-ranked candidates (ties in rank by position)."""
-    return _best_ranked(ranks, scores, settle_count(len(ranks)))
-
-
-def normalize_basis(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
-    """The scores its normalization settles on: those present among the
-    `normalize_count` best-ranked candidates."""
-    return _best_ranked(ranks, scores, normalize_count(len(ranks)))
+    """The scores a request-wide blend's weight settles on (`bases`)."""
+    return bases(ranks, scores)[0]
 
 
 # Slack on the bounds below, so that rounding never calls a weight certain that the
@@ -266,7 +264,8 @@ def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
 def adaptive_blend(ranks: Sequence[int], scores: Sequence[float | None],
                    params: AdaptiveParams = ADAPTIVE) -> tuple[list[float], float]:
     """Final scores under the request-wide blend (`Settled`), and the reranker's weight."""
-    settled = Settled.on(settle_basis(ranks, scores), params, normalize_basis(ranks, scores))
+    weigh, normalize = bases(ranks, scores)
+    settled = Settled.on(weigh, params, normalize)
     return [settled.final(r, p) for r, p in zip(ranks, scores, strict=True)], settled.weight
 
 

@@ -26,6 +26,7 @@ from rerank_server.managed.llama_server import free_port
 from rerank_server.settings import Settings
 from rerank_server.workers import concurrency_shares, worker_count
 from tests.fakes.llama import FakeLlamaServer
+from tests.server_process import stop_process
 from tests.waiting import eventually
 
 DOCS = ["alpha one", "beta two", "gamma three", "delta four"]
@@ -94,13 +95,7 @@ async def supervised(backend_url: str, workers: int = 2, **env: str,
         assert proc.poll() is None, server.events
         yield server
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                await asyncio.to_thread(proc.wait, 20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        await asyncio.to_thread(proc.wait)
+        await stop_process(proc, 20)
         server.close()
 
 
