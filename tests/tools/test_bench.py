@@ -43,7 +43,13 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     for blends in streaming.values():
         assert set(blends) == {"default", "position_aware", "linear", "rerank_only",
                                "adaptive"}
-        assert all(0 < r["first_over_whole"] <= 1.5 for r in blends.values())
+        for r in blends.values():
+            if "no_reranker_weight" in r["blended_by"]:
+                # Answered at once, no pair sent: a millisecond or two either way, so
+                # their ratio is noise; both must be immediate.
+                assert r["first_result_ms"] < 100 and r["whole_answer_ms"] < 100
+            else:
+                assert 0 < r["first_over_whole"] <= 1.5
     # The stand-in's shipped profile gives the reranker no weight: nothing is scored.
     assert streaming["llama-server x4, 6"]["default"]["blended_by"] == \
         "profile smollm2-135m-standin (no_reranker_weight)"
