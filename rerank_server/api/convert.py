@@ -76,18 +76,21 @@ def _optional(message: Any, name: str) -> Any:
 
 def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candidate, ...]:
     """Domain candidates; `index` counts on from `first_index` over the whole request."""
-    return tuple(
-        Candidate(
+    out = []
+    # A loop with the presence checks inline, and no copy of an empty map: this runs for
+    # every candidate of every request (a third cheaper than the helper-based form).
+    for i, c in enumerate(wire):
+        has = c.HasField
+        out.append(Candidate(
             id=c.id,
             text=c.text,
             index=first_index + i,
-            retrieval_rank=c.retrieval_rank if c.HasField("retrieval_rank") else i + 1,
-            title=_optional(c, "title"),
-            retrieval_score=_optional(c, "retrieval_score"),
-            metadata=dict(c.metadata),
-        )
-        for i, c in enumerate(wire)
-    )
+            retrieval_rank=c.retrieval_rank if has("retrieval_rank") else i + 1,
+            title=c.title if has("title") else None,
+            retrieval_score=c.retrieval_score if has("retrieval_score") else None,
+            metadata=dict(c.metadata) if c.metadata else {},
+        ))
+    return tuple(out)
 
 
 def _lists(request: pb.RerankRequest) -> tuple[RankedList, ...]:
@@ -146,11 +149,24 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
 
 def result_to_pb(r: RankedCandidate) -> pb.RankedResult:
     c = r.candidate
-    return pb.RankedResult(
-        id=c.id, index=c.index, rank=r.rank, score=r.score,
-        reranker_score=r.reranker_score, retrieval_score=c.retrieval_score,
-        retrieval_rank=c.retrieval_rank, scored_text=r.scored_text, metadata=c.metadata,
-        normalized_retrieval_score=c.normalized_score, found_in=c.found_in, cached=r.cached)
+    fields: dict[str, Any] = {
+        "id": c.id, "index": c.index, "rank": r.rank, "score": r.score,
+        "retrieval_rank": c.retrieval_rank, "cached": r.cached}
+    # Only the fields that are set: the message constructor costs about three times as
+    # much when handed None for an unset field or an empty map or list (measured, upb).
+    if r.reranker_score is not None:
+        fields["reranker_score"] = r.reranker_score
+    if c.retrieval_score is not None:
+        fields["retrieval_score"] = c.retrieval_score
+    if c.normalized_score is not None:
+        fields["normalized_retrieval_score"] = c.normalized_score
+    if r.scored_text is not None:
+        fields["scored_text"] = r.scored_text
+    if c.metadata:
+        fields["metadata"] = c.metadata
+    if c.found_in:
+        fields["found_in"] = c.found_in
+    return pb.RankedResult(**fields)
 
 
 def _summary_fields(s: RerankSummary) -> dict[str, object]:

@@ -1,10 +1,13 @@
 """`completion` backend: llama-server `/completion` with an array of prompts per request.
 
-The prompt is rendered once per request with the model's own chat template
-(`/apply-template`) around a placeholder for the document, so every pair's prompt is
+The prompt is rendered with the model's own chat template (`/apply-template`) around
+placeholders for the query and the document, so every pair's prompt is
 `prefix + document + suffix`: the document comes last (after the assistant header only
 the optional think-block prefill follows), and each slot's KV cache reuses the shared
-prefix from its previous prompt (`cache_prompt`). One call carries up to `--max-batch`
+prefix from its previous prompt (`cache_prompt`). The rendering is kept per instruction
+(the last `FRAMES_KEPT`), and each request puts its query into it: one backend round trip
+fewer per request. A template that does not keep the query placeholder once, before the
+document, is rendered per request instead. One call carries up to `--max-batch`
 prompts; llama-server spreads them over its slots.
 
 "yes" and "no" are matched by token id, not text: the ids of every case and leading-space
@@ -16,6 +19,7 @@ backend (floor -10 for the missing answer, no score when neither appears).
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +35,8 @@ from .pooled_scorer import PooledScorer
 
 N_PROBS = 20
 PLACEHOLDER = "RERANK-DOCUMENT-PLACEHOLDER-7f1c"
+QUERY_PLACEHOLDER = "RERANK-QUERY-PLACEHOLDER-3b9e"
+FRAMES_KEPT = 64
 YES_VARIANTS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
 NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")
 
@@ -48,6 +54,9 @@ class CompletionScorer(PooledScorer):
         self._answer_ids: dict[int, str] | None = None
         self._fit = ContextFit(pool)
         self._ids_lock = asyncio.Lock()
+        # instruction -> (before the query, between query and document, after the
+        # document), or None where the template must render each query itself.
+        self._frames: OrderedDict[str, tuple[str, str, str] | None] = OrderedDict()
 
     async def answer_ids(self) -> dict[int, str]:
         """Token id -> "yes" or "no", for every single-token variant; resolved once."""
@@ -68,10 +77,25 @@ class CompletionScorer(PooledScorer):
 
     async def template(self, request: ScoreRequest) -> tuple[str, str]:
         """(prefix, suffix) of every pair's prompt for this request."""
+        instruction = request.instruction
+        if instruction in self._frames:
+            self._frames.move_to_end(instruction)
+            frame = self._frames[instruction]
+        else:
+            frame = _frame(*await self._render(instruction, QUERY_PLACEHOLDER))
+            self._frames[instruction] = frame
+            if len(self._frames) > FRAMES_KEPT:
+                self._frames.popitem(last=False)
+        if frame is None:
+            return await self._render(instruction, request.query)
+        before, between, suffix = frame
+        return before + prompt.neutralize(request.query) + between, suffix
+
+    async def _render(self, instruction: str, query: str) -> tuple[str, str]:
+        """(prefix, suffix) around the document placeholder, rendered by the backend."""
         messages = [
             {"role": "system", "content": prompt.SYSTEM_PROMPT},
-            {"role": "user", "content": prompt.user_message(request.instruction,
-                                                            request.query, PLACEHOLDER)},
+            {"role": "user", "content": prompt.user_message(instruction, query, PLACEHOLDER)},
         ]
         rendered = await self._pool.call("/apply-template", {"messages": messages},
                                          _rendered, pairs=0)
@@ -125,6 +149,15 @@ def _answers(result: dict[str, Any], ids: dict[int, str]) -> list[tuple[str, flo
                 for entry in top if entry.get("id") in ids]
     except (KeyError, IndexError, TypeError, ValueError):
         raise MalformedResponse("completion result has no top_logprobs") from None
+
+
+def _frame(prefix: str, suffix: str) -> tuple[str, str, str] | None:
+    """The rendering split around its query placeholder, if the placeholder is in the
+    prefix exactly once (a template may transform or repeat the user's message)."""
+    before, found, between = prefix.partition(QUERY_PLACEHOLDER)
+    if not found or QUERY_PLACEHOLDER in between or QUERY_PLACEHOLDER in suffix:
+        return None
+    return before, between, suffix
 
 
 def _rendered(body: Any) -> str:

@@ -104,22 +104,29 @@ class HttpBackend:
         self.base_url = base_url.rstrip("/")
         self.health_path = health_path
         self._headers = {"user-agent": USER_AGENT, **(headers or {})}
+        for name, value in self._headers.items():
+            if any(c in name + value for c in "\r\n\0"):
+                raise ValueError(f"header {name!r} holds a line break or NUL")
         self._urls: dict[str, httpx.URL] = {}
+        self._heads: dict[str, bytes] = {}  # path -> request head up to the length
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
         self._trace_calls = trace_calls  # a client span per call (--trace-backend-calls)
-        self._propagated: tuple[trace.SpanContext, dict[str, str]] | None = None
+        # The last parent's trace headers, as a dict and as head lines.
+        self._propagated: tuple[trace.SpanContext, dict[str, str], bytes] | None = None
         self._timeout_s = timeout_s
-        # Plain HTTP: requests go straight to the lean transport, built once per call
-        # with what the client would add (the timeout); httpx's client adds per call a
-        # header and cookie merge, auth and redirect handling and cookie extraction,
-        # about 125 µs that none of our calls use (docs/benchmarks.md). Otherwise
-        # httpx's client with its own transport, proxies and TLS settings.
+        # Plain HTTP: requests go straight to the lean transport as bytes, the head kept
+        # per path (`_head`). httpx's client adds per call a header and cookie merge,
+        # auth and redirect handling and cookie extraction, and its request and response
+        # objects normalize every header: none of it is used, and together it was most
+        # of a call's CPU (docs/benchmarks.md). Otherwise httpx's client with its own
+        # transport, proxies and TLS settings.
         self._lean = transport.LeanTransport(max_idle=concurrency) \
             if transport.wanted(self.base_url) else None
         self._client = new_client(concurrency, timeout_s) if self._lean is None else None
-        self._extensions = {"timeout": httpx.Timeout(timeout_s).as_dict()}
+        base = httpx.URL(self.base_url)
+        self._address = (base.host, base.port or 80)
         self._side_client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),
             timeout=httpx.Timeout(HEALTH_TIMEOUT_S))
@@ -274,11 +281,10 @@ class HttpBackend:
             attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
                         "rerank.pairs": pairs}) if self._trace_calls else None
         parent = span or trace.get_current_span()
-        headers = dict(self._headers)
-        if parent.is_recording():  # the backend continues the trace from here
-            headers.update(self._trace_headers(parent))
+        # The backend continues the trace from here.
+        propagated = self._trace_headers(parent) if parent.is_recording() else None
         try:
-            body, status = await self._post(path, payload, headers)
+            body, status = await self._post(path, payload, propagated)
             outcome[HTTP_STATUS] = status
             return body
         except BackendCallError as exc:
@@ -295,44 +301,70 @@ class HttpBackend:
                 span.end()
             m.http_duration.record(time.perf_counter() - started, {**attributes, **outcome})
 
-    def _trace_headers(self, parent: trace.Span) -> dict[str, str]:
-        """The `traceparent` (and baggage) that continues `parent`'s trace; kept for the
-        last parent, since every call of a request continues the same `rerank.score`."""
+    def _trace_headers(self, parent: trace.Span) -> tuple[dict[str, str], bytes]:
+        """The `traceparent` (and baggage) that continues `parent`'s trace, as headers and
+        as head lines; kept for the last parent, since every call of a request continues
+        the same `rerank.score`."""
         context = parent.get_span_context()
         if self._propagated is None or self._propagated[0] != context:
             carrier: dict[str, str] = {}
             propagate.inject(carrier, context=trace.set_span_in_context(parent))
-            self._propagated = (context, carrier)
-        return self._propagated[1]
+            lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in carrier.items())
+            self._propagated = (context, carrier, lines)
+        return self._propagated[1], self._propagated[2]
 
-    async def _post(self, path: str, payload: Any, headers: dict[str, str]) -> tuple[Any, int]:
-        url = self._urls.get(path)
-        if url is None:  # parsed once per path: httpx parses a string on every call
-            url = self._urls[path] = httpx.URL(self.base_url + path)
-        headers["content-type"] = "application/json"
+    async def _post(self, path: str, payload: Any,
+                    propagated: tuple[dict[str, str], bytes] | None) -> tuple[Any, int]:
         content = orjson.dumps(payload)
         try:
             if self._lean is not None:
-                response = await self._lean.handle_async_request(httpx.Request(
-                    "POST", url, content=content, headers=headers,
-                    extensions=self._extensions))
+                # The head is bytes kept per path; only the length and the trace vary.
+                data = b"%scontent-length: %d\r\n%s\r\n%s" % (
+                    self._head(path), len(content), propagated[1] if propagated else b"",
+                    content)
+                answer = await self._lean.send(*self._address, data, self._timeout_s,
+                                               self._timeout_s)
+                status, body = answer.status, answer.content()
             else:
                 assert self._client is not None
-                response = await self._client.post(url, content=content, headers=headers)
+                headers = {**self._headers, "content-type": "application/json",
+                           **(propagated[0] if propagated else {})}
+                response = await self._client.post(self._url(path), content=content,
+                                                   headers=headers)
+                status, body = response.status_code, response.content
         except httpx.TimeoutException as exc:
             raise BackendCallError(Failure.TIMEOUT, type(exc).__name__) from None
         except httpx.TransportError as exc:
             raise BackendCallError(Failure.UNAVAILABLE, type(exc).__name__) from None
-        status = response.status_code
         if status >= 400:
-            if status < 500 and _too_long(response):
+            if status < 500 and _too_long(body):
                 raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
                                        "exceeds the model's context", status, too_long=True)
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
         try:
-            return orjson.loads(response.content), status
+            return orjson.loads(body), status
         except orjson.JSONDecodeError:
             raise BackendCallError(Failure.MALFORMED, "response is not JSON", status) from None
+
+    def _url(self, path: str) -> httpx.URL:
+        url = self._urls.get(path)
+        if url is None:  # parsed once per path: httpx parses a string on every call
+            url = self._urls[path] = httpx.URL(self.base_url + path)
+        return url
+
+    def _head(self, path: str) -> bytes:
+        """The request head for `path` up to the length: request line, Host, our headers
+        and the JSON type, as httpx would send them; built once per path."""
+        head = self._heads.get(path)
+        if head is None:
+            url = self._url(path)
+            request = httpx.Request("POST", url, headers={**self._headers,
+                                                          "content-type": "application/json"})
+            lines = [b"POST " + url.raw_path + b" HTTP/1.1"]
+            lines.extend(name + b": " + value for name, value in request.headers.raw
+                         if name.lower() != b"content-length")
+            head = self._heads[path] = b"\r\n".join(lines) + b"\r\n"
+        return head
 
     async def aclose(self) -> None:
         """Cancel the calls still running (nobody waits for them any more), then close."""
@@ -348,11 +380,11 @@ class HttpBackend:
         self._metrics.watch_active(self, None)
 
 
-def _too_long(response: httpx.Response) -> bool:
+def _too_long(body: bytes) -> bool:
     """Whether an error answer says the input was longer than the model's context."""
     try:
-        error = response.json().get("error", {})
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        error = orjson.loads(body).get("error", {})
+    except (orjson.JSONDecodeError, AttributeError):
         return False
     if not isinstance(error, dict):
         return False

@@ -21,7 +21,13 @@ timer per request.
   `RemoteProtocolError`: the same classes httpx's own transport raises, so failure
   handling above (`http.py`) is unchanged.
 - A request cancelled mid-flight closes its connection (its answer would arrive on it).
-- The body is handed to `httpx.Response` whole, which decodes a `Content-Encoding`.
+- As an httpx transport (`handle_async_request`) the body is handed to `httpx.Response`
+  whole, which decodes a `Content-Encoding`.
+- `send` is the same exchange without httpx's request and response objects: the caller
+  brings the request head as bytes (`HttpBackend` keeps one per path and adds the length)
+  and gets the status, headers and body back (`Answer`; `content` decodes an encoded
+  body). Building and reading those two objects was a third of the CPU of a per-pair
+  backend call (docs/benchmarks.md).
 
 `https://` URLs, and any when a proxy is configured in the environment, keep httpx's own
 transport (`new_client` in `http.py` chooses).
@@ -33,7 +39,7 @@ import asyncio
 import os
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import cast
+from typing import NamedTuple, cast
 
 import httpx
 
@@ -89,6 +95,21 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+class Answer(NamedTuple):
+    """A whole HTTP answer, as `LeanTransport.send` reads it."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes  # as sent: still encoded if `Content-Encoding` says so
+
+    def content(self) -> bytes:
+        """The body, decoded where a `Content-Encoding` other than identity says so."""
+        encoding = _header(self.headers, b"content-encoding").strip().lower()
+        if not encoding or encoding == b"identity":
+            return self.body
+        return httpx.Response(self.status, headers=self.headers, content=self.body).content
+
+
 class _Unanswered(Exception):
     """The server closed a reused connection before sending a byte (keep-alive race)."""
 
@@ -102,18 +123,28 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._closed = False
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._closed:
-            raise httpx.ConnectError("the transport is closed", request=request)
         timeout: dict[str, float | None] = request.extensions.get("timeout", {})
         url = request.url
-        key = (url.host, url.port or 80)
-        head = _head(request)
         body = await request.aread()
+        answer = await self.send(url.host, url.port or 80, _head(request) + body,
+                                 timeout.get("connect"), timeout.get("read"),
+                                 head_only=request.method == "HEAD", request=request)
+        return httpx.Response(answer.status, headers=answer.headers, content=answer.body,
+                              request=request, extensions={"http_version": b"HTTP/1.1"})
+
+    async def send(self, host: str, port: int, data: bytes, connect_s: float | None,
+                   read_s: float | None, *, head_only: bool = False,
+                   request: httpx.Request | None = None) -> Answer:
+        """Send `data` (a whole request: head and body) to `host:port` and read the
+        answer; raises httpx's transport errors (naming `request` where there is one)."""
+        if self._closed:
+            raise httpx.ConnectError("the transport is closed", request=request)
+        key = (host, port)
         for attempt in (0, 1):
-            connection, reused = await self._connection(key, timeout.get("connect"), request)
+            connection, reused = await self._connection(key, connect_s, request)
             try:
-                return await self._exchange(connection, reused, head + body, request,
-                                            timeout.get("read"))
+                return await self._exchange(key, connection, reused, data, head_only,
+                                            request, read_s)
             except _Unanswered:
                 if attempt:
                     raise httpx.RemoteProtocolError(
@@ -122,7 +153,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         raise AssertionError("unreachable")
 
     async def _connection(self, key: tuple[str, int], connect_s: float | None,
-                          request: httpx.Request) -> tuple[_Connection, bool]:
+                          request: httpx.Request | None) -> tuple[_Connection, bool]:
         idle = self._idle[key]
         while idle:
             connection = idle.pop()
@@ -139,8 +170,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
         return connection, False
 
-    async def _exchange(self, connection: _Connection, reused: bool, data: bytes,
-                        request: httpx.Request, read_s: float | None) -> httpx.Response:
+    async def _exchange(self, key: tuple[str, int], connection: _Connection, reused: bool,
+                        data: bytes, head_only: bool, request: httpx.Request | None,
+                        read_s: float | None) -> Answer:
         assert connection.transport is not None
         connection.transport.write(data)
         done = False
@@ -150,7 +182,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 while 100 <= status < 200:  # interim answers (100 Continue, 103): skip
                     status, headers, keep_alive = await _read_head(connection, False,
                                                                    request)
-                content = b"" if status in _NO_BODY or request.method == "HEAD" \
+                content = b"" if status in _NO_BODY or head_only \
                     else await _read_body(connection, headers, request)
             done = True
         except TimeoutError:
@@ -159,14 +191,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
         finally:
             if not done:
                 connection.close()  # mid-answer: its bytes would confuse the next request
-        idle = self._idle[(request.url.host, request.url.port or 80)]
+        idle = self._idle[key]
         if keep_alive and not connection.closed and not connection.buffer \
                 and not self._closed and len(idle) < self._max_idle:
             idle.append(connection)
         else:
             connection.close()
-        return httpx.Response(status, headers=headers, content=content, request=request,
-                              extensions={"http_version": b"HTTP/1.1"})
+        return Answer(status, headers, content)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -184,7 +215,7 @@ def _head(request: httpx.Request) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-async def _read_head(connection: _Connection, reused: bool, request: httpx.Request,
+async def _read_head(connection: _Connection, reused: bool, request: httpx.Request | None,
                      ) -> tuple[int, list[tuple[bytes, bytes]], bool]:
     buffer = connection.buffer
     while (end := buffer.find(b"\r\n\r\n")) < 0:
@@ -210,7 +241,8 @@ async def _read_head(connection: _Connection, reused: bool, request: httpx.Reque
     return int(parts[1]), headers, keep_alive
 
 
-def _disconnected(connection: _Connection, reused: bool, request: httpx.Request) -> None:
+def _disconnected(connection: _Connection, reused: bool, request: httpx.Request | None,
+                  ) -> None:
     """Raise for a connection that closed before the answer was complete."""
     if reused and connection.error is None and not connection.buffer:
         raise _Unanswered
@@ -222,7 +254,7 @@ def _disconnected(connection: _Connection, reused: bool, request: httpx.Request)
 
 
 async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]],
-                     request: httpx.Request) -> bytes:
+                     request: httpx.Request | None) -> bytes:
     if b"chunked" in _header(headers, b"transfer-encoding").lower():
         return await _read_chunked(connection, request)
     length = _header(headers, b"content-length")
@@ -239,7 +271,8 @@ async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]]
     return content
 
 
-async def _read_exactly(connection: _Connection, n: int, request: httpx.Request) -> bytes:
+async def _read_exactly(connection: _Connection, n: int, request: httpx.Request | None,
+                        ) -> bytes:
     buffer = connection.buffer
     while len(buffer) < n:
         if connection.closed:
@@ -250,7 +283,7 @@ async def _read_exactly(connection: _Connection, n: int, request: httpx.Request)
     return content
 
 
-async def _read_chunked(connection: _Connection, request: httpx.Request) -> bytes:
+async def _read_chunked(connection: _Connection, request: httpx.Request | None) -> bytes:
     parts: list[bytes] = []
     total = 0
     buffer = connection.buffer

@@ -1,6 +1,7 @@
-"""The `rerank`, `ollama` and `llm` backends against fakes that answer in those servers'
-JSON (Cohere/llama-server/vLLM `/v1/rerank`, TEI `/rerank`, Ollama `/api/generate`,
-OpenAI-style chat), including their error responses."""
+"""The `rerank`, `ollama`, `llm` and `completion` backends against fakes that answer in
+those servers' JSON (Cohere/llama-server/vLLM `/v1/rerank`, TEI `/rerank`, Ollama
+`/api/generate`, OpenAI-style chat, llama-server `/completion` with a chat template the
+real stand-in model does not have), including their error responses."""
 
 from __future__ import annotations
 
@@ -262,3 +263,32 @@ async def test_rerank_and_embedding_backends_send_no_control_token_from_caller_t
     sent = json.dumps([c.body for c in fake.calls if c.method == "POST"], ensure_ascii=False)
     assert "relevant text" in sent
     assert not [t for t in TOKENS if t in sent], sent
+
+
+def repeating_template(method: str, path: str, body: Any, headers: Mapping[str, str],
+                       ) -> tuple[int, Any]:
+    """llama-server's `/completion` family, with a chat template that repeats the user's
+    instruction and query above the turn (so the query cannot be put into a kept
+    rendering)."""
+    if method == "GET":
+        return (200, {"status": "ok"}) if path == "/health" else (404, {"message": "not found"})
+    if path == "/tokenize":
+        return 200, {"tokens": {"yes": [1], "no": [2]}.get(body["content"], [3, 4])}
+    if path == "/apply-template":
+        system, user = (m["content"] for m in body["messages"])
+        heading = user.split("\n<Document>")[0]
+        return 200, {"prompt": f"[{heading}]\n<sys>{system}</sys>\n<u>{user}</u>\n<a>"}
+    logprobs = [{"top_logprobs": [{"id": 1, "logprob": -0.1}, {"id": 2, "logprob": -2.4}]}]
+    return 200, [{"completion_probabilities": logprobs} for _ in body["prompt"]]
+
+
+async def test_completion_renders_each_query_when_the_template_repeats_it(
+        backend: Callable[..., Any]) -> None:
+    fake, client = await backend(repeating_template, backend="completion")
+    for query in ("cats", "dogs"):
+        answer = await client.rerank(query, DOCS, always_score=True)
+        assert answer.reranked and answer.summary.scored == len(DOCS)
+    # One rendering tried as the kept frame for the instruction, then one per request.
+    assert len(fake.posts("/apply-template")) == 3
+    first, second = (c.body["prompt"][0] for c in fake.posts("/completion"))
+    assert first.count("<Query>: cats") == 2 and second.count("<Query>: dogs") == 2

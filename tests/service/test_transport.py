@@ -263,3 +263,22 @@ async def test_http_backend_times_out_a_backend_that_never_answers(
     await backend.aclose()
     assert caught.value.failure is Failure.TIMEOUT
     assert 0.25 < elapsed < 2.0
+
+
+async def test_http_backend_decodes_an_encoded_answer(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    """The head-as-bytes path reads the answer without `httpx.Response`, so a server that
+    compresses anyway (we send no Accept-Encoding) must still come back decoded."""
+    async def gzipped(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(_answer(gzip.compress(b'{"ok": "gz"}'), "Content-Encoding: gzip"))
+        await w.drain()
+
+    backend = HttpBackend(await raw(gzipped), 2, 5.0)
+    assert await backend.post_json("/x", {}) == {"ok": "gz"}
+    await backend.aclose()
+
+
+def test_http_backend_refuses_a_header_that_would_split_the_head() -> None:
+    with pytest.raises(ValueError, match="authorization"):
+        HttpBackend("http://127.0.0.1:9", 1, 1.0,
+                    headers={"authorization": "Bearer k\r\nx-injected: 1"})

@@ -1,0 +1,41 @@
+"""Domain results to wire messages: every field set where the domain has it, and unset
+(not zero) where it has none."""
+
+from __future__ import annotations
+
+import pytest
+
+from rerank_server.api.convert import result_to_pb
+from rerank_server.api.pb import rerank_pb2 as pb
+from rerank_server.domain import Candidate, RankedCandidate
+
+FULL = RankedCandidate(
+    candidate=Candidate(id="d7", text="text", index=7, retrieval_rank=3, title="t",
+                        retrieval_score=12.5, metadata={"lang": "en"},
+                        normalized_score=0.8, found_in=("bm25", "dense")),
+    rank=1, score=0.9, reranker_score=0.95, scored_text="chunk", cached=True)
+BARE = RankedCandidate(candidate=Candidate(id="d0", text="text", index=0, retrieval_rank=1),
+                       rank=2, score=0.0, reranker_score=None)
+
+
+@pytest.mark.parametrize("ranked", [FULL, BARE], ids=["full", "bare"])
+def test_result_is_the_message_built_from_every_field(ranked: RankedCandidate) -> None:
+    c = ranked.candidate
+    every_field = pb.RankedResult(
+        id=c.id, index=c.index, rank=ranked.rank, score=ranked.score,
+        reranker_score=ranked.reranker_score, retrieval_score=c.retrieval_score,
+        retrieval_rank=c.retrieval_rank, scored_text=ranked.scored_text,
+        metadata=c.metadata, normalized_retrieval_score=c.normalized_score,
+        found_in=c.found_in, cached=ranked.cached)
+    assert result_to_pb(ranked) == every_field
+
+
+def test_unset_optionals_stay_unset() -> None:
+    message = result_to_pb(BARE)
+    for name in ("reranker_score", "retrieval_score", "scored_text",
+                 "normalized_retrieval_score"):
+        assert not message.HasField(name), name
+    assert not message.metadata and not message.found_in
+    full = result_to_pb(FULL)
+    assert full.HasField("reranker_score") and full.reranker_score == 0.95
+    assert dict(full.metadata) == {"lang": "en"} and list(full.found_in) == ["bm25", "dense"]
