@@ -147,7 +147,7 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
     )
 
 
-def result_to_pb(r: RankedCandidate) -> pb.RankedResult:
+def _result_fields(r: RankedCandidate) -> dict[str, Any]:
     c = r.candidate
     fields: dict[str, Any] = {
         "id": c.id, "index": c.index, "rank": r.rank, "score": r.score,
@@ -166,7 +166,11 @@ def result_to_pb(r: RankedCandidate) -> pb.RankedResult:
         fields["metadata"] = c.metadata
     if c.found_in:
         fields["found_in"] = c.found_in
-    return pb.RankedResult(**fields)
+    return fields
+
+
+def result_to_pb(r: RankedCandidate) -> pb.RankedResult:
+    return pb.RankedResult(**_result_fields(r))
 
 
 def _summary_fields(s: RerankSummary) -> dict[str, object]:
@@ -197,5 +201,8 @@ def summary_to_pb(s: RerankSummary) -> pb.RerankSummary:
 
 
 def response_to_pb(results: list[RankedCandidate], s: RerankSummary) -> pb.RerankResponse:
-    return pb.RerankResponse(results=[result_to_pb(r) for r in results],
-                             **_summary_fields(s))  # type: ignore[arg-type]
+    response = pb.RerankResponse(**_summary_fields(s))  # type: ignore[arg-type]
+    add = response.results.add  # built in place: a list of messages would be copied in
+    for r in results:
+        add(**_result_fields(r))
+    return response

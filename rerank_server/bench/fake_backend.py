@@ -7,16 +7,23 @@ rerank-server's own cost (or after `--latency-ms`, a model's fixed time per call
 streaming scenario). It runs as a process of its own, so its CPU time is not counted
 as ours. Scores are a stable function of the text. Not a test double for correctness:
 tests use `tests/fakes/`.
+
+It is an asyncio protocol (on uvloop where installed) reading `Content-Length` bodies
+with keep-alive, and JSON through orjson: about 40 µs of CPU per chat call. The
+`http.server` it replaced took about 130 µs, so at 40 chat calls a request the fake spent
+as much CPU as rerank-server and its time showed in the overhead latencies.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+import math
+from typing import Any, cast
+
+import orjson
 
 
 def _score(text: str) -> float:
@@ -24,7 +31,6 @@ def _score(text: str) -> float:
 
 
 def _logprobs(p: float) -> list[dict[str, Any]]:
-    import math
     return [{"id": 1, "token": "yes", "logprob": math.log(max(p, 1e-6))},
             {"id": 2, "token": "no", "logprob": math.log(max(1 - p, 1e-6))}]
 
@@ -64,46 +70,83 @@ def answer(path: str, body: Any) -> Any:
     return None
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
+SCORING_PATHS_EXEMPT = ("/tokenize", "/apply-template")  # metadata: never delayed
+MAX_HEAD = 64 * 1024
+
+
+class FakeHttp(asyncio.Protocol):
+    """One keep-alive connection: requests with `Content-Length` bodies, answered in order
+    (clients send one request at a time per connection)."""
+
     latency_s = 0.0  # per scoring call
 
-    def log_message(self, *args: Any) -> None:
-        pass
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
 
-    def _send(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
 
-    def do_GET(self) -> None:
-        if self.path == "/v1/models":
-            self._send(200, {"data": [{"id": "instant"}]})
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            lines = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
+            length = next((int(value) for name, _, value in (x.partition(":") for x in lines)
+                           if name.strip().lower() == "content-length"), 0)
+            if len(self.buffer) < end + 4 + length:
+                break
+            body = bytes(self.buffer[end + 4:end + 4 + length])
+            del self.buffer[:end + 4 + length]
+            method, path = lines[0].split(" ")[:2]
+            self.respond(method, path, body)
+        if len(self.buffer) > MAX_HEAD and self.transport is not None:
+            self.transport.close()
+
+    def respond(self, method: str, path: str, raw: bytes) -> None:
+        if method == "GET":
+            self.send(200, {"data": [{"id": "instant"}]} if path == "/v1/models"
+                      else {"status": "ok"})
+            return
+        try:
+            payload = answer(path, orjson.loads(raw))
+        except (orjson.JSONDecodeError, KeyError, TypeError, StopIteration):
+            self.send(400, {"error": "bad request"})
+            return
+        status, payload = (404, {"error": "not found"}) if payload is None else (200, payload)
+        if self.latency_s and path not in SCORING_PATHS_EXEMPT:
+            asyncio.get_running_loop().call_later(self.latency_s, self.send, status, payload)
         else:
-            self._send(200, {"status": "ok"})
+            self.send(status, payload)
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        payload = answer(self.path, body)
-        if self.latency_s and self.path not in ("/tokenize", "/apply-template"):
-            time.sleep(self.latency_s)
-        self._send(404, {"error": "not found"}) if payload is None else self._send(200, payload)
+    def send(self, status: int, payload: Any) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        data = orjson.dumps(payload)
+        reason = {200: b"OK", 400: b"Bad Request"}.get(status, b"Not Found")
+        self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (status, reason, len(data), data))
+
+
+async def serve(port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(FakeHttp, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--latency-ms", type=float, default=0.0,
-                        help="sleep this long before answering each scoring call")
+                        help="wait this long before answering each scoring call")
     args = parser.parse_args()
-    Handler.latency_s = args.latency_ms / 1000
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    server.daemon_threads = True
-    server.serve_forever()
+    FakeHttp.latency_s = args.latency_ms / 1000
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(args.port))
+    else:
+        uvloop.run(serve(args.port))
 
 
 if __name__ == "__main__":

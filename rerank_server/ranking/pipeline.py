@@ -24,7 +24,7 @@ from ..domain import (
 )
 from ..observability.telemetry import Telemetry
 from ..scoring.base import Failure, Scorer, ScoreRequest
-from ..scoring.budget import budget_s, score_within
+from ..scoring.budget import StopSignal, budget_s, score_within
 from . import blend_profiles
 from .blend_profiles import Blend, BlendResolver
 from .blending import REQUEST_WIDE, scores_can_matter
@@ -50,7 +50,7 @@ class Reranker:
         self.blends = blends or BlendResolver(blend_profiles.load())
         self._loop_lag = loop_lag
         # Set when the server shuts down: pairs still outstanding are given up at once.
-        self.stopping = asyncio.Event()
+        self.stopping = StopSignal()
         self.active = 0  # requests in the pipeline now
 
     def stop_scoring_after(self, seconds: float) -> None:
@@ -134,16 +134,18 @@ class Reranker:
         if pending:
             pairs = ScoreRequest(request.query, request.instruction,
                                  [documents[i] for i in pending], request.max_tokens_per_doc)
-            async for pair in score_within(self.scorer, pairs, budget, tracer, self.stopping):
-                i = pending[pair.pair]
-                ranking.resolve(scored_set[i].index, pair.score)
-                if pair.failure is None and pair.score is not None:
-                    fresh[documents[i]] = pair.score
-                    outcome.scored += 1
-                else:
-                    kind = pair.failure or Failure.MALFORMED
-                    outcome.failures[kind] += 1
-                    outcome.details.setdefault(kind, pair.detail)
+            async for arrived in score_within(self.scorer, pairs, budget, tracer,
+                                              self.stopping):
+                for pair in arrived:
+                    i = pending[pair.pair]
+                    ranking.resolve(scored_set[i].index, pair.score)
+                    if pair.failure is None and pair.score is not None:
+                        fresh[documents[i]] = pair.score
+                        outcome.scored += 1
+                    else:
+                        kind = pair.failure or Failure.MALFORMED
+                        outcome.failures[kind] += 1
+                        outcome.details.setdefault(kind, pair.detail)
                 for item in emitter.take(ranking.release()):
                     yield item
         outcome.scoring_s = time.perf_counter() - scoring_started

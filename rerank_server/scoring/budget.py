@@ -1,17 +1,21 @@
 """Scoring within a time budget: every pair's outcome exactly once, never past the budget.
 
-`score_within` runs a scorer and yields each pair's `PairOutcome` as it arrives. Pairs the
-scorer has not reported when the budget runs out come back failed as timeouts; a scorer
-that returns without reporting every pair, or crashes, fails the rest as malformed or as a
-backend error. So the caller always gets one outcome per pair and never an exception for
-backend trouble.
+`score_within` runs a scorer and yields the pairs' `PairOutcome`s as they arrive, all
+that are in at once (a batch lands whole). Pairs the scorer has not reported when the
+budget runs out come back failed as timeouts; a scorer that returns without reporting
+every pair, or crashes, fails the rest as malformed or as a backend error. So the caller
+always gets one outcome per pair and never an exception for backend trouble.
+
+The scorer reports into an `_Inbox`: a list and one future to wake the request, woken
+also by the scorer's end, the budget's timer and the server's `StopSignal`. Waiting costs
+no task and no queue per wait (`asyncio.wait_for` on a queue did both, once per arriving
+pair of a per-pair backend).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 from opentelemetry import trace
@@ -49,109 +53,140 @@ def budget_s(timeout_s: float, deadline_remaining_s: float | None,
     return max(budget, 0.0)
 
 
+class StopSignal:
+    """Set once, when the server starts shutting down; wakes every request waiting for
+    scores (an `asyncio.Event` would need a task per waiter to be watched)."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._listeners: set[Callable[[], None]] = set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        for listener in list(self._listeners):
+            listener()
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener` when set; returns the unsubscribe."""
+        self._listeners.add(listener)
+        return lambda: self._listeners.discard(listener)
+
+
+class _Inbox:
+    """The outcomes a scorer has reported and not yet taken; one waiter at a time."""
+
+    def __init__(self) -> None:
+        self.items: list[PairOutcome] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, outcome: PairOutcome) -> None:
+        """The scorer's `emit`."""
+        self.items.append(outcome)
+        self.wake()
+
+    def wake(self, *_: object) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> list[PairOutcome]:
+        items, self.items = self.items, []
+        return items
+
+    async def wait(self, deadline: float) -> None:
+        """Until woken (an outcome, the scorer's end, the stop signal) or `deadline`."""
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = loop.call_at(deadline, self.wake)
+        try:
+            await self._waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
 async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
-                       tracer: trace.Tracer, stop: asyncio.Event | None = None,
-                       ) -> AsyncIterator[PairOutcome]:
-    """Each pair's outcome, as it arrives; those left when `budget` runs out as timeouts,
-    and those left when `stop` is set (the server is shutting down) as such.
+                       tracer: trace.Tracer, stop: StopSignal | None = None,
+                       ) -> AsyncIterator[list[PairOutcome]]:
+    """The pairs' outcomes as they arrive, each exactly once; those left when `budget`
+    runs out as timeouts, and those left when `stop` is set (the server is shutting
+    down) as such.
 
     The budget bounds only the waits, never the caller's work between yields: a timeout
     that fired while the caller wrote a stream message would cancel the RPC.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
-    outcomes: asyncio.Queue[PairOutcome] = asyncio.Queue()
+    inbox = _Inbox()
     remaining = set(range(len(request.documents)))
     # Not a `with` block: the span must not stay current across the yields below. The
     # scorer task copies the context at creation, so backend calls become its children.
     span = tracer.start_span("rerank.score", attributes={
         "rerank.backend": scorer.kind, "rerank.pairs": len(remaining)})
     with trace.use_span(span, end_on_exit=False):
-        task = asyncio.create_task(scorer.score(request, outcomes.put_nowait))
+        task = asyncio.create_task(scorer.score(request, inbox.put))
+    task.add_done_callback(inbox.wake)
+    unsubscribe = stop.subscribe(inbox.wake) if stop is not None else None
     scored = failed = 0
     rest: tuple[Failure, str] | None = None
     try:
         while remaining:
-            try:
-                # Outcomes already in (a batch lands all at once) are taken as they are:
-                # a wait_for per pair costs a task and a timer, and waits for nothing.
-                outcome = outcomes.get_nowait() if not outcomes.empty() else \
-                    await asyncio.wait_for(_next_outcome(outcomes, task, stop),
-                                           max(deadline - loop.time(), 0))
-            except TimeoutError:
-                rest = (Failure.TIMEOUT, "time budget spent")
-                break
-            except _Stopped:
-                rest = (Failure.SHUTTING_DOWN, "the server is shutting down")
-                break
-            except _ScorerCrashed as crash:
-                log.error("scorer_crashed", backend=scorer.kind, error=crash.detail)
-                rest = (Failure.HTTP_ERROR, f"scorer crashed: {crash.detail}")
-                break
-            if outcome is None:
-                rest = (Failure.MALFORMED, "the scorer reported no outcome for this pair")
-                break
-            if outcome.pair not in remaining:
-                continue  # a scorer's second report of a pair is ignored
-            remaining.discard(outcome.pair)
-            if outcome.failure is None:
-                scored += 1
-            else:
-                failed += 1
-            yield outcome
+            arrived = inbox.take()
+            if not arrived:
+                rest = _why_nothing(task, stop, deadline - loop.time(), scorer.kind)
+                if rest is not None:
+                    break
+                await inbox.wait(deadline)
+                continue
+            fresh = []
+            for outcome in arrived:
+                if outcome.pair not in remaining:
+                    continue  # a scorer's second report of a pair is ignored
+                remaining.discard(outcome.pair)
+                if outcome.failure is None:
+                    scored += 1
+                else:
+                    failed += 1
+                fresh.append(outcome)
+            if fresh:
+                yield fresh
         if rest is not None:
             await _stop(task)
             failure, detail = rest
-            for pair in sorted(remaining):
-                failed += 1
-                yield PairOutcome.failed(pair, failure, detail)
+            failed += len(remaining)
+            left = [PairOutcome.failed(pair, failure, detail) for pair in sorted(remaining)]
             remaining.clear()
+            yield left
     finally:
+        if unsubscribe is not None:
+            unsubscribe()
         await _stop(task)
         span.set_attributes({"rerank.model": scorer.model, "rerank.scored": scored,
                              "rerank.failed": failed})
         span.end()
 
 
+def _why_nothing(task: asyncio.Task[None], stop: StopSignal | None, left_s: float,
+                 backend: str) -> tuple[Failure, str] | None:
+    """Why no more outcomes will come, when nothing is waiting to be taken; None while
+    they still may."""
+    if stop is not None and stop.is_set():
+        return Failure.SHUTTING_DOWN, "the server is shutting down"
+    if task.done():
+        if not task.cancelled() and task.exception() is not None:
+            detail = type(task.exception()).__name__
+            log.error("scorer_crashed", backend=backend, error=detail)
+            return Failure.HTTP_ERROR, f"scorer crashed: {detail}"
+        return Failure.MALFORMED, "the scorer reported no outcome for this pair"
+    if left_s <= 0:
+        return Failure.TIMEOUT, "time budget spent"
+    return None
+
+
 async def _stop(task: asyncio.Task[None]) -> None:
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-class _Stopped(Exception):
-    pass
-
-
-class _ScorerCrashed(Exception):
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
-async def _next_outcome(outcomes: asyncio.Queue[PairOutcome], task: asyncio.Task[None],
-                        stop: asyncio.Event | None) -> PairOutcome | None:
-    """The next outcome; None once the scorer has finished and nothing is left."""
-    if not outcomes.empty():
-        return outcomes.get_nowait()
-    if stop is not None and stop.is_set():
-        raise _Stopped
-    getter = asyncio.ensure_future(outcomes.get())
-    waits: set[asyncio.Future[Any]] = {getter, task}
-    stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
-    if stopped is not None:
-        waits.add(stopped)
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in (getter, stopped):
-            if waiter is not None and not waiter.done():
-                waiter.cancel()
-    if getter.done() and not getter.cancelled():
-        return getter.result()
-    if stopped is not None and stopped.done() and not stopped.cancelled():
-        raise _Stopped
-    if task.done() and not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
-        raise _ScorerCrashed(type(exc).__name__)
-    return outcomes.get_nowait() if not outcomes.empty() else None

@@ -1,13 +1,13 @@
 """Domain results to wire messages: every field set where the domain has it, and unset
-(not zero) where it has none."""
+(not zero) where it has none; the response holds them in order."""
 
 from __future__ import annotations
 
 import pytest
 
-from rerank_server.api.convert import result_to_pb
+from rerank_server.api.convert import response_to_pb, result_to_pb
 from rerank_server.api.pb import rerank_pb2 as pb
-from rerank_server.domain import Candidate, RankedCandidate
+from rerank_server.domain import BlendStrategy, Candidate, RankedCandidate, RerankSummary
 
 FULL = RankedCandidate(
     candidate=Candidate(id="d7", text="text", index=7, retrieval_rank=3, title="t",
@@ -39,3 +39,12 @@ def test_unset_optionals_stay_unset() -> None:
     full = result_to_pb(FULL)
     assert full.HasField("reranker_score") and full.reranker_score == 0.95
     assert dict(full.metadata) == {"lang": "en"} and list(full.found_in) == ["bm25", "dense"]
+
+
+def test_response_holds_every_result_in_order() -> None:
+    summary = RerankSummary(request_id="r", reranked=True, degraded=None, backend="chat",
+                            model="m", blend=BlendStrategy.POSITION_AWARE, candidates=2,
+                            submitted=2, scored=1, failed=0, total_ms=1.0, scoring_ms=0.5)
+    response = response_to_pb([FULL, BARE], summary)
+    assert list(response.results) == [result_to_pb(FULL), result_to_pb(BARE)]
+    assert response.request_id == "r" and response.counts.scored == 1
