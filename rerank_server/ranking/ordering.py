@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..domain import BlendStrategy, Candidate, RankedCandidate
 from . import blending
 
 
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """A candidate whose final position is known."""
+class Placed(NamedTuple):
+    """A candidate whose final position is known (a named tuple: one is made per
+    candidate, at under half the cost of a frozen dataclass)."""
 
     candidate: Candidate
     score: float

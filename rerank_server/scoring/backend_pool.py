@@ -175,6 +175,9 @@ class BackendPool:
         pinned = _PINNED.get()
         if pinned is not None:
             return None if pinned in exclude else pinned
+        if len(self.endpoints) == 1:  # the common sidecar: nothing to balance
+            only = self.endpoints[0]
+            return only if only.available and not exclude else None
         ready = [e for e in self.endpoints if e.available and e not in exclude]
         if not ready:
             return None

@@ -56,6 +56,7 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.closed = False
         self.error: BaseException | None = None
+        self.expired = False  # the answer's read timeout ran out
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -81,13 +82,20 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def expire(self) -> None:
+        self.expired = True
+        self._wake()
+
     async def more(self) -> None:
-        """Wait until more bytes arrive or the connection closes."""
+        """Wait until more bytes arrive or the connection closes; TimeoutError once the
+        read timeout has run out (`expire`)."""
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter
         finally:
             self._waiter = None
+        if self.expired:
+            raise TimeoutError
 
     def close(self) -> None:
         self.closed = True
@@ -175,20 +183,24 @@ class LeanTransport(httpx.AsyncBaseTransport):
                         read_s: float | None) -> Answer:
         assert connection.transport is not None
         connection.transport.write(data)
+        # One timer that wakes the reader (`_Connection.expire`): `asyncio.timeout` costs a
+        # context manager and a task's cancellation bookkeeping per call besides.
+        timer = None if read_s is None else \
+            asyncio.get_running_loop().call_later(read_s, connection.expire)
         done = False
         try:
-            async with asyncio.timeout(read_s):
-                status, headers, keep_alive = await _read_head(connection, reused, request)
-                while 100 <= status < 200:  # interim answers (100 Continue, 103): skip
-                    status, headers, keep_alive = await _read_head(connection, False,
-                                                                   request)
-                content = b"" if status in _NO_BODY or head_only \
-                    else await _read_body(connection, headers, request)
+            status, headers, keep_alive = await _read_head(connection, reused, request)
+            while 100 <= status < 200:  # interim answers (100 Continue, 103): skip
+                status, headers, keep_alive = await _read_head(connection, False, request)
+            content = b"" if status in _NO_BODY or head_only \
+                else await _read_body(connection, headers, request)
             done = True
         except TimeoutError:
             raise httpx.ReadTimeout("no complete answer within the read timeout",
                                     request=request) from None
         finally:
+            if timer is not None:
+                timer.cancel()
             if not done:
                 connection.close()  # mid-answer: its bytes would confuse the next request
         idle = self._idle[key]
