@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,7 +56,7 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) 
     raise RuntimeError("rerank-server did not start listening")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
         proc.wait(15)
@@ -73,24 +73,36 @@ def fake_backend(latency_ms: float = 0.0) -> Iterator[str]:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop(proc)
+
+
+def start_server(args: Sequence[str], env: Mapping[str, str] | None = None,
+                 cwd: Path | None = None) -> tuple[int, subprocess.Popen[bytes]]:
+    """A rerank-server started with `args` (cache and metrics off unless `args` say
+    otherwise), listening: its gRPC port and process. `env` adds variables; `cwd` is where
+    `python -m rerank_server` finds the package first (another checkout, for A/B runs)."""
+    port = free_port()
+    environ = {**os.environ, "RERANK_PORT": str(port), "RERANK_CACHE_ENTRIES": "0",
+               "RERANK_HTTP_PORT": "0", "RERANK_METRICS": "0", "RERANK_PROBE": "0",
+               "RERANK_LOG_LEVEL": "warning", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server", *args], env=environ,
+                            stdout=subprocess.DEVNULL, cwd=cwd)
+    try:
+        _wait_port(port, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return port, proc
 
 
 @contextmanager
 def rerank_server(args: Sequence[str]) -> Iterator[tuple[int, int]]:
-    """(gRPC port, PID) of a rerank-server started with `args` (cache and metrics off
-    unless `args` say otherwise)."""
-    port = free_port()
-    env = {**os.environ, "RERANK_PORT": str(port), "RERANK_CACHE_ENTRIES": "0",
-           "RERANK_HTTP_PORT": "0", "RERANK_METRICS": "0", "RERANK_PROBE": "0",
-           "RERANK_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server", *args], env=env,
-                            stdout=subprocess.DEVNULL)
+    """(gRPC port, PID) of a rerank-server started with `args` (`start_server`)."""
+    port, proc = start_server(args)
     try:
-        _wait_port(port, proc)
         yield port, proc.pid
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @contextmanager
@@ -108,4 +120,4 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop(proc)

@@ -1,0 +1,98 @@
+"""CPU per pair of two rerank-server versions, measured side by side.
+
+Usage: python scripts/bench_ab.py OLD_TREE [--kinds chat,rerank] [--sizes 10,40,100]
+                                  [--requests 200] [--block 25]
+
+Shared VMs change speed by 20-50% within an hour, so two `rerank-server bench` runs taken
+apart cannot be compared. This starts both versions at once against one instant fake
+backend (the working tree's) and alternates blocks of `--block` requests between them,
+so each block pair sees the same machine. OLD_TREE is a checkout of the old version, e.g.
+`git worktree add /tmp/old <rev>`; the new one is this checkout. CPU is read per thread
+from `/proc/PID/task/*/schedstat` (nanoseconds, every thread of the server).
+
+Absolute figures run higher than `rerank-server bench`'s: two servers take turns, so
+each starts its blocks with cold caches. Compare the two columns, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rerank_client import AsyncRerankClient
+
+from rerank_server.bench.processes import fake_backend, start_server, stop
+from rerank_server.bench.run import backend_args, passages
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every live thread of `pid`, in nanoseconds."""
+    return sum(int((task / "schedstat").read_text().split()[0])
+               for task in Path(f"/proc/{pid}/task").iterdir())
+
+
+async def compare(trees: dict[str, Path], kind: str, size: int, requests: int,
+                  block: int, url: str) -> str:
+    servers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+    try:
+        for name, tree in trees.items():
+            servers[name] = start_server(backend_args(kind, url),
+                                         {"PYTHONPATH": str(tree)}, cwd=tree)
+        docs = passages(size)
+        clients = {name: AsyncRerankClient(f"127.0.0.1:{port}")
+                   for name, (port, _) in servers.items()}
+        cpu = dict.fromkeys(servers, 0)
+        latencies: dict[str, list[float]] = {name: [] for name in servers}
+        for client in clients.values():
+            for i in range(5):
+                await client.rerank(f"warm {i}", docs)
+        for b in range(max(requests // block, 1)):
+            for name, client in clients.items():
+                pid = servers[name][1].pid
+                before = cpu_ns(pid)
+                for i in range(block):
+                    started = time.perf_counter()
+                    await client.rerank(f"q {b} {i}", docs)
+                    latencies[name].append(time.perf_counter() - started)
+                cpu[name] += cpu_ns(pid) - before
+        for client in clients.values():
+            await client.close()
+        pairs = len(latencies["old"]) * size
+        cells = [f"{cpu[n] / pairs / 1000:6.1f} µs/pair, p50 "
+                 f"{statistics.median(latencies[n]) * 1000:5.2f} ms" for n in ("old", "new")]
+        return f"| {kind} | {size} | {cells[0]} | {cells[1]} | " \
+               f"{cpu['new'] / cpu['old'] - 1:+.0%} |"
+    finally:
+        for _, proc in servers.values():
+            stop(proc)
+
+
+async def main(args: argparse.Namespace, old_tree: Path) -> None:
+    trees = {"old": old_tree, "new": ROOT}
+    print("| kind | candidates | old | new | CPU change |\n|---|---|---|---|---|")
+    with fake_backend() as url:
+        for size in (int(s) for s in args.sizes.split(",")):
+            for kind in args.kinds.split(","):
+                print(await compare(trees, kind, size, args.requests, args.block, url),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old_tree", help="a checkout of the version to compare against")
+    parser.add_argument("--kinds", default="chat,ollama,completion,rerank,embedding,llm")
+    parser.add_argument("--sizes", default="10,40,100")
+    parser.add_argument("--requests", type=int, default=200, help="per version and cell")
+    parser.add_argument("--block", type=int, default=25, help="requests per turn")
+    if sys.platform != "linux" or not os.path.exists("/proc/self/task"):
+        sys.exit("needs Linux /proc")
+    arguments = parser.parse_args()
+    asyncio.run(main(arguments, Path(arguments.old_tree).resolve()))
