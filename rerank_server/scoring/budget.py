@@ -80,6 +80,10 @@ class _Inbox:
 
     def __init__(self) -> None:
         self.items: list[PairOutcome] = []
+        # Set by the budget's timer. The clock is not read again instead: uvloop rounds
+        # timers to the millisecond, so one may fire a little before its deadline, and a
+        # re-read would wait again, in zero-length timers, until the clock catches up.
+        self.expired = False
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, outcome: PairOutcome) -> None:
@@ -96,11 +100,16 @@ class _Inbox:
         items, self.items = self.items, []
         return items
 
+    def expire(self) -> None:
+        self.expired = True
+        self.wake()
+
     async def wait(self, deadline: float) -> None:
-        """Until woken (an outcome, the scorer's end, the stop signal) or `deadline`."""
+        """Until woken (an outcome, the scorer's end, the stop signal) or `deadline`
+        (then `expired`)."""
         loop = asyncio.get_running_loop()
         self._waiter = loop.create_future()
-        timer = loop.call_at(deadline, self.wake)
+        timer = loop.call_at(deadline, self.expire)
         try:
             await self._waiter
         finally:
@@ -136,7 +145,8 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
         while remaining:
             arrived = inbox.take()
             if not arrived:
-                rest = _why_nothing(task, stop, deadline - loop.time(), scorer.kind)
+                rest = _why_nothing(task, stop, inbox.expired or loop.time() >= deadline,
+                                    scorer.kind)
                 if rest is not None:
                     break
                 await inbox.wait(deadline)
@@ -169,7 +179,7 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
         span.end()
 
 
-def _why_nothing(task: asyncio.Task[None], stop: StopSignal | None, left_s: float,
+def _why_nothing(task: asyncio.Task[None], stop: StopSignal | None, spent: bool,
                  backend: str) -> tuple[Failure, str] | None:
     """Why no more outcomes will come, when nothing is waiting to be taken; None while
     they still may."""
@@ -181,7 +191,7 @@ def _why_nothing(task: asyncio.Task[None], stop: StopSignal | None, left_s: floa
             log.error("scorer_crashed", backend=backend, error=detail)
             return Failure.HTTP_ERROR, f"scorer crashed: {detail}"
         return Failure.MALFORMED, "the scorer reported no outcome for this pair"
-    if left_s <= 0:
+    if spent:
         return Failure.TIMEOUT, "time budget spent"
     return None
 
