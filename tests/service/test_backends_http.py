@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from rerank_client import AsyncRerankClient
 
+from rerank_server.scoring import completion, prompt
 from tests.conftest import StartServer
 from tests.fakes.json_server import Handler, JsonServer
 
@@ -292,3 +293,30 @@ async def test_completion_renders_each_query_when_the_template_repeats_it(
     assert len(fake.posts("/apply-template")) == 3
     first, second = (c.body["prompt"][0] for c in fake.posts("/completion"))
     assert first.count("<Query>: cats") == 2 and second.count("<Query>: dogs") == 2
+
+
+def plain_template(method: str, path: str, body: Any, headers: Mapping[str, str],
+                   ) -> tuple[int, Any]:
+    """`repeating_template`'s server with a template that keeps the user's message once."""
+    if path == "/apply-template":
+        system, user = (m["content"] for m in body["messages"])
+        return 200, {"prompt": f"<sys>{system}</sys>\n<u>{user}</u>\n<a>"}
+    return repeating_template(method, path, body, headers)
+
+
+async def test_completion_keeps_the_renderings_of_the_latest_instructions(
+        backend: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(completion, "FRAMES_KEPT", 2)
+    fake, client = await backend(plain_template, backend="completion")
+
+    async def ask(instruction: str, query: str) -> None:
+        answer = await client.rerank(query, DOCS, instruction=instruction, always_score=True)
+        assert answer.reranked
+
+    for n, instruction in enumerate(("a", "b", "a", "c", "a", "b")):
+        await ask(instruction, f"query {n} for {instruction}")  # new pairs: no cache hits
+    # Kept: a; a, b; (a again); a, c (b dropped); (a again); a, b: four renderings.
+    assert len(fake.posts("/apply-template")) == 4
+    prompts = [c.body["prompt"][0] for c in fake.posts("/completion")]
+    assert "<Query>: query 5 for b" in prompts[-1] and "<Instruct>: b" in prompts[-1]
+    assert prompts[-1].endswith(f"<Document>: {DOCS[0]}</u>\n<a>{prompt.ASSISTANT_PREFILL}")
