@@ -115,16 +115,19 @@ class Result:
 
     @classmethod
     def from_pb(cls, r: pb.RankedResult) -> Result:
+        # Presence checks inline and no copies of empty maps and lists: this runs once per
+        # result of every answer.
+        has = r.HasField
         return cls(
             id=r.id, index=r.index, rank=r.rank, score=r.score,
-            reranker_score=r.reranker_score if r.HasField("reranker_score") else None,
-            retrieval_score=r.retrieval_score if r.HasField("retrieval_score") else None,
+            reranker_score=r.reranker_score if has("reranker_score") else None,
+            retrieval_score=r.retrieval_score if has("retrieval_score") else None,
             retrieval_rank=r.retrieval_rank,
-            scored_text=r.scored_text if r.HasField("scored_text") else None,
-            metadata=dict(r.metadata),
+            scored_text=r.scored_text if has("scored_text") else None,
+            metadata=dict(r.metadata) if r.metadata else {},
             normalized_retrieval_score=(r.normalized_retrieval_score
-                                        if r.HasField("normalized_retrieval_score") else None),
-            found_in=tuple(r.found_in), cached=r.cached)
+                                        if has("normalized_retrieval_score") else None),
+            found_in=tuple(r.found_in) if r.found_in else (), cached=r.cached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,14 +201,26 @@ def to_candidate(item: CandidateLike, position: int) -> Candidate:
     return Candidate(**data)
 
 
-def _wire(candidates: Iterable[CandidateLike]) -> list[pb.Candidate]:
-    wire = []
+def _add_wire(field: Any, candidates: Iterable[CandidateLike]) -> None:
+    """Append `candidates` to the repeated `field` in place. Only the fields that are set
+    are passed: the message constructor costs about three times as much when handed None
+    for an unset field or an empty map, and a list of messages would be copied in."""
+    add = field.add
     for i, item in enumerate(candidates):
+        if isinstance(item, str):
+            add(id=str(i), text=item)
+            continue
         c = to_candidate(item, i)
-        wire.append(pb.Candidate(id=c.id, text=c.text, title=c.title,
-                                 retrieval_score=c.retrieval_score,
-                                 retrieval_rank=c.retrieval_rank, metadata=dict(c.metadata)))
-    return wire
+        fields: dict[str, Any] = {"id": c.id, "text": c.text}
+        if c.title is not None:
+            fields["title"] = c.title
+        if c.retrieval_score is not None:
+            fields["retrieval_score"] = c.retrieval_score
+        if c.retrieval_rank is not None:
+            fields["retrieval_rank"] = c.retrieval_rank
+        if c.metadata:
+            fields["metadata"] = c.metadata
+        add(**fields)
 
 
 def _choice(kind: str, name: str, choices: Mapping[str, T]) -> T:
@@ -235,12 +250,14 @@ def build_request(query: str, candidates: Iterable[CandidateLike] = (), *, top_k
         skip_within_top_k=skip_within_top_k, strong_signal_skip=strong_signal_skip,
         bypass_cache=bypass_cache, score_kind=_choice("score kind", score_kind, SCORE_KINDS),
         max_tokens_per_doc=max_tokens_per_doc, always_score=always_score)
-    wire_lists = [pb.RankedList(name=lst.name, weight=lst.weight, expansion=lst.expansion,
-                                score_kind=_choice("score kind", lst.score_kind, SCORE_KINDS),
-                                candidates=_wire(lst.candidates)) for lst in lists]
-    return pb.RerankRequest(request_id=request_id, query=query, candidates=_wire(candidates),
-                            top_k=top_k, instruction=instruction, options=options,
-                            lists=wire_lists)
+    request = pb.RerankRequest(request_id=request_id, query=query, top_k=top_k,
+                               instruction=instruction, options=options)
+    _add_wire(request.candidates, candidates)
+    for lst in lists:
+        wire = request.lists.add(name=lst.name, weight=lst.weight, expansion=lst.expansion,
+                                 score_kind=_choice("score kind", lst.score_kind, SCORE_KINDS))
+        _add_wire(wire.candidates, lst.candidates)
+    return request
 
 
 def stream_item(message: pb.RerankStreamMessage) -> Result | Summary:

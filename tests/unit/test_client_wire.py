@@ -1,0 +1,49 @@
+"""The Python client's wire conversion: every field a caller gives reaches the request,
+unset ones stay unset, and answers come back whole."""
+
+from __future__ import annotations
+
+from rerank_client import Candidate, RankedList
+from rerank_client.pb import rerank_pb2 as pb
+from rerank_client.types import RerankAnswer, build_request
+
+
+def test_request_carries_every_given_field_and_leaves_the_rest_unset() -> None:
+    request = build_request("q", [
+        "plain text",
+        {"id": 7, "text": "from a mapping", "retrieval_score": 3.5},
+        Candidate(id="c", text="full", title="T", retrieval_score=0.0, retrieval_rank=4,
+                  metadata={"lang": "en"}),
+    ], lists=[RankedList("dense", ["d0", {"text": "d1", "retrieval_rank": 1}], weight=1.5,
+                         expansion=True, score_kind="similarity")])
+    plain, mapped, full = request.candidates
+    assert (plain.id, plain.text) == ("0", "plain text")
+    for name in ("title", "retrieval_score", "retrieval_rank"):
+        assert not plain.HasField(name), name
+    assert not plain.metadata
+    assert (mapped.id, mapped.retrieval_score) == ("7", 3.5)
+    assert not mapped.HasField("retrieval_rank")
+    assert full.title == "T" and full.HasField("retrieval_score")
+    assert full.retrieval_score == 0.0  # zero is a given score, not an unset one
+    assert full.retrieval_rank == 4 and dict(full.metadata) == {"lang": "en"}
+    (dense,) = request.lists
+    assert (dense.name, dense.weight, dense.expansion) == ("dense", 1.5, True)
+    assert dense.score_kind == pb.SCORE_KIND_SIMILARITY
+    assert [(c.id, c.text) for c in dense.candidates] == [("0", "d0"), ("1", "d1")]
+    assert dense.candidates[1].retrieval_rank == 1
+
+
+def test_answer_reads_every_result_field() -> None:
+    response = pb.RerankResponse(request_id="r", results=[
+        pb.RankedResult(id="a", index=2, rank=1, score=0.9, reranker_score=0.0,
+                        retrieval_score=5.0, retrieval_rank=3, scored_text="chunk",
+                        metadata={"k": "v"}, normalized_retrieval_score=0.5,
+                        found_in=["bm25"], cached=True),
+        pb.RankedResult(id="b", index=0, rank=2, score=0.1, retrieval_rank=1)])
+    full, bare = RerankAnswer.from_pb(response).results
+    assert (full.reranker_score, full.retrieval_score, full.scored_text) == (0.0, 5.0, "chunk")
+    assert full.metadata == {"k": "v"} and full.found_in == ("bm25",) and full.cached
+    assert full.normalized_retrieval_score == 0.5
+    assert bare.reranker_score is None and bare.retrieval_score is None
+    assert bare.scored_text is None and bare.normalized_retrieval_score is None
+    assert bare.metadata == {} and bare.found_in == () and not bare.cached
