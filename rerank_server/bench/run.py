@@ -1,7 +1,7 @@
 """`rerank-server bench`: what rerank-server costs and what it delivers, side by side.
 
     rerank-server bench [--scenarios overhead,telemetry,model,throughput,streaming,backends]
-                        [--requests 30] [--rounds 5] [--out bench-results]
+                        [--requests 100] [--rounds 5] [--out bench-results]
 
 Every comparison runs in one invocation, alternating the things compared, and reports
 ratios beside times (these machines are noisy). Scenarios:
@@ -590,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rerank-server bench",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--requests", type=int, default=30,
+    parser.add_argument("--requests", type=int, default=100,
                         help="overhead: requests per backend and size (telemetry: 10x)")
     parser.add_argument("--seconds", type=float, default=5.0,
                         help="throughput: seconds per concurrency level")
