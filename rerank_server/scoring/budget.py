@@ -21,6 +21,7 @@ import structlog
 from opentelemetry import trace
 
 from .base import Failure, PairOutcome, Scorer, ScoreRequest
+from .wakeup import Wakeup
 
 log = structlog.get_logger(__name__)
 
@@ -75,46 +76,30 @@ class StopSignal:
         return lambda: self._listeners.discard(listener)
 
 
-class _Inbox:
-    """The outcomes a scorer has reported and not yet taken; one waiter at a time."""
+class _Inbox(Wakeup):
+    """The outcomes a scorer has reported and not yet taken; one waiter at a time, woken
+    by each outcome, the scorer's end and the stop signal, expired by the budget."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.items: list[PairOutcome] = []
-        # Set by the budget's timer. The clock is not read again instead: uvloop rounds
-        # timers to the millisecond, so one may fire a little before its deadline, and a
-        # re-read would wait again, in zero-length timers, until the clock catches up.
-        self.expired = False
-        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, outcome: PairOutcome) -> None:
         """The scorer's `emit`."""
         self.items.append(outcome)
         self.wake()
 
-    def wake(self, *_: object) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def take(self) -> list[PairOutcome]:
         items, self.items = self.items, []
         return items
 
-    def expire(self) -> None:
-        self.expired = True
-        self.wake()
-
-    async def wait(self, deadline: float) -> None:
-        """Until woken (an outcome, the scorer's end, the stop signal) or `deadline`
-        (then `expired`)."""
-        loop = asyncio.get_running_loop()
-        self._waiter = loop.create_future()
-        timer = loop.call_at(deadline, self.expire)
+    async def wait_until(self, deadline: float) -> None:
+        """Until woken, or `deadline` (then `expired`)."""
+        timer = asyncio.get_running_loop().call_at(deadline, self.expire)
         try:
-            await self._waiter
+            await self.wait()
         finally:
             timer.cancel()
-            self._waiter = None
 
 
 async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
@@ -149,7 +134,7 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
                                     scorer.kind)
                 if rest is not None:
                     break
-                await inbox.wait(deadline)
+                await inbox.wait_until(deadline)
                 continue
             fresh = []
             for outcome in arrived:

@@ -357,13 +357,9 @@ class HttpBackend:
         and the JSON type, as httpx would send them; built once per path."""
         head = self._heads.get(path)
         if head is None:
-            url = self._url(path)
-            request = httpx.Request("POST", url, headers={**self._headers,
-                                                          "content-type": "application/json"})
-            lines = [b"POST " + url.raw_path + b" HTTP/1.1"]
-            lines.extend(name + b": " + value for name, value in request.headers.raw
-                         if name.lower() != b"content-length")
-            head = self._heads[path] = b"\r\n".join(lines) + b"\r\n"
+            request = httpx.Request("POST", self._url(path), headers={
+                **self._headers, "content-type": "application/json"})
+            head = self._heads[path] = transport.request_head(request, omit=b"content-length")
         return head
 
     async def aclose(self) -> None:

@@ -43,21 +43,23 @@ from typing import NamedTuple, cast
 
 import httpx
 
+from .wakeup import Wakeup
+
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers
 MAX_BODY_BYTES = 256 * 1024 * 1024  # an embeddings answer for a large batch is a few MB
 _NO_BODY = frozenset({204, 304})
 
 
 class _Connection(asyncio.Protocol):
-    """One TCP connection: bytes in, a waiter woken on data or close."""
+    """One TCP connection: bytes in, a reader woken on data or close (`wakeup`), and on
+    the answer's read timeout (`wakeup.expire`)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.closed = False
         self.error: BaseException | None = None
-        self.expired = False  # the answer's read timeout ran out
-        self._waiter: asyncio.Future[None] | None = None
+        self.wakeup = Wakeup()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
@@ -65,36 +67,23 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        self._wake()
+        self.wakeup.wake()
 
     def eof_received(self) -> bool:
         self.closed = True
-        self._wake()
+        self.wakeup.wake()
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.error = exc
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def expire(self) -> None:
-        self.expired = True
-        self._wake()
+        self.wakeup.wake()
 
     async def more(self) -> None:
         """Wait until more bytes arrive or the connection closes; TimeoutError once the
-        read timeout has run out (`expire`)."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-        if self.expired:
+        read timeout has run out."""
+        await self.wakeup.wait()
+        if self.wakeup.expired:
             raise TimeoutError
 
     def close(self) -> None:
@@ -134,7 +123,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         timeout: dict[str, float | None] = request.extensions.get("timeout", {})
         url = request.url
         body = await request.aread()
-        answer = await self.send(url.host, url.port or 80, _head(request) + body,
+        answer = await self.send(url.host, url.port or 80, request_head(request) + b"\r\n" + body,
                                  timeout.get("connect"), timeout.get("read"),
                                  head_only=request.method == "HEAD", request=request)
         return httpx.Response(answer.status, headers=answer.headers, content=answer.body,
@@ -183,10 +172,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
                         read_s: float | None) -> Answer:
         assert connection.transport is not None
         connection.transport.write(data)
-        # One timer that wakes the reader (`_Connection.expire`): `asyncio.timeout` costs a
+        # One timer that wakes the reader (`Wakeup.expire`): `asyncio.timeout` costs a
         # context manager and a task's cancellation bookkeeping per call besides.
         timer = None if read_s is None else \
-            asyncio.get_running_loop().call_later(read_s, connection.expire)
+            asyncio.get_running_loop().call_later(read_s, connection.wakeup.expire)
         done = False
         try:
             status, headers, keep_alive = await _read_head(connection, reused, request)
@@ -219,12 +208,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
 
 
-def _head(request: httpx.Request) -> bytes:
-    url = request.url
-    target = url.raw_path  # path and query, already encoded
+def request_head(request: httpx.Request, omit: bytes = b"") -> bytes:
+    """`request`'s request line and header lines, each ending in CRLF, without the empty
+    line that ends the head; the header named `omit` (lowercase) is left out."""
+    target = request.url.raw_path  # path and query, already encoded
     lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
-    lines.extend(name + b": " + value for name, value in request.headers.raw)
-    return b"\r\n".join(lines) + b"\r\n\r\n"
+    lines.extend(name + b": " + value for name, value in request.headers.raw
+                 if name.lower() != omit)
+    return b"\r\n".join(lines) + b"\r\n"
 
 
 async def _read_head(connection: _Connection, reused: bool, request: httpx.Request | None,
