@@ -1,8 +1,10 @@
 """Domain types of the ranking core.
 
-These are plain frozen dataclasses: the core (validation, chunking, scoring, blending,
-ordering) works on them and never imports generated protobuf code. `convert.py` maps them
-to and from the wire types at the service edge.
+These are immutable records: the core (validation, chunking, scoring, blending, ordering)
+works on them and never imports generated protobuf code. `convert.py` maps them to and
+from the wire types at the service edge. Most are frozen dataclasses; the two made for
+every candidate of every request (`Candidate`, twice, and `RankedCandidate`) are named
+tuples, built in a quarter of a frozen dataclass's time (0.35 against 1.4-1.8 µs).
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
+from typing import NamedTuple
+
+# The default `metadata` of every candidate without any: shared, so it must not change.
+NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 
 class BlendStrategy(StrEnum):
@@ -63,17 +70,20 @@ class ThresholdMode(StrEnum):
     ADAPTIVE = "adaptive"
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One retrieval candidate, its retrieval rank resolved (given, or index + 1)."""
+class Candidate(NamedTuple):
+    """One retrieval candidate, its retrieval rank resolved (given, or index + 1).
+
+    A named tuple (see the module's docstring): compare candidates by their fields, not
+    with plain tuples, and change one with `_replace`."""
 
     id: str
     text: str
-    index: int
+    # Shadows tuple's `index` method, which nothing here calls: the position in the request.
+    index: int  # type: ignore[assignment]
     retrieval_rank: int
     title: str | None = None
     retrieval_score: float | None = None
-    metadata: Mapping[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, str] = NO_METADATA
     # Set by shaping: the retrieval score on 0..1, and the lists that found the candidate.
     normalized_score: float | None = None
     found_in: tuple[str, ...] = ()
@@ -141,9 +151,8 @@ class RerankQuery:
         return len(self.candidates) + sum(len(lst.candidates) for lst in self.lists)
 
 
-@dataclass(frozen=True, slots=True)
-class RankedCandidate:
-    """A candidate in its final position."""
+class RankedCandidate(NamedTuple):
+    """A candidate in its final position (a named tuple, as `Candidate`)."""
 
     candidate: Candidate
     rank: int

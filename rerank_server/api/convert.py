@@ -77,18 +77,17 @@ def _optional(message: Any, name: str) -> Any:
 def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candidate, ...]:
     """Domain candidates; `index` counts on from `first_index` over the whole request."""
     out = []
-    # A loop with the presence checks inline, and no copy of an empty map: this runs for
-    # every candidate of every request (a third cheaper than the helper-based form).
+    # A loop with the presence checks inline, positional arguments, and no copy of an
+    # empty map: this runs for every candidate of every request (a third cheaper than the
+    # helper-based form). The order is `Candidate`'s fields'.
     for i, c in enumerate(wire):
         has = c.HasField
         out.append(Candidate(
-            id=c.id,
-            text=c.text,
-            index=first_index + i,
-            retrieval_rank=c.retrieval_rank if has("retrieval_rank") else i + 1,
-            title=c.title if has("title") else None,
-            retrieval_score=c.retrieval_score if has("retrieval_score") else None,
-            metadata=dict(c.metadata) if c.metadata else {},
+            c.id, c.text, first_index + i,
+            c.retrieval_rank if has("retrieval_rank") else i + 1,
+            c.title if has("title") else None,
+            c.retrieval_score if has("retrieval_score") else None,
+            dict(c.metadata) if c.metadata else {},
         ))
     return tuple(out)
 

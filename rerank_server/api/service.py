@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from ..domain import RankedCandidate, RerankQuery, RerankSummary
+from ..domain import RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_answered, rpc_failed
 from ..ranking.admission import InflightBytes, Overloaded
@@ -77,15 +77,6 @@ class RerankService:
         rpc_answered(rpc, summary, returned, **extra)
         self._reranker.telemetry.metrics.record_rerank(summary)
 
-    async def _collect(self, query: RerankQuery, deadline: float | None,
-                       ) -> tuple[list[RankedCandidate], RerankSummary]:
-        results: list[RankedCandidate] = []
-        async for item in self._reranker.run(query, deadline):
-            if isinstance(item, RerankSummary):
-                return results, item
-            results.append(item)
-        raise RuntimeError("pipeline ended without a summary")
-
     @contextlib.asynccontextmanager
     async def _admitted(self, raw: bytes, seen: _Seen, field: str = "request",
                         ) -> AsyncIterator[RerankQuery]:
@@ -106,7 +97,7 @@ class RerankService:
         try:
             async with self._admitted(raw, seen) as query:
                 del raw  # the domain query holds what is needed
-                results, summary = await self._collect(query, _deadline(context))
+                results, summary = await self._reranker.answer(query, _deadline(context))
         except Exception as exc:
             await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
@@ -119,13 +110,17 @@ class RerankService:
         sent = 0
         first_ms: float | None = None
         try:
-            async with self._admitted(raw, seen) as query:
+            async with self._admitted(raw, seen) as query, \
+                    contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items:
                 del raw
-                async for item in self._reranker.run(query, _deadline(context)):
+                # To the pipeline's end (the summary is its last item), and closed at once
+                # when the client goes away: a generator left suspended is closed only
+                # when the event loop gets to its finalizer.
+                async for item in items:
                     if isinstance(item, RerankSummary):
                         self._finish("RerankStream", item, sent, first_result_ms=first_ms)
                         yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
-                        return
+                        continue
                     if first_ms is None:
                         first_ms = (time.perf_counter() - started) * 1000
                     sent += 1
@@ -152,7 +147,7 @@ class RerankService:
             try:
                 try:
                     async with self._admitted(raw, seen, f"requests[{position}]") as query:
-                        results, summary = await self._collect(query, _deadline(context))
+                        results, summary = await self._reranker.answer(query, _deadline(context))
                     self._finish("RerankBatch", summary, len(results))
                     answer = convert.response_to_pb(results, summary)
                 except Exception as exc:

@@ -135,14 +135,10 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
             _check_unicode(query, field)
             inflight.take(len(body))
             try:
-                results: list[RankedCandidate] = []
-                async for item in reranker.run(query):
-                    if isinstance(item, RerankSummary):
-                        rpc_answered(rpc, item, len(results))
-                        reranker.telemetry.metrics.record_rerank(item)
-                        return results, item
-                    results.append(item)
-                raise RuntimeError("pipeline ended without a summary")
+                results, summary = await reranker.answer(query)
+                rpc_answered(rpc, summary, len(results))
+                reranker.telemetry.metrics.record_rerank(summary)
+                return results, summary
             finally:
                 inflight.give_back(len(body))
         except InvalidRequest as exc:

@@ -25,7 +25,9 @@ import socket
 import socketserver
 import threading
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from types import TracebackType
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
@@ -50,6 +52,20 @@ log = structlog.get_logger(__name__)
 SERVICE = "rerank-server"
 
 
+class _Untraced(AbstractContextManager[trace.Span]):
+    """A step's span with tracing off: nothing is started, made current or ended."""
+
+    def __enter__(self) -> trace.Span:
+        return trace.INVALID_SPAN
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        return None
+
+
+_UNTRACED = _Untraced()
+
+
 @dataclass
 class Telemetry:
     """What the server records telemetry with, and what must be flushed at shutdown."""
@@ -63,6 +79,14 @@ class Telemetry:
     @property
     def tracing(self) -> bool:
         return self.tracer_provider is not None
+
+    def step(self, name: str) -> AbstractContextManager[trace.Span]:
+        """The span of one step of a request, current inside the `with` block. With
+        tracing off, nothing: the no-op tracer's span still cost two context managers and
+        a context switch, about 10 µs a step, four steps a request."""
+        if self.tracer_provider is None:
+            return _UNTRACED
+        return self.tracer.start_as_current_span(name)
 
     @property
     def metrics_port(self) -> int | None:

@@ -83,17 +83,29 @@ class IncrementalRanking:
 
     def resolve(self, candidate_index: int, reranker_score: float | None) -> None:
         """Record a pair's outcome: its score, or `None` when it failed."""
-        c = self._pending.pop(candidate_index)
-        if self._request_wide and self._settled is None:
-            self._held.append((c, reranker_score))
-            self._basis_outstanding.discard(c.index)
-            self._normal_outstanding.discard(c.index)
-            if not self._normal_outstanding:
-                self._settle()
-            return
-        score = self._settled.final(c.retrieval_rank, reranker_score) if self._settled \
-            else blending.blend(self._strategy, c.retrieval_rank, reranker_score)
-        heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, reranker_score)))
+        self.resolve_all(((candidate_index, reranker_score),))
+
+    def resolve_all(self, outcomes: Iterable[tuple[int, float | None]]) -> None:
+        """Record pairs' outcomes (candidate index, score or `None`) that arrived together.
+
+        A request-wide blend tries to settle once, after all of them: a batch of 40 used
+        to try after each pair past the best-ranked third, each try bounding the weight
+        over every way the rest could turn out."""
+        pending, held = self._pending, self._held
+        holding = self._request_wide and self._settled is None
+        for candidate_index, reranker_score in outcomes:
+            c = pending.pop(candidate_index)
+            if holding:
+                held.append((c, reranker_score))
+                self._basis_outstanding.discard(candidate_index)
+                self._normal_outstanding.discard(candidate_index)
+                continue
+            score = self._settled.final(c.retrieval_rank, reranker_score) if self._settled \
+                else blending.blend(self._strategy, c.retrieval_rank, reranker_score)
+            heapq.heappush(self._resolved, (_key(score, c), candidate_index,
+                                            Placed(c, score, reranker_score)))
+        if holding and not self._normal_outstanding:
+            self._settle()
 
     def _settle(self) -> None:
         """The best-ranked third is in: settle the blend once its weight is certain (the
@@ -122,8 +134,7 @@ class IncrementalRanking:
     def fail_outstanding(self) -> list[int]:
         """Resolve every outstanding pair as failed (deadline, backend gone); their indexes."""
         indexes = sorted(self._pending)
-        for i in indexes:
-            self.resolve(i, None)
+        self.resolve_all((i, None) for i in indexes)
         return indexes
 
     def release(self) -> list[Placed]:
@@ -156,13 +167,12 @@ class Emitter:
 
     def take(self, placed: list[Placed]) -> list[RankedCandidate]:
         out: list[RankedCandidate] = []
+        texts, cached = self._texts, self._cached
         for p in placed:
             if self._top_k and self._next_rank > self._top_k:
                 break
             index = p.candidate.index
-            out.append(RankedCandidate(
-                candidate=p.candidate, rank=self._next_rank, score=p.score,
-                reranker_score=p.reranker_score, scored_text=self._texts.get(index),
-                cached=index in self._cached))
+            out.append(RankedCandidate(p.candidate, self._next_rank, p.score,
+                                       p.reranker_score, texts.get(index), index in cached))
             self._next_rank += 1
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from ..domain import (
     Candidate,
@@ -60,11 +60,11 @@ class Reranker:
 
     def resolve(self, query: RerankQuery) -> Request:
         """`query` validated and resolved; raises `InvalidRequest`."""
-        with self.telemetry.tracer.start_as_current_span("rerank.validate"):
+        with self.telemetry.step("rerank.validate"):
             return resolve(query, self.rules)
 
     async def run(self, query: RerankQuery, deadline_remaining_s: float | None = None,
-                  ) -> AsyncIterator[RankedCandidate | RerankSummary]:
+                  ) -> AsyncGenerator[RankedCandidate | RerankSummary, None]:
         self.active += 1
         try:
             async for item in self._run(query, deadline_remaining_s):
@@ -72,21 +72,41 @@ class Reranker:
         finally:
             self.active -= 1
 
+    async def answer(self, query: RerankQuery, deadline_remaining_s: float | None = None,
+                     ) -> tuple[list[RankedCandidate], RerankSummary]:
+        """The whole answer at once (unary RPCs, the JSON API): results in final order and
+        the summary.
+
+        `run` is consumed to its end, not left after the summary: a generator left
+        suspended is closed only when the event loop gets to its finalizer (a task per
+        request), and until then `active` still counts the request."""
+        results: list[RankedCandidate] = []
+        summary: RerankSummary | None = None
+        async for item in self.run(query, deadline_remaining_s):
+            if isinstance(item, RerankSummary):
+                summary = item
+            else:
+                results.append(item)
+        if summary is None:
+            raise RuntimeError("pipeline ended without a summary")
+        return results, summary
+
     async def _run(self, query: RerankQuery, deadline_remaining_s: float | None,
-                   ) -> AsyncIterator[RankedCandidate | RerankSummary]:
+                   ) -> AsyncGenerator[RankedCandidate | RerankSummary, None]:
         started = time.perf_counter()
-        tracer = self.telemetry.tracer
+        telemetry = self.telemetry
         request = self.resolve(query)
         blend = self.blends.settle(request.blend, lambda: self.scorer.kind,
                                    lambda: self.scorer.model)
 
-        with tracer.start_as_current_span("rerank.shape") as span:
+        with telemetry.step("rerank.shape") as span:
             shaped = shape(request)
             cap = request.max_candidates
             scored_set, tail = list(shaped.candidates[:cap]), list(shaped.candidates[cap:])
             skip = skip_reason(request, shaped)
-            span.set_attributes(_shape_attributes(request, shaped,
-                                                  0 if skip else len(scored_set)))
+            if span.is_recording():
+                span.set_attributes(_shape_attributes(request, shaped,
+                                                      0 if skip else len(scored_set)))
         # A profile is chosen by the model's name: until the backend has told it, the
         # pairs are sent (and the profile is chosen once their answers are in).
         if skip is None and not request.always_score and (
@@ -102,7 +122,7 @@ class Reranker:
             yield self._summary(request, shaped, blend(), ranking, outcome, skip, started)
             return
 
-        with tracer.start_as_current_span("rerank.chunk") as span:
+        with telemetry.step("rerank.chunk") as span:
             documents, chunked = document_texts(request.query, scored_set,
                                                 request.max_chunk_chars)
             span.set_attributes({"rerank.max_chunk_chars": request.max_chunk_chars,
@@ -114,8 +134,7 @@ class Reranker:
         # Pairs the cache knows are resolved before anything is sent.
         scope = Scope(self.scorer.kind, self.scorer.model, request.instruction, request.query)
         hits = await self.cache.lookup(scope, documents, bypass=request.bypass_cache)
-        for i, score in hits.items():
-            ranking.resolve(scored_set[i].index, score)
+        ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
         emitter.mark_cached(scored_set[i].index for i in hits)
         outcome.cached = len(hits)
         for item in emitter.take(ranking.release()):
@@ -134,11 +153,12 @@ class Reranker:
         if pending:
             pairs = ScoreRequest(request.query, request.instruction,
                                  [documents[i] for i in pending], request.max_tokens_per_doc)
-            async for arrived in score_within(self.scorer, pairs, budget, tracer,
+            async for arrived in score_within(self.scorer, pairs, budget, telemetry.tracer,
                                               self.stopping):
+                resolved = []
                 for pair in arrived:
                     i = pending[pair.pair]
-                    ranking.resolve(scored_set[i].index, pair.score)
+                    resolved.append((scored_set[i].index, pair.score))
                     if pair.failure is None and pair.score is not None:
                         fresh[documents[i]] = pair.score
                         outcome.scored += 1
@@ -146,6 +166,7 @@ class Reranker:
                         kind = pair.failure or Failure.MALFORMED
                         outcome.failures[kind] += 1
                         outcome.details.setdefault(kind, pair.detail)
+                ranking.resolve_all(resolved)
                 for item in emitter.take(ranking.release()):
                     yield item
         outcome.scoring_s = time.perf_counter() - scoring_started
@@ -156,7 +177,7 @@ class Reranker:
                                request.query), fresh)
 
         # Results whose place was certain were blended and sent during scoring already.
-        with tracer.start_as_current_span("rerank.blend") as span:
+        with telemetry.step("rerank.blend") as span:
             final = emitter.take(ranking.release())
             settled = blend()
             span.set_attributes({"rerank.released_after_scoring": len(final),

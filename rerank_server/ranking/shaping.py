@@ -21,7 +21,6 @@ ranked lists", "Thresholds", "Skip rules"):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,13 +108,13 @@ def shape(query: Request) -> Shaped:
                     score += src.weight / (k + min(ranks)) + rank_bonus(min(ranks))
         # Most groups are one occurrence, already marked with its list (`_sources`).
         merged.append((best if best.found_in == names
-                       else dataclasses.replace(best, found_in=names), score))
+                       else best._replace(found_in=names), score))
 
     if fused:
         merged.sort(key=lambda cs: (-cs[1], cs[0].retrieval_rank, cs[0].index))
         top = merged[0][1] if merged else 1.0
-        ordered = [dataclasses.replace(c, retrieval_rank=i + 1,
-                                       normalized_score=score / top if top > 0 else 0.0)
+        ordered = [c._replace(retrieval_rank=i + 1,
+                                   normalized_score=score / top if top > 0 else 0.0)
                    for i, (c, score) in enumerate(merged)]
     else:
         ordered = sorted((c for c, _ in merged), key=lambda c: (c.retrieval_rank, c.index))
@@ -148,11 +147,10 @@ def _sources(query: Request) -> list[_Source]:
 
 def _shaped(c: Candidate, normalized_score: float | None, found_in: tuple[str, ...],
             ) -> Candidate:
-    """`c` with its shaping fields set: `dataclasses.replace` without its per-call field
-    introspection (3 against 1 µs a candidate; a test holds the two equal)."""
-    return Candidate(id=c.id, text=c.text, index=c.index, retrieval_rank=c.retrieval_rank,
-                     title=c.title, retrieval_score=c.retrieval_score, metadata=c.metadata,
-                     normalized_score=normalized_score, found_in=found_in)
+    """`c` with its shaping fields set: `c._replace` without its keyword handling (0.3
+    against 0.9 µs a candidate; a test holds the two equal)."""
+    return Candidate(c.id, c.text, c.index, c.retrieval_rank, c.title, c.retrieval_score,
+                     c.metadata, normalized_score, found_in)
 
 
 def _groups(candidates: list[Candidate], dedup_key: str) -> list[list[Candidate]]:

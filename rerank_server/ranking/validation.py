@@ -114,24 +114,31 @@ def _validate_candidates(where: str, candidates: Sequence[Candidate],
     if len(candidates) > rules.max_request_candidates:
         raise InvalidRequest(where, f"{len(candidates)} candidates exceeds the "
                                     f"limit of {rules.max_request_candidates}")
+    max_id, max_text = rules.max_id_chars, rules.max_document_chars
     seen: dict[str, int] = {}
+    # Every candidate of every request passes here: the checks are inline and a field's
+    # name is only spelled out for the one that fails.
     for i, c in enumerate(candidates):
-        at = f"{where}[{i}]"
-        if not c.id:
-            raise InvalidRequest(f"{at}.id", "must not be empty")
-        _check_length(f"{at}.id", c.id, rules.max_id_chars)
-        if c.id in seen:
-            raise InvalidRequest(f"{at}.id", f"duplicate of {where}[{seen[c.id]}].id")
+        if not c.id or len(c.id) > max_id or c.id in seen:
+            _bad_id(f"{where}[{i}]", c.id, max_id, where, seen)
         seen[c.id] = i
-        _check_length(f"{at}.text", c.text, rules.max_document_chars)
-        if c.title is not None:
-            _check_length(f"{at}.title", c.title, rules.max_document_chars)
+        if len(c.text) > max_text:
+            _check_length(f"{where}[{i}].text", c.text, max_text)
+        if c.title is not None and len(c.title) > max_text:
+            _check_length(f"{where}[{i}].title", c.title, max_text)
         if c.retrieval_rank < 1:
-            raise InvalidRequest(f"{at}.retrieval_rank", "must be at least 1 when set")
+            raise InvalidRequest(f"{where}[{i}].retrieval_rank", "must be at least 1 when set")
         if c.retrieval_score is not None and not math.isfinite(c.retrieval_score):
-            raise InvalidRequest(f"{at}.retrieval_score", "must be a finite number")
+            raise InvalidRequest(f"{where}[{i}].retrieval_score", "must be a finite number")
         if c.metadata:
-            metadata.check(at, c.metadata)
+            metadata.check(f"{where}[{i}]", c.metadata)
+
+
+def _bad_id(at: str, id_: str, limit: int, where: str, seen: Mapping[str, int]) -> None:
+    if not id_:
+        raise InvalidRequest(f"{at}.id", "must not be empty")
+    _check_length(f"{at}.id", id_, limit)
+    raise InvalidRequest(f"{at}.id", f"duplicate of {where}[{seen[id_]}].id")
 
 
 def _validate_lists(query: RerankQuery, rules: RequestRules,

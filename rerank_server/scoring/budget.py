@@ -120,8 +120,11 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
     # scorer task copies the context at creation, so backend calls become its children.
     span = tracer.start_span("rerank.score", attributes={
         "rerank.backend": scorer.kind, "rerank.pairs": len(remaining)})
-    with trace.use_span(span, end_on_exit=False):
+    if span is trace.INVALID_SPAN:  # tracing off: no context to switch for the task
         task = asyncio.create_task(scorer.score(request, inbox.put))
+    else:
+        with trace.use_span(span, end_on_exit=False):
+            task = asyncio.create_task(scorer.score(request, inbox.put))
     task.add_done_callback(inbox.wake)
     unsubscribe = stop.subscribe(inbox.wake) if stop is not None else None
     scored = failed = 0
