@@ -146,30 +146,36 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
     )
 
 
-def _result_fields(r: RankedCandidate) -> dict[str, Any]:
+def _fill_result(m: pb.RankedResult, r: RankedCandidate) -> None:
+    """`r` into the empty message `m`: only the fields that are set, one assignment each
+    (a quarter cheaper than keyword arguments through a dict, and upb's constructor
+    costs about three times as much when handed None or an empty map or list)."""
     c = r.candidate
-    fields: dict[str, Any] = {
-        "id": c.id, "index": c.index, "rank": r.rank, "score": r.score,
-        "retrieval_rank": c.retrieval_rank, "cached": r.cached}
-    # Only the fields that are set: the message constructor costs about three times as
-    # much when handed None for an unset field or an empty map or list (measured, upb).
+    m.id = c.id
+    m.index = c.index
+    m.rank = r.rank
+    m.score = r.score
+    m.retrieval_rank = c.retrieval_rank
+    if r.cached:
+        m.cached = True
     if r.reranker_score is not None:
-        fields["reranker_score"] = r.reranker_score
+        m.reranker_score = r.reranker_score
     if c.retrieval_score is not None:
-        fields["retrieval_score"] = c.retrieval_score
+        m.retrieval_score = c.retrieval_score
     if c.normalized_score is not None:
-        fields["normalized_retrieval_score"] = c.normalized_score
+        m.normalized_retrieval_score = c.normalized_score
     if r.scored_text is not None:
-        fields["scored_text"] = r.scored_text
+        m.scored_text = r.scored_text
     if c.metadata:
-        fields["metadata"] = c.metadata
+        m.metadata.update(c.metadata)
     if c.found_in:
-        fields["found_in"] = c.found_in
-    return fields
+        m.found_in.extend(c.found_in)
 
 
 def result_to_pb(r: RankedCandidate) -> pb.RankedResult:
-    return pb.RankedResult(**_result_fields(r))
+    m = pb.RankedResult()
+    _fill_result(m, r)
+    return m
 
 
 def _summary_fields(s: RerankSummary) -> dict[str, object]:
@@ -203,5 +209,5 @@ def response_to_pb(results: list[RankedCandidate], s: RerankSummary) -> pb.Reran
     response = pb.RerankResponse(**_summary_fields(s))  # type: ignore[arg-type]
     add = response.results.add  # built in place: a list of messages would be copied in
     for r in results:
-        add(**_result_fields(r))
+        _fill_result(add(), r)
     return response

@@ -19,6 +19,7 @@ same order.
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
@@ -39,6 +40,9 @@ def _key(score: float, c: Candidate) -> tuple[float, int, int]:
     return (-score, c.retrieval_rank, c.index)
 
 
+_BY_RANK = attrgetter("retrieval_rank", "index")  # retrieval order, ties by position
+
+
 class IncrementalRanking:
     """Releases candidates in final order as their pair outcomes arrive."""
 
@@ -55,18 +59,17 @@ class IncrementalRanking:
         # Outstanding candidates by their upper bound, best first; stale entries are
         # skipped lazily once their candidate resolves.
         self._pending: dict[int, Candidate] = {c.index: c for c in scored}
-        # A request-wide blend releases nothing before it settles, so any bound will do
-        # until then (`_settle` sets the real ones).
-        self._bounds = [(_key(1.0 if self._request_wide
-                              else blending.upper_bound(strategy, c.retrieval_rank), c), c.index)
-                        for c in scored]
+        # A request-wide blend holds every outcome until it settles, so it needs no
+        # bounds until then (`_settle` sets them).
+        self._bounds = [] if self._request_wide else [
+            (_key(blending.upper_bound(strategy, c.retrieval_rank), c), c.index)
+            for c in scored]
         heapq.heapify(self._bounds)
         self._resolved: list[tuple[tuple[float, int, int], int, Placed]] = []
         self._tail_released = False
         # Request-wide blends: the candidates whose scores settle it, those resolved
         # before it settled, and the settled blend.
-        best_ranked = sorted(scored, key=lambda c: (c.retrieval_rank, c.index)) \
-            if self._request_wide else []
+        best_ranked = sorted(scored, key=_BY_RANK) if self._request_wide else []
         n = len(scored)
         # The weight settles on the best-ranked half, the normalization on the third.
         self._basis = frozenset(c.index for c in best_ranked[:blending.settle_count(n)])
@@ -123,9 +126,11 @@ class IncrementalRanking:
         settled = blending.Settled.weighted(
             weight, [p for c, p in self._held if c.index in self._normal and p is not None])
         self._settled, self.reranker_weight = settled, settled.weight
+        final, resolved = settled.final, self._resolved
         for c, p in self._held:
-            score = settled.final(c.retrieval_rank, p)
-            heapq.heappush(self._resolved, (_key(score, c), c.index, Placed(c, score, p)))
+            score = final(c.retrieval_rank, p)
+            resolved.append(((-score, c.retrieval_rank, c.index), c.index, Placed(c, score, p)))
+        heapq.heapify(resolved)
         self._held.clear()
         self._bounds = [(_key(settled.upper_bound(c.retrieval_rank), c), c.index)
                         for c in self._pending.values()]

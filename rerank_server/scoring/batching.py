@@ -38,8 +38,12 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
             else:
                 emit(PairOutcome(i, score))
 
+    starts = range(0, len(documents), max_batch)
+    if len(starts) == 1:  # one slice, the common case: no task group to run it in
+        await one(0)
+        return
     async with asyncio.TaskGroup() as group:
-        for start in range(0, len(documents), max_batch):
+        for start in starts:
             group.create_task(one(start))
 
 
