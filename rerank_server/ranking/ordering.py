@@ -19,8 +19,8 @@ same order.
 from __future__ import annotations
 
 import heapq
-from operator import attrgetter
 from collections.abc import Callable, Iterable, Mapping
+from operator import attrgetter
 from typing import NamedTuple
 
 from ..domain import BlendStrategy, Candidate, RankedCandidate

@@ -48,6 +48,31 @@ def test_released_order_equals_full_sort(scores: list[float | None], strategy: B
     assert [p.candidate for p in released] == expected + tail
 
 
+@given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=0, max_size=25),
+       st.sampled_from(list(BlendStrategy)), st.randoms(use_true_random=False), profiles)
+def test_outcomes_arriving_in_groups_release_what_one_by_one_would(
+        scores: list[float | None], strategy: BlendStrategy, rnd: random.Random,
+        params: AdaptiveParams) -> None:
+    """A batch's outcomes are resolved together (`resolve_all`, which settles a
+    request-wide blend once per group): after each group, what is released is what
+    resolving the same outcomes one by one releases."""
+    order = list(range(len(scores)))
+    rnd.shuffle(order)
+    groups: list[list[int]] = []
+    while order:
+        size = rnd.randint(1, len(order))
+        groups.append(order[:size])
+        order = order[size:]
+    single = IncrementalRanking(strategy, _cands(len(scores)), [], lambda: params)
+    grouped = IncrementalRanking(strategy, _cands(len(scores)), [], lambda: params)
+    for group in groups:
+        for i in group:
+            single.resolve(i, scores[i])
+        grouped.resolve_all((i, scores[i]) for i in group)
+        assert grouped.release() == single.release()
+        assert grouped.reranker_weight == single.reranker_weight
+
+
 def test_nothing_released_while_a_better_candidate_may_come() -> None:
     ranking = IncrementalRanking(BlendStrategy.RERANK_ONLY, _cands(3), [])
     ranking.resolve(2, 0.9)

@@ -59,12 +59,11 @@ def run(query: RerankQuery, scorer: FunctionScorer,
     reranker = Reranker(request_rules(Settings(min_candidates=2)), scorer)
 
     async def collect() -> tuple[list[RankedCandidate], RerankSummary]:
-        results: list[RankedCandidate] = []
-        async for item in reranker.run(query):
-            if isinstance(item, RerankSummary):
-                return results, item
-            results.append(item)
-        raise AssertionError("no summary")
+        answer = await reranker.answer(query)
+        # The pipeline ran to its end, not left for the loop's finalizer to close: the
+        # request no longer counts as active (the budget of the next ones reads it).
+        assert reranker.active == 0
+        return answer
 
     return asyncio.run(collect())
 
