@@ -238,6 +238,11 @@ class Settings:
         "request makes 40). Off: calls carry the rerank.score span's traceparent, so a "
         "traced backend still joins the trace, at a fraction of the cost.",
         group="observability"))
+    trace_steps: bool = field(default=False, metadata=_opt(
+        "With tracing on, a span for each CPU-only step of a request (rerank.validate, "
+        "rerank.shape, rerank.chunk, rerank.blend). Off: the server span and rerank.score; "
+        "the steps are the server span's time outside rerank.score. The four spans add "
+        "about a twelfth to a request's CPU against a fast backend.", group="observability"))
     otlp_endpoint: str = field(default="", metadata=_opt(
         "OTLP/gRPC collector for traces and metrics, e.g. http://otel-collector:4317 "
         "(empty: OTEL_EXPORTER_OTLP_ENDPOINT if set, else no export and no tracing).",

@@ -9,9 +9,10 @@ ratios beside times (these machines are noisy). Scenarios:
 - overhead: an instant fake backend (`fake_backend.py`, its own process); per backend
   kind and 10/40/100 candidates, latency p50/p99 per request and rerank-server's CPU time
   per scored pair (read from /proc for the server process alone).
-- telemetry: what metrics and traces add per request (`telemetry.py`): four servers in
-  this process, off / metrics / metrics+traces / metrics+traces+calls (a span per backend
-  call), round-robin against the fake backend.
+- telemetry: what metrics and traces add per request (`telemetry.py`): five servers in
+  this process, off / metrics / metrics+traces / metrics+traces+steps (a span per
+  CPU-only step) / metrics+traces+calls (a span per backend call), round-robin against
+  the fake backend.
 - model: the same passages scored against llama-server directly (concurrent chat calls
   at the slot count, the best direct strategy) and through rerank-server (chat backend,
   same concurrency); through/direct is our efficiency.

@@ -1,11 +1,12 @@
 """The `telemetry` scenario: what metrics and tracing add per request, side by side.
 
-Four servers run in this process against the same instant fake backend: `off` (no
+Five servers run in this process against the same instant fake backend: `off` (no
 metrics, no tracing), `metrics` (the Prometheus reader, as shipped), `metrics+traces`
-(also every span, handed to a batch processor whose exporter drops them, so the cost is
-ours and not a collector's) and `metrics+traces+calls` (with `--trace-backend-calls`: a
-client span per backend call). Requests go round-robin over the four so machine noise
-hits each alike. CPU time is this process's (servers and client together), so the ratios to
+(the spans tracing makes by default, handed to a batch processor whose exporter drops
+them, so the cost is ours and not a collector's), `metrics+traces+steps` (with
+`--trace-steps`: a span per CPU-only step) and `metrics+traces+calls` (with
+`--trace-backend-calls`: a client span per backend call). Requests go round-robin over
+the five so machine noise hits each alike. CPU time is this process's (servers and client together), so the ratios to
 `off` are the figures to read.
 """
 
@@ -26,7 +27,8 @@ from ..observability.telemetry import Telemetry
 from ..server import RunningServer, build_server, freeze_startup_objects
 from ..settings import LogFormat, Settings
 
-SETUPS = ("off", "metrics", "metrics+traces", "metrics+traces+calls")
+SETUPS = ("off", "metrics", "metrics+traces", "metrics+traces+steps",
+          "metrics+traces+calls")
 
 
 class _Discard(io.TextIOBase):
@@ -42,7 +44,8 @@ class _Drop(SpanExporter):
 async def _start(setup: str, backend_url: str) -> RunningServer:
     settings = Settings(port=0, backend_url=backend_url, probe=False, metrics=setup != "off",
                         http_port=0, metrics_port=0, cache_entries=0, log_level="warning",
-                        trace_backend_calls=setup.endswith("+calls"))
+                        trace_backend_calls=setup.endswith("+calls"),
+                        trace_steps=setup.endswith("+steps"))
     # As in production: a batch processor, not the synchronous one tests use.
     processor = BatchSpanProcessor(_Drop()) if "traces" in setup else None
     telemetry = Telemetry.create(settings, span_processor=processor, environ={})

@@ -171,13 +171,15 @@ async def test_overload_is_shed_counted_and_health_still_answers(
                  rpc_response_status_code="RESOURCE_EXHAUSTED") == 1
 
 
-@pytest.fixture(params=[False, True], ids=["call-spans-off", "call-spans-on"])
+@pytest.fixture(params=[False, True], ids=["default-spans", "every-span"])
 async def traced(fake_llama: FakeLlamaServer, request: pytest.FixtureRequest,
                  ) -> AsyncIterator[tuple[RunningServer, InMemorySpanExporter]]:
-    """A traced server, without and with a client span per backend call."""
+    """A traced server as shipped, and with the opt-in spans (per backend call, per
+    CPU-only step)."""
     exporter = InMemorySpanExporter()
     settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, probe=False,
-                        metrics=False, trace_backend_calls=request.param)
+                        metrics=False, trace_backend_calls=request.param,
+                        trace_steps=request.param)
     server = await build_server(settings, telemetry=Telemetry.create(
         settings, span_processor=SimpleSpanProcessor(exporter), environ={}))
     yield server, exporter
@@ -213,8 +215,9 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
         "rpc.grpc.status_code": 0}
     assert all(format(s.context.trace_id, "032x") == TRACE_ID for s in spans if s.context)
     steps = {s.name: s for s in _children(spans, root)}
-    assert set(steps) == {"rerank.validate", "rerank.shape", "rerank.chunk", "rerank.score",
-                          "rerank.blend"}
+    assert set(steps) == ({"rerank.validate", "rerank.shape", "rerank.chunk", "rerank.score",
+                           "rerank.blend"} if server.settings.trace_steps
+                          else {"rerank.score"})
     score = steps["rerank.score"]
     assert score.attributes is not None
     assert score.attributes["rerank.backend"] == "chat"

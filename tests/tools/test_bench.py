@@ -36,7 +36,8 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     telemetry = report["telemetry"]
     assert telemetry["requests"] == 20 and telemetry["off"]["cpu_ratio"] == 1.0
     assert all(telemetry[s]["cpu_ms_per_request"] > 0
-               for s in ("off", "metrics", "metrics+traces", "metrics+traces+calls"))
+               for s in ("off", "metrics", "metrics+traces", "metrics+traces+steps",
+                         "metrics+traces+calls"))
     assert report["model"]["through_over_direct"] > 0
     streaming = report["streaming"]
     assert set(streaming) == {"fixed 30 ms x2, 12", "fixed 5 ms x4, 6", "llama-server x4, 6"}
