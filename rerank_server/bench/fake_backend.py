@@ -30,9 +30,17 @@ def _score(text: str) -> float:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "big") / 2**32
 
 
+# The rest of the 20 top logprobs rerank-server asks for, as llama-server sends them: the
+# parsing of every entry is part of what a scored pair costs.
+_OTHERS = [{"id": 10 + i, "token": t, "logprob": -12.0 - i}
+           for i, t in enumerate((" Yes", " No", "YES", "The", "Based", "I", "It", "Rel",
+                                  "yes,", "No.", "\n", " ", "The", "This", "A", "Maybe",
+                                  "Not", "<"))]
+
+
 def _logprobs(p: float) -> list[dict[str, Any]]:
     return [{"id": 1, "token": "yes", "logprob": math.log(max(p, 1e-6))},
-            {"id": 2, "token": "no", "logprob": math.log(max(1 - p, 1e-6))}]
+            {"id": 2, "token": "no", "logprob": math.log(max(1 - p, 1e-6))}, *_OTHERS]
 
 
 def answer(path: str, body: Any) -> Any:

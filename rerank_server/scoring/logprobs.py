@@ -11,7 +11,7 @@ has no score: no invented constant.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 FLOOR_LOGPROB = -10.0
@@ -23,8 +23,10 @@ class MalformedLogprobs(ValueError):
 
 
 def _logsumexp(values: list[float]) -> float:
+    if len(values) == 1:  # one variant of the answer, the usual case
+        return values[0]
     top = max(values)
-    return top + math.log(sum(math.exp(v - top) for v in values))
+    return top + math.log(sum([math.exp(v - top) for v in values]))
 
 
 def p_yes(top_logprobs: Iterable[tuple[str, float]]) -> float | None:
@@ -58,18 +60,22 @@ def chat_top_logprobs(body: Any) -> list[tuple[str, float]]:
     try:
         content = body["choices"][0]["logprobs"]["content"]
         entries = content[0]["top_logprobs"]
-        return [_entry(e) for e in entries]
+        # One loop, no call per entry: a chat call per pair, 20 entries each.
+        out = []
+        for e in entries:
+            token, logprob = e["token"], e["logprob"]
+            if type(logprob) is not float:  # exactly float, the common case, checks least
+                if not isinstance(logprob, int | float) or isinstance(logprob, bool):
+                    raise TypeError("bad top_logprobs entry")
+                logprob = float(logprob)
+            if not isinstance(token, str):
+                raise TypeError("bad top_logprobs entry")
+            if logprob != logprob:
+                raise TypeError("NaN logprob")
+            # -inf (probability 0) would turn the softmax into NaN; any value this low is
+            # 0 anyway.
+            out.append((token, logprob if logprob > MIN_LOGPROB else MIN_LOGPROB))
+        return out
     except (KeyError, IndexError, TypeError) as exc:
         raise MalformedLogprobs(
             f"no top_logprobs in chat response ({type(exc).__name__})") from None
-
-
-def _entry(entry: Mapping[str, Any]) -> tuple[str, float]:
-    token, logprob = entry["token"], entry["logprob"]
-    numeric = isinstance(logprob, int | float) and not isinstance(logprob, bool)
-    if not isinstance(token, str) or not numeric:
-        raise TypeError("bad top_logprobs entry")
-    if math.isnan(logprob):
-        raise TypeError("NaN logprob")
-    # -inf (probability 0) would turn the softmax into NaN; any value this low is 0 anyway.
-    return token, max(float(logprob), MIN_LOGPROB)
