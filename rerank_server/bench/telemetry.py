@@ -6,8 +6,8 @@ metrics, no tracing), `metrics` (the Prometheus reader, as shipped), `metrics+tr
 them, so the cost is ours and not a collector's), `metrics+traces+steps` (with
 `--trace-steps`: a span per CPU-only step) and `metrics+traces+calls` (with
 `--trace-backend-calls`: a client span per backend call). Requests go round-robin over
-the five so machine noise hits each alike. CPU time is this process's (servers and client together), so the ratios to
-`off` are the figures to read.
+the five so machine noise hits each alike. CPU time is this process's (servers and
+client together), so the ratios to `off` are the figures to read.
 """
 
 from __future__ import annotations
