@@ -61,8 +61,7 @@ def answer(path: str, body: Any) -> Any:
             {"token": "yes", "logprob": 0.0, "top_logprobs": _logprobs(_score(content))}]}}]}
     if path == "/completion":
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
-        return [{"completion_probabilities": [{"top_logprobs": _logprobs(_score(p))}]}
-                for p in prompts]
+        return [_completion(i, p, body.get("response_fields")) for i, p in enumerate(prompts)]
     if path == "/tokenize":
         return {"tokens": [1] if body["content"].strip().lower() == "yes" else [2]}
     if path == "/apply-template":
@@ -79,6 +78,47 @@ def answer(path: str, body: Any) -> Any:
     if path == "/api/generate":
         return {"response": str(round(_score(body["prompt"]) * 10)), "done": True}
     return None
+
+
+# What llama-server (the pinned build) adds to each `/completion` result unless
+# `response_fields` narrows it: its sampling settings, the prompt echoed, timings. The
+# size is part of what decoding an answer costs (159 KB for 40 prompts, 68 KB narrowed).
+_SETTINGS = {
+    "seed": 4294967295, "temperature": 0.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+    "top_k": 40, "top_p": 0.95, "min_p": 0.05, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+    "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0,
+    "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9, "stop": [],
+    "max_tokens": 1, "n_predict": 1, "n_keep": 0, "n_discard": 0, "ignore_eos": False,
+    "stream": False, "logit_bias": [], "n_probs": 20, "min_keep": 0, "grammar": "",
+    "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": [],
+    "chat_format": "Content-only", "reasoning_format": "deepseek",
+    "reasoning_in_content": False, "generation_prompt": "",
+    "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                 "xtc", "temperature"],
+    "speculative.types": "none", "timings_per_token": False, "post_sampling_probs": False,
+    "backend_sampling": False, "lora": []}
+
+
+def _completion(index: int, prompt: str, fields: Any) -> dict[str, Any]:
+    top = _logprobs(_score(prompt))
+    result = {"completion_probabilities": [{**top[0], "bytes": [121, 101, 115],
+                                            "top_logprobs": top}],
+              "model": "instant"}
+    if fields:
+        return {k: v for k, v in result.items() if k in fields}
+    n = len(prompt) // 4
+    return {"index": index, "content": "yes", "tokens": [], "id_slot": index % 4, "stop": True,
+            "model": "instant", "tokens_predicted": 1, "tokens_evaluated": n,
+            "generation_settings": _SETTINGS, "prompt": prompt, "has_new_line": False,
+            "truncated": False, "stop_type": "limit", "stopping_word": "", "tokens_cached": 0,
+            "timings": {"cache_n": 0, "prompt_n": n, "prompt_ms": 20.5,
+                        "prompt_per_token_ms": 10.2, "prompt_per_second": 97.8,
+                        "predicted_n": 1, "predicted_ms": 0.001,
+                        "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0},
+            "completion_probabilities": result["completion_probabilities"]}
 
 
 SCORING_PATHS_EXEMPT = ("/tokenize", "/apply-template")  # metadata: never delayed

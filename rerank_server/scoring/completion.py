@@ -34,6 +34,11 @@ from .logprobs import p_yes
 from .pooled_scorer import PooledScorer
 
 N_PROBS = 20
+# Only what `_parse` reads. Without it llama-server answers every prompt with its
+# settings, the prompt itself, tokens and timings: 159 KB for 40 prompts instead of 68,
+# whose decoding took 490 µs instead of 270 (pinned build, `python -m timeit`). Servers
+# that do not know the option ignore it.
+RESPONSE_FIELDS = ["completion_probabilities", "model"]
 PLACEHOLDER = "RERANK-DOCUMENT-PLACEHOLDER-7f1c"
 QUERY_PLACEHOLDER = "RERANK-QUERY-PLACEHOLDER-3b9e"
 FRAMES_KEPT = 64
@@ -119,7 +124,8 @@ class CompletionScorer(PooledScorer):
 
         async def batch(_start: int, chunk: Sequence[str]) -> dict[int, float | None]:
             body = self.with_model({"prompt": list(chunk), "n_probs": N_PROBS,
-                                    "n_predict": 1, "temperature": 0.0, "cache_prompt": True})
+                                    "n_predict": 1, "temperature": 0.0, "cache_prompt": True,
+                                    "response_fields": RESPONSE_FIELDS})
             scores = await self._pool.call("/completion", body,
                                            lambda b: self._parse(b, ids, len(chunk)),
                                            pairs=len(chunk))
