@@ -32,15 +32,22 @@ def _score(text: str) -> float:
 
 # The rest of the 20 top logprobs rerank-server asks for, as llama-server sends them: the
 # parsing of every entry is part of what a scored pair costs.
-_OTHERS = [{"id": 10 + i, "token": t, "logprob": -12.0 - i}
+_OTHERS = [{"id": 10 + i, "token": t, "bytes": list(t.encode()), "logprob": -12.0 - i}
            for i, t in enumerate((" Yes", " No", "YES", "The", "Based", "I", "It", "Rel",
                                   "yes,", "No.", "\n", " ", "The", "This", "A", "Maybe",
                                   "Not", "<"))]
 
 
 def _logprobs(p: float) -> list[dict[str, Any]]:
-    return [{"id": 1, "token": "yes", "logprob": math.log(max(p, 1e-6))},
-            {"id": 2, "token": "no", "logprob": math.log(max(1 - p, 1e-6))}, *_OTHERS]
+    return [{"id": 1, "token": "yes", "bytes": [121, 101, 115],
+             "logprob": math.log(max(p, 1e-6))},
+            {"id": 2, "token": "no", "bytes": [110, 111], "logprob": math.log(max(1 - p, 1e-6))},
+            *_OTHERS]
+
+
+_TIMINGS = {"cache_n": 0, "prompt_n": 150, "prompt_ms": 20.5, "prompt_per_token_ms": 0.14,
+            "prompt_per_second": 7317.1, "predicted_n": 1, "predicted_ms": 0.001,
+            "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0}
 
 
 def answer(path: str, body: Any) -> Any:
@@ -57,8 +64,17 @@ def answer(path: str, body: Any) -> Any:
                       for i in range(1, n + 1)]
             return {"choices": [{"message": {"role": "assistant",
                                              "content": json.dumps(scores)}}]}
-        return {"model": "instant", "choices": [{"logprobs": {"content": [
-            {"token": "yes", "logprob": 0.0, "top_logprobs": _logprobs(_score(content))}]}}]}
+        top = _logprobs(_score(content))
+        # Shaped and sized as the pinned llama-server's answer (about 2.2 KB).
+        return {"created": 1795411458, "model": "instant", "system_fingerprint": "b0-unknown",
+                "object": "chat.completion", "id": "chatcmpl-akEur6yhsVIgbXVkyptf8cGLjJNEMXJi",
+                "usage": {"completion_tokens": 1, "prompt_tokens": len(content) // 4,
+                          "total_tokens": len(content) // 4 + 1,
+                          "prompt_tokens_details": {"cached_tokens": 0}},
+                "timings": _TIMINGS,
+                "choices": [{"finish_reason": "length", "index": 0,
+                             "message": {"role": "assistant", "content": "yes"},
+                             "logprobs": {"content": [{**top[0], "top_logprobs": top}]}}]}
     if path == "/completion":
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         return [_completion(i, p, body.get("response_fields")) for i, p in enumerate(prompts)]
@@ -104,8 +120,7 @@ _SETTINGS = {
 
 def _completion(index: int, prompt: str, fields: Any) -> dict[str, Any]:
     top = _logprobs(_score(prompt))
-    result = {"completion_probabilities": [{**top[0], "bytes": [121, 101, 115],
-                                            "top_logprobs": top}],
+    result = {"completion_probabilities": [{**top[0], "top_logprobs": top}],
               "model": "instant"}
     if fields:
         return {k: v for k, v in result.items() if k in fields}
@@ -114,10 +129,7 @@ def _completion(index: int, prompt: str, fields: Any) -> dict[str, Any]:
             "model": "instant", "tokens_predicted": 1, "tokens_evaluated": n,
             "generation_settings": _SETTINGS, "prompt": prompt, "has_new_line": False,
             "truncated": False, "stop_type": "limit", "stopping_word": "", "tokens_cached": 0,
-            "timings": {"cache_n": 0, "prompt_n": n, "prompt_ms": 20.5,
-                        "prompt_per_token_ms": 10.2, "prompt_per_second": 97.8,
-                        "predicted_n": 1, "predicted_ms": 0.001,
-                        "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0},
+            "timings": _TIMINGS,
             "completion_probabilities": result["completion_probabilities"]}
 
 
