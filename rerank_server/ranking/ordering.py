@@ -96,6 +96,7 @@ class IncrementalRanking:
         over every way the rest could turn out."""
         pending, held = self._pending, self._held
         holding = self._request_wide and self._settled is None
+        before = len(held)
         for candidate_index, reranker_score in outcomes:
             c = pending.pop(candidate_index)
             if holding:
@@ -107,7 +108,8 @@ class IncrementalRanking:
                 else blending.blend(self._strategy, c.retrieval_rank, reranker_score)
             heapq.heappush(self._resolved, (_key(score, c), candidate_index,
                                             Placed(c, score, reranker_score)))
-        if holding and not self._normal_outstanding:
+        # Only once something arrived: an empty group (no cache hits) settles nothing.
+        if holding and len(held) > before and not self._normal_outstanding:
             self._settle()
 
     def _settle(self) -> None:

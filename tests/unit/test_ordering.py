@@ -143,3 +143,12 @@ def test_scores_above_the_settled_range_count_as_its_top() -> None:
         ranking.resolve(i, 0.95 if i == 7 else 0.1)
     ids = [p.candidate.id for p in ranking.release()]
     assert ids[:2] == ["3", "7"]
+
+
+def test_an_empty_group_settles_nothing() -> None:
+    """The pipeline resolves its cache hits as a group even when there are none: with
+    nothing scored, a request-wide blend must stay unsettled (no weight to report)."""
+    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, [], _cands(2))
+    ranking.resolve_all([])
+    assert ranking.reranker_weight is None
+    assert [p.candidate.index for p in ranking.release()] == [0, 1]
