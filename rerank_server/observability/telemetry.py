@@ -53,7 +53,8 @@ SERVICE = "rerank-server"
 
 
 class _Untraced(AbstractContextManager[trace.Span]):
-    """A step's span with tracing off: nothing is started, made current or ended."""
+    """A step's span when none is made (tracing off, or no `--trace-steps`): nothing is
+    started, made current or ended."""
 
     def __enter__(self) -> trace.Span:
         return trace.INVALID_SPAN
