@@ -30,7 +30,7 @@ from .base import Emit, Failure, ScoreRequest
 from .batching import failed_all, score_in_batches
 from .context_fit import ContextFit, token_list
 from .http import BackendCallError
-from .logprobs import p_yes
+from .logprobs import checked_logprob, p_yes
 from .pooled_scorer import PooledScorer
 
 N_PROBS = 20
@@ -151,7 +151,8 @@ def _answers(result: dict[str, Any], ids: dict[int, str]) -> list[tuple[str, flo
     """(yes|no, logprob) for the answer tokens among the first position's top logprobs."""
     try:
         top = result["completion_probabilities"][0]["top_logprobs"]
-        return [(ids[entry["id"]], float(entry["logprob"]))
+        # Checked as chat's are: `float()` took a bool, or the string "nan", as a logprob.
+        return [(ids[entry["id"]], checked_logprob(entry["logprob"]))
                 for entry in top if entry.get("id") in ids]
     except (KeyError, IndexError, TypeError, ValueError):
         raise MalformedResponse("completion result has no top_logprobs") from None

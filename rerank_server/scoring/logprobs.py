@@ -60,22 +60,26 @@ def chat_top_logprobs(body: Any) -> list[tuple[str, float]]:
     try:
         content = body["choices"][0]["logprobs"]["content"]
         entries = content[0]["top_logprobs"]
-        # One loop, no call per entry: a chat call per pair, 20 entries each.
         out = []
         for e in entries:
-            token, logprob = e["token"], e["logprob"]
-            if type(logprob) is not float:  # exactly float, the common case, checks least
-                if not isinstance(logprob, int | float) or isinstance(logprob, bool):
-                    raise TypeError("bad top_logprobs entry")
-                logprob = float(logprob)
+            token = e["token"]
             if not isinstance(token, str):
                 raise TypeError("bad top_logprobs entry")
-            if logprob != logprob:
-                raise TypeError("NaN logprob")
-            # -inf (probability 0) would turn the softmax into NaN; any value this low is
-            # 0 anyway.
-            out.append((token, logprob if logprob > MIN_LOGPROB else MIN_LOGPROB))
+            out.append((token, checked_logprob(e["logprob"])))
         return out
     except (KeyError, IndexError, TypeError) as exc:
         raise MalformedLogprobs(
             f"no top_logprobs in chat response ({type(exc).__name__})") from None
+
+
+def checked_logprob(value: Any) -> float:
+    """`value` as a logprob; TypeError unless it is a number (not a bool) and not NaN.
+    -inf (probability 0) would turn the softmax into NaN: it becomes `MIN_LOGPROB`, which
+    is 0 as well."""
+    if type(value) is not float:  # exactly float, the common case, checks least
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise TypeError("bad logprob")
+        value = float(value)
+    if value != value:
+        raise TypeError("NaN logprob")
+    return value if value > MIN_LOGPROB else MIN_LOGPROB

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -320,3 +321,29 @@ async def test_completion_keeps_the_renderings_of_the_latest_instructions(
     prompts = [c.body["prompt"][0] for c in fake.posts("/completion")]
     assert "<Query>: query 5 for b" in prompts[-1] and "<Instruct>: b" in prompts[-1]
     assert prompts[-1].endswith(f"<Document>: {DOCS[0]}</u>\n<a>{prompt.ASSISTANT_PREFILL}")
+
+
+def odd_logprobs(method: str, path: str, body: Any, headers: Mapping[str, str],
+                 ) -> tuple[int, Any]:
+    """`plain_template`'s server answering yes with a logprob chosen by the document's
+    number: a string, a bool, the string "nan", and a number."""
+    if path != "/completion":
+        return plain_template(method, path, body, headers)
+    odd: list[Any] = ["-0.1", True, "nan", -0.5]
+    return 200, [{"completion_probabilities": [{"top_logprobs": [
+        {"id": 1, "logprob": odd[int(p.split("odd doc ")[1][0])]},
+        {"id": 2, "logprob": -2.0}]}]} for p in body["prompt"]]
+
+
+async def test_completion_takes_only_numbers_as_logprobs(backend: Callable[..., Any]) -> None:
+    """Strings, bools and NaN make an answer malformed, as in chat's. Before, `float()`
+    read "-0.1" and "nan" as numbers and `True` as 1.0, and a NaN score reached the
+    blend. One call per document, so each odd value fails only its own pair."""
+    _fake, client = await backend(odd_logprobs, backend="completion", max_batch=1)
+    answer = await client.rerank("q", [f"odd doc {i}" for i in range(4)], always_score=True,
+                                 blend_strategy="rerank_only")
+    by_id = {r.id: r.reranker_score for r in answer.results}
+    assert answer.summary.scored == 1 and answer.summary.failed == 3
+    assert by_id["3"] == pytest.approx(1 / (1 + math.exp(-1.5)))  # yes -0.5, no -2.0
+    assert all(by_id[i] is None for i in ("0", "1", "2"))
+    assert answer.summary.degraded_code == "partial"
