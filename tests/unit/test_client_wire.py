@@ -41,6 +41,9 @@ def test_answer_reads_every_result_field() -> None:
                         found_in=["bm25"], cached=True),
         pb.RankedResult(id="b", index=0, rank=2, score=0.1, retrieval_rank=1)])
     full, bare = RerankAnswer.from_pb(response).results
+    # Every field by name: `Result.from_pb` passes them by position.
+    assert (full.id, full.index, full.rank, full.score, full.retrieval_rank) == \
+        ("a", 2, 1, 0.9, 3)
     assert (full.reranker_score, full.retrieval_score, full.scored_text) == (0.0, 5.0, "chunk")
     assert full.metadata == {"k": "v"} and full.found_in == ("bm25",) and full.cached
     assert full.normalized_retrieval_score == 0.5
