@@ -131,7 +131,7 @@ class IncrementalRanking:
         final, resolved = settled.final, self._resolved
         for c, p in self._held:
             score = final(c.retrieval_rank, p)
-            resolved.append(((-score, c.retrieval_rank, c.index), c.index, Placed(c, score, p)))
+            resolved.append((_key(score, c), c.index, Placed(c, score, p)))
         heapq.heapify(resolved)
         self._held.clear()
         self._bounds = [(_key(settled.upper_bound(c.retrieval_rank), c), c.index)

@@ -78,7 +78,8 @@ class StopSignal:
 
 class _Inbox(Wakeup):
     """The outcomes a scorer has reported and not yet taken; one waiter at a time, woken
-    by each outcome, the scorer's end and the stop signal, expired by the budget."""
+    by each outcome, the scorer's end and the stop signal, expired by the budget's one
+    timer."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,14 +93,6 @@ class _Inbox(Wakeup):
     def take(self) -> list[PairOutcome]:
         items, self.items = self.items, []
         return items
-
-    async def wait_until(self, deadline: float) -> None:
-        """Until woken, or `deadline` (then `expired`)."""
-        timer = asyncio.get_running_loop().call_at(deadline, self.expire)
-        try:
-            await self.wait()
-        finally:
-            timer.cancel()
 
 
 async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
@@ -126,6 +119,9 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
         with trace.use_span(span, end_on_exit=False):
             task = asyncio.create_task(scorer.score(request, inbox.put))
     task.add_done_callback(inbox.wake)
+    # One timer for the whole budget, not one per wait (a per-pair backend waits once per
+    # arriving group); it only marks the inbox, so it never interrupts the caller.
+    timer = loop.call_at(deadline, inbox.expire)
     unsubscribe = stop.subscribe(inbox.wake) if stop is not None else None
     scored = failed = 0
     rest: tuple[Failure, str] | None = None
@@ -137,7 +133,7 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
                                     scorer.kind)
                 if rest is not None:
                     break
-                await inbox.wait_until(deadline)
+                await inbox.wait()
                 continue
             fresh = []
             for outcome in arrived:
@@ -159,6 +155,7 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
             remaining.clear()
             yield left
     finally:
+        timer.cancel()
         if unsubscribe is not None:
             unsubscribe()
         await _stop(task)

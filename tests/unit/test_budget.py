@@ -46,14 +46,14 @@ def test_running_out_of_budget_wakes_the_request_once(
     """uvloop rounds timers to the millisecond, so the budget's timer may fire a little
     early; the request must time out then, not wait again in zero-length timers."""
     waits = 0
-    original = budget._Inbox.wait_until
+    original = budget._Inbox.wait
 
-    async def counted(self: budget._Inbox, deadline: float) -> None:
+    async def counted(self: budget._Inbox) -> None:
         nonlocal waits
         waits += 1
-        await original(self, deadline)
+        await original(self)
 
-    monkeypatch.setattr(budget._Inbox, "wait_until", counted)
+    monkeypatch.setattr(budget._Inbox, "wait", counted)
     groups = _on_uvloop(lambda: _groups(Silent(), 0.0104))
     outcomes = [o for g in groups for o in g]
     assert sorted(o.pair for o in outcomes) == list(range(5))
