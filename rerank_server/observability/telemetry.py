@@ -127,7 +127,10 @@ class Telemetry:
             else AlwaysOffExemplarFilter()
         meter_provider = MeterProvider(metric_readers=readers, resource=resource,
                                        exemplar_filter=exemplars) if readers else None
-        metrics = Metrics(meter_provider or NoOpMeterProvider())
+        # With OTLP metrics on, every instrument goes through the SDK so both exports
+        # carry it; otherwise the per-call one records into the registry directly.
+        metrics = Metrics(meter_provider or NoOpMeterProvider(),
+                          prometheus=None if otlp_metrics else registry)
 
         tracer_provider = None
         if span_processor is not None or _otlp_wanted("TRACES", endpoint, environ):

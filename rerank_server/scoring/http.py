@@ -272,9 +272,9 @@ class HttpBackend:
 
     async def _traced_post(self, path: str, payload: Any, pairs: int) -> Any:
         attributes = self.instance.attributes
-        m = self._metrics
         started = time.perf_counter()
-        outcome: dict[str, str | int] = {HTTP_METHOD: "POST"}
+        status: int | None = None
+        error_type: str | None = None
         # Not made current: nothing below starts spans, and attaching costs per call.
         span = self._tracer.start_span(
             "POST", kind=trace.SpanKind.CLIENT,
@@ -285,21 +285,23 @@ class HttpBackend:
         propagated = self._trace_headers(parent) if parent.is_recording() else None
         try:
             body, status = await self._post(path, payload, propagated)
-            outcome[HTTP_STATUS] = status
             return body
         except BackendCallError as exc:
-            outcome[ERROR_TYPE] = ERROR_TYPES[exc.failure]
-            if exc.status:
-                outcome[HTTP_STATUS] = exc.status
-            m.backend_errors.add(1, {**attributes, ERROR_TYPE: outcome[ERROR_TYPE]})
+            error_type = ERROR_TYPES[exc.failure]
+            status = exc.status or None
+            self._metrics.backend_errors.add(1, {**attributes, ERROR_TYPE: error_type})
             if span is not None:
                 span.set_status(trace.StatusCode.ERROR, exc.detail)
             raise
         finally:
             if span is not None:
-                span.set_attributes(outcome)
+                if status is not None:
+                    span.set_attribute(HTTP_STATUS, status)
+                if error_type is not None:
+                    span.set_attribute(ERROR_TYPE, error_type)
                 span.end()
-            m.http_duration.record(time.perf_counter() - started, {**attributes, **outcome})
+            self._metrics.call_durations.record(time.perf_counter() - started,
+                                                self.instance, status, error_type)
 
     def _trace_headers(self, parent: trace.Span) -> tuple[dict[str, str], bytes]:
         """The `traceparent` (and baggage) that continues `parent`'s trace, as headers and

@@ -8,11 +8,18 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2,
+    metrics_service_pb2_grpc,
+)
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -289,3 +296,48 @@ def test_otlp_export_follows_the_standard_variables() -> None:
                                 environ={})
     assert explicit.tracing
     explicit.shutdown()
+
+
+class _Collector(metrics_service_pb2_grpc.MetricsServiceServicer,  # type: ignore[misc]
+                 trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+    """An OTLP/gRPC collector on loopback that keeps the metric requests it receives."""
+
+    def __init__(self) -> None:
+        self.metrics: list[metrics_service_pb2.ExportMetricsServiceRequest] = []
+
+    def Export(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, metrics_service_pb2.ExportMetricsServiceRequest):
+            self.metrics.append(request)
+            return metrics_service_pb2.ExportMetricsServiceResponse()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+async def test_otlp_metrics_carry_every_backend_call(start_server: StartServer,
+                                                     fake_llama: FakeLlamaServer) -> None:
+    """With OTLP metrics on, the per-call histogram goes through the SDK (the Prometheus-only
+    path bypasses it), so the collector and /metrics both get every call."""
+    collector = _Collector()
+    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(collector, grpc_server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        server = await start_server(otlp_endpoint=f"http://127.0.0.1:{port}")
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+            await client.rerank("q", [f"document {i}" for i in range(5)])
+        scraped = await scrape(server)
+        await server.stop(grace=0)  # flushes the metrics to the collector
+    finally:
+        grpc_server.stop(None)
+    assert total(scraped, "http_client_request_duration_seconds_count",
+                 http_response_status_code="200") == 5
+    points = [point for request in collector.metrics
+              for resource in request.resource_metrics for scope in resource.scope_metrics
+              for metric in scope.metrics if metric.name == "http.client.request.duration"
+              for point in metric.histogram.data_points]
+    assert points, "the collector got no http.client.request.duration"
+    attributes = {a.key: a.value for a in points[-1].attributes}
+    assert attributes["http.response.status_code"].int_value == 200
+    assert attributes["rerank.backend"].string_value == "chat"
+    assert points[-1].count == 5
