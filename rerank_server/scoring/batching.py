@@ -1,10 +1,10 @@
 """How scorers fan a request's pairs out: one call per pair, or slices of `--max-batch`.
 
-`map_pairs` runs one call per pair concurrently (chat, ollama). `score_in_batches` splits
-a request's documents into slices, sends each through `call(start, documents) -> {index
-within slice: score | None}`, and emits every pair's outcome as its slice lands. A slice
-whose call fails fails its pairs; a pair its answer leaves out fails as malformed. Nothing
-raises.
+`map_pairs` runs one call per pair concurrently, each in its pair's own task (chat,
+ollama). `score_in_batches` splits a request's documents into slices, sends each through
+`call(start, documents) -> {index within slice: score | None}`, and emits every pair's
+outcome as its slice lands. A slice whose call fails fails its pairs; a pair its answer
+leaves out fails as malformed. Nothing raises.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from .base import Emit, Failure, PairOutcome
-from .http import BackendCallError
+from .http import BackendCallError, done_with_calls, let_go, own_calls
 
 SliceCall = Callable[[int, Sequence[str]], Awaitable[Mapping[int, float | None]]]
 
@@ -56,13 +56,42 @@ def to_unit(scores: Mapping[int, float]) -> dict[int, float]:
 
 async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
                     emit: Emit) -> None:
-    """Run `one(i)` for every pair concurrently, emitting each outcome as it lands."""
-    async def run(i: int) -> None:
-        emit(await one(i))
+    """Run `one(i)` for every pair concurrently, emitting each outcome as it lands.
 
-    async with asyncio.TaskGroup() as group:
-        for i in range(count):
-            group.create_task(run(i))
+    One task per pair, which makes its backend call itself (`http.own_calls`). When this
+    is cancelled (the request stopped waiting) or a pair raises, the tasks still running
+    are let go (`http.let_go`): cancelled before their call is sent, abandoned after. Not
+    a task group: it would cancel calls on the wire outright.
+    """
+    if not count:
+        return
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[None] = loop.create_future()
+    left = count
+
+    async def run(i: int) -> None:
+        nonlocal left
+        try:
+            emit(await one(i))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug: the scorer crashes, as a task group would
+            if not finished.done():
+                finished.set_exception(exc)
+        finally:
+            done_with_calls(tasks[i])
+            left -= 1
+            if not left and not finished.done():
+                finished.set_result(None)
+
+    tasks = [loop.create_task(run(i)) for i in range(count)]
+    for task in tasks:
+        own_calls(task)
+    try:
+        await finished
+    finally:
+        for task in tasks:
+            let_go(task)
 
 
 def failed_all(indexes: Sequence[int], exc: BackendCallError,

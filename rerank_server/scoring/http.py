@@ -16,6 +16,15 @@ cancellation under contention (httpcore #1093) cannot happen where httpcore is u
 (`https://`; plain HTTP goes through `transport.py`). On shutdown every call still
 running is cancelled.
 
+One task per pair: a per-pair scorer's tasks (`batching.map_pairs`, registered with
+`own_calls`) make their calls themselves, where every other caller's call runs in a task
+of its own that the caller awaits through a shield. That was two tasks, a shield and two
+more trips through the event loop per pair, about a tenth of a `chat` request's CPU.
+Such a task cannot be shielded from its own cancellation, so its canceller lets it go
+instead (`let_go`): cancelled while it waits for a slot, abandoned (the leash above) once
+its call is on the wire; a task let go makes no further call (no retry elsewhere, no
+second try with a shorter document).
+
 Health polls and metadata reads go through a client of their own, so a backend saturated
 by scoring calls is not taken for a dead one because its poll waited for a connection.
 
@@ -92,6 +101,39 @@ def new_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
 
 Outcome = Callable[["BackendCallError | None"], None]
 
+# Tasks that make their backend calls themselves (`own_calls`), those of them with a call
+# on the wire now (and to which instance), and those let go (`let_go`).
+_OWN: set[asyncio.Task[Any]] = set()
+_ON_WIRE: dict[asyncio.Task[Any], HttpBackend] = {}
+_LET_GO: set[asyncio.Task[Any]] = set()
+
+
+def own_calls(task: asyncio.Task[Any]) -> None:
+    """`task` makes its calls itself from now until `done_with_calls`; whoever would
+    cancel it calls `let_go` instead."""
+    _OWN.add(task)
+
+
+def done_with_calls(task: asyncio.Task[Any]) -> None:
+    _OWN.discard(task)
+    _LET_GO.discard(task)
+
+
+def let_go(task: asyncio.Task[Any]) -> None:
+    """Stop waiting for `task`: cancel it unless its call is on the wire, else abandon
+    that call (it may finish within the leash); either way it makes no further call."""
+    if task.done() or task in _LET_GO:
+        return
+    backend = _ON_WIRE.get(task)
+    if backend is None:
+        # Forgotten now: a task cancelled before its first step never runs the code
+        # that would call `done_with_calls`.
+        done_with_calls(task)
+        task.cancel()
+    else:
+        _LET_GO.add(task)
+        backend._abandon(task)
+
 
 class HttpBackend:
     """Posts JSON to one base URL with at most `concurrency` calls in flight."""
@@ -152,6 +194,10 @@ class HttpBackend:
         Raises BackendCallError. If the caller is cancelled, the call is abandoned (see
         the module docstring) and keeps its slot until it ends.
         """
+        task = asyncio.current_task()
+        own = task in _OWN
+        if own and task in _LET_GO:
+            raise asyncio.CancelledError  # let go: no further call
         self.queued_pairs += pairs
         self.waiting += 1
         try:
@@ -160,6 +206,15 @@ class HttpBackend:
             self.queued_pairs -= pairs
             self.waiting -= 1
         loop = asyncio.get_running_loop()
+        if own:
+            assert task is not None
+            self._calls[task] = loop.time()
+            _ON_WIRE[task] = self
+            try:
+                return await self._call(path, payload, pairs)
+            finally:
+                del _ON_WIRE[task]
+                self._forget(task)
         call = loop.create_task(self._call(path, payload, pairs))
         self._calls[call] = loop.time()
         # Released when the call ends however it ends, even cancelled before it started.

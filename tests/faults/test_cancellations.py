@@ -11,8 +11,9 @@ from grpc_health.v1 import health_pb2
 from rerank_client import AsyncRerankClient
 
 from rerank_server.api.grpc_server import BACKEND_HEALTH
+from rerank_server.scoring import http as http_module
 from tests.conftest import StartServer
-from tests.fakes.llama import FakeLlamaServer
+from tests.fakes.llama import EXCEEDS_CONTEXT, FakeLlamaServer
 from tests.waiting import eventually
 
 DOCS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
@@ -42,6 +43,7 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
         assert fake_llama.max_in_flight <= 4, "abandoned calls went past --concurrency"
         http = server.pool.endpoints[0].http
         assert await eventually(lambda: http.abandoned == 0, 3), "abandoned calls did not end"
+        assert not _tracked(), "per-pair tasks stayed registered after they ended"
         assert server.pool.endpoints[0].available, "a healthy backend was taken out"
         answers = [await client.rerank(f"normal {i}", DOCS, timeout=5) for i in range(20)]
     assert all(a.reranked and a.summary.failed == 0 for a in answers)
@@ -50,3 +52,28 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
     reply = await server.edge.health.Check(
         health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _tracked() -> list[object]:
+    """What the one-task-per-pair bookkeeping (`http.own_calls`) still holds."""
+    return [*http_module._OWN, *http_module._LET_GO, *http_module._ON_WIRE]
+
+
+async def test_a_pair_let_go_makes_no_further_call(start_server: StartServer,
+                                                   fake_llama: FakeLlamaServer) -> None:
+    """A per-pair call runs in its pair's own task. When the request stops waiting, a call
+    on the wire is abandoned, not cancelled; when it then comes back "too long", the pair
+    must not try again with a shorter document: nobody waits for it."""
+    fake_llama.latency_s = 0.4
+    fake_llama.mode = EXCEEDS_CONTEXT
+    server = await start_server(concurrency=4)
+    docs = [f"{name} " * 100 for name in DOCS[:3]]
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("q", docs, timeout=0.2)
+    assert not answer.reranked and answer.summary.degraded_code == "timeout"
+    http = server.pool.endpoints[0].http
+    assert http.abandoned == 3  # on the wire when the request gave up
+    assert await eventually(lambda: http.abandoned == 0, 3), "abandoned calls did not end"
+    await asyncio.sleep(0.5)  # time for a second try, were one made
+    assert len(fake_llama.requests) == 3, "a pair let go called the backend again"
+    assert not _tracked()

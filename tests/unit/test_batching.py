@@ -1,0 +1,75 @@
+"""`map_pairs`: one task per pair, every outcome emitted once, a crash raised, and the
+pairs still running let go when it stops (nothing left registered)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rerank_server.scoring import http
+from rerank_server.scoring.base import PairOutcome
+from rerank_server.scoring.batching import map_pairs
+
+
+def _tracked() -> list[object]:
+    return [*http._OWN, *http._LET_GO, *http._ON_WIRE]
+
+
+async def test_every_pair_is_emitted_once_in_its_own_task() -> None:
+    emitted: list[PairOutcome] = []
+    tasks: set[asyncio.Task[object] | None] = set()
+
+    async def one(i: int) -> PairOutcome:
+        tasks.add(asyncio.current_task())
+        await asyncio.sleep(0.001 * (5 - i))  # they land out of order
+        return PairOutcome(i, i / 10)
+
+    await map_pairs(5, one, emitted.append)
+    assert sorted(o.pair for o in emitted) == [0, 1, 2, 3, 4]
+    assert [o.pair for o in emitted] == [4, 3, 2, 1, 0]
+    assert len(tasks) == 5
+    assert not _tracked()
+
+
+async def test_a_crashing_pair_raises_and_the_rest_are_let_go() -> None:
+    started: list[int] = []
+    cancelled: list[int] = []
+
+    async def one(i: int) -> PairOutcome:
+        started.append(i)
+        if i == 1:
+            raise ValueError("a bug")
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+        return PairOutcome(i, 0.5)
+
+    with pytest.raises(ValueError):
+        await map_pairs(3, one, lambda _o: None)
+    await asyncio.sleep(0)
+    assert started == [0, 1, 2] and sorted(cancelled) == [0, 2]
+    assert not _tracked()
+
+
+async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
+    cancelled: list[int] = []
+
+    async def one(i: int) -> PairOutcome:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+        return PairOutcome(i, 0.5)
+
+    scorer = asyncio.create_task(map_pairs(4, one, lambda _o: None))
+    await asyncio.sleep(0.01)
+    scorer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await scorer
+    await asyncio.sleep(0)
+    assert sorted(cancelled) == [0, 1, 2, 3]
+    assert not _tracked()
