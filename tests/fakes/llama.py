@@ -63,6 +63,8 @@ class FakeLlamaServer:
     max_in_flight: int = 0
     completed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Connections of HANG calls still counted in flight.
+    _hanging: set[socket.socket] = field(default_factory=set)
     _server: ThreadingHTTPServer | None = None
 
     @property
@@ -161,7 +163,27 @@ class FakeLlamaServer:
 
     def _handle_chat(self, handler: Any, body: dict[str, Any]) -> None:
         doc = document_of(body)
+        counted = True  # in `in_flight` (the call is on the wire) until it is answered
+
+        def uncount() -> None:
+            nonlocal counted
+            with self._lock:
+                self.in_flight -= counted
+                counted = False
+
+        def reply(status: int, payload: Any, raw: bytes | None = None) -> None:
+            # Uncounted before the answer goes out: the caller may send its next call as
+            # soon as it has read this one, before this thread runs again.
+            uncount()
+            handler._send(status, payload, raw)
+
         with self._lock:
+            # A hung call whose caller hung up is no longer on the wire: uncount it now,
+            # not when its thread gets round to noticing (it shares the GIL with the
+            # server under test, which may send its next call first).
+            for connection in [c for c in self._hanging if _hung_up(c, wait_s=0.0)]:
+                self._hanging.discard(connection)
+                self.in_flight -= 1
             self.requests.append(body)
             self.in_flight += 1
             self.received.set()
@@ -177,32 +199,40 @@ class FakeLlamaServer:
             if mode == HANG:
                 # Hang until released or until the caller hangs up: what is counted in
                 # flight is what is open on the wire.
+                with self._lock:
+                    self._hanging.add(handler.connection)
                 while not self.released.is_set() and not _hung_up(handler.connection):
                     pass
+                with self._lock:
+                    if handler.connection in self._hanging:
+                        self._hanging.discard(handler.connection)
+                    else:
+                        counted = False  # a later arrival uncounted it
                 handler.close_connection = True
                 return
             if mode == EXCEEDS_CONTEXT:
-                handler._send(400, {"error": {
+                reply(400, {"error": {
                     "code": 400, "type": "exceed_context_size_error",
                     "message": "request (3120 tokens) exceeds the available context size "
                                "(2048 tokens), try increasing it",
                     "n_prompt_tokens": 3120, "n_ctx": 2048}})
                 return
             if mode == DROP_CONNECTION:
+                uncount()
                 handler.close_connection = True
                 handler.connection.shutdown(2)
                 return
             if mode == HTTP_500:
-                handler._send(500, {"error": {"code": 500, "message": "Internal Server Error",
-                                              "type": "server_error"}})
+                reply(500, {"error": {"code": 500, "message": "Internal Server Error",
+                                      "type": "server_error"}})
                 return
             if mode == NOT_JSON:
-                handler._send(200, None, raw=b"<html>oops</html>")
+                reply(200, None, raw=b"<html>oops</html>")
                 return
-            handler._send(200, self._chat_response(doc, mode))
+            reply(200, self._chat_response(doc, mode))
         finally:
+            uncount()
             with self._lock:
-                self.in_flight -= 1
                 self.completed += 1
 
     def _chat_response(self, doc: str, mode: str) -> dict[str, Any]:
@@ -239,10 +269,10 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128
 
 
-def _hung_up(connection: socket.socket) -> bool:
+def _hung_up(connection: socket.socket, wait_s: float = 0.005) -> bool:
     """Whether the peer closed `connection` (readable with nothing to read); waits a few
     milliseconds for it, so a hang-up is noticed at once."""
-    readable, _, _ = select.select([connection], [], [], 0.005)
+    readable, _, _ = select.select([connection], [], [], wait_s)
     if not readable:
         return False
     try:
