@@ -154,6 +154,8 @@ class HttpBackend:
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
+        # Tracing off: no span to look up or continue per call.
+        self._tracing = not isinstance(self._tracer, trace.NoOpTracer)
         self._trace_calls = trace_calls  # a client span per call (--trace-backend-calls)
         # The last parent's trace headers, as a dict and as head lines.
         self._propagated: tuple[trace.SpanContext, dict[str, str], bytes] | None = None
@@ -335,9 +337,11 @@ class HttpBackend:
             "POST", kind=trace.SpanKind.CLIENT,
             attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
                         "rerank.pairs": pairs}) if self._trace_calls else None
-        parent = span or trace.get_current_span()
-        # The backend continues the trace from here.
-        propagated = self._trace_headers(parent) if parent.is_recording() else None
+        propagated = None
+        if self._tracing:
+            parent = span or trace.get_current_span()
+            if parent.is_recording():  # the backend continues the trace from here
+                propagated = self._trace_headers(parent)
         try:
             body, status = await self._post(path, payload, propagated)
             return body
