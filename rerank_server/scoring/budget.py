@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 import structlog
 from opentelemetry import trace
 
+from . import trace_context
 from .base import Failure, PairOutcome, Scorer, ScoreRequest
 from .wakeup import Wakeup
 
@@ -116,7 +117,7 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
     if span is trace.INVALID_SPAN:  # tracing off: no context to switch for the task
         task = asyncio.create_task(scorer.score(request, inbox.put))
     else:
-        with trace.use_span(span, end_on_exit=False):
+        with trace.use_span(span, end_on_exit=False), trace_context.continuing(span):
             task = asyncio.create_task(scorer.score(request, inbox.put))
     task.add_done_callback(inbox.wake)
     # One timer for the whole budget, not one per wait (a per-pair backend waits once per

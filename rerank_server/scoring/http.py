@@ -45,11 +45,11 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from .. import __version__
 from ..observability.metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
-from . import transport
+from . import trace_context, transport
 from .base import Failure
 
 USER_AGENT = f"rerank-server/{__version__}"
@@ -157,8 +157,6 @@ class HttpBackend:
         # Tracing off: no span to look up or continue per call.
         self._tracing = not isinstance(self._tracer, trace.NoOpTracer)
         self._trace_calls = trace_calls  # a client span per call (--trace-backend-calls)
-        # The last parent's trace headers, as a dict and as head lines.
-        self._propagated: tuple[trace.SpanContext, dict[str, str], bytes] | None = None
         self._timeout_s = timeout_s
         # Plain HTTP: requests go straight to the lean transport as bytes, the head kept
         # per path (`_head`). httpx's client adds per call a header and cookie merge,
@@ -337,11 +335,9 @@ class HttpBackend:
             "POST", kind=trace.SpanKind.CLIENT,
             attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
                         "rerank.pairs": pairs}) if self._trace_calls else None
-        propagated = None
-        if self._tracing:
-            parent = span or trace.get_current_span()
-            if parent.is_recording():  # the backend continues the trace from here
-                propagated = self._trace_headers(parent)
+        # The backend continues the trace: from this call's span, or from the request's.
+        propagated = None if not self._tracing else \
+            trace_context.headers_for(span) if span is not None else trace_context.current()
         try:
             body, status = await self._post(path, payload, propagated)
             return body
@@ -362,20 +358,8 @@ class HttpBackend:
             self._metrics.call_durations.record(time.perf_counter() - started,
                                                 self.instance, status, error_type)
 
-    def _trace_headers(self, parent: trace.Span) -> tuple[dict[str, str], bytes]:
-        """The `traceparent` (and baggage) that continues `parent`'s trace, as headers and
-        as head lines; kept for the last parent, since every call of a request continues
-        the same `rerank.score`."""
-        context = parent.get_span_context()
-        if self._propagated is None or self._propagated[0] != context:
-            carrier: dict[str, str] = {}
-            propagate.inject(carrier, context=trace.set_span_in_context(parent))
-            lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in carrier.items())
-            self._propagated = (context, carrier, lines)
-        return self._propagated[1], self._propagated[2]
-
     async def _post(self, path: str, payload: Any,
-                    propagated: tuple[dict[str, str], bytes] | None) -> tuple[Any, int]:
+                    propagated: trace_context.TraceHeaders | None) -> tuple[Any, int]:
         content = orjson.dumps(payload)
         try:
             if self._lean is not None:
