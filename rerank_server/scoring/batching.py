@@ -13,8 +13,12 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+import structlog
+
 from .base import Emit, Failure, PairOutcome
 from .http import BackendCallError, done_with_calls, let_go, own_calls
+
+log = structlog.get_logger(__name__)
 
 SliceCall = Callable[[int, Sequence[str]], Awaitable[Mapping[int, float | None]]]
 
@@ -61,7 +65,9 @@ async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
     One task per pair, which makes its backend call itself (`http.own_calls`). When this
     is cancelled (the request stopped waiting) or a pair raises, the tasks still running
     are let go (`http.let_go`): cancelled before their call is sent, abandoned after. Not
-    a task group: it would cancel calls on the wire outright.
+    a task group: it would cancel calls on the wire outright, and so would a timeout
+    inside `one` (no leash, no timeout counted against the instance): `one` must not
+    cancel its own task.
     """
     if not count:
         return
@@ -71,22 +77,23 @@ async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
 
     async def run(i: int) -> None:
         nonlocal left
+        me = asyncio.current_task()
+        assert me is not None
+        own_calls(me)  # first: with an eager task factory `tasks` may not exist yet
         try:
             emit(await one(i))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # a bug: the scorer crashes, as a task group would
-            if not finished.done():
+        except Exception as exc:  # a bug: the scorer crashes, as a task group would
+            if finished.done():  # the request is gone (or another pair crashed first)
+                log.error("pair_crashed_unheard", error=type(exc).__name__)
+            else:
                 finished.set_exception(exc)
         finally:
-            done_with_calls(tasks[i])
+            done_with_calls(me)
             left -= 1
             if not left and not finished.done():
                 finished.set_result(None)
 
     tasks = [loop.create_task(run(i)) for i in range(count)]
-    for task in tasks:
-        own_calls(task)
     try:
         await finished
     finally:

@@ -192,7 +192,8 @@ class HttpBackend:
         """POST `payload` (scoring `pairs` pairs), return the decoded JSON body.
 
         Raises BackendCallError. If the caller is cancelled, the call is abandoned (see
-        the module docstring) and keeps its slot until it ends.
+        the module docstring) and keeps its slot until it ends. A task registered with
+        `own_calls` makes the call itself: it is to be let go (`let_go`), not cancelled.
         """
         task = asyncio.current_task()
         own = task in _OWN
@@ -335,9 +336,13 @@ class HttpBackend:
             "POST", kind=trace.SpanKind.CLIENT,
             attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
                         "rerank.pairs": pairs}) if self._trace_calls else None
-        # The backend continues the trace: from this call's span, or from the request's.
-        propagated = None if not self._tracing else \
-            trace_context.headers_for(span) if span is not None else trace_context.current()
+        # The backend continues the trace: from this call's span, or from the request's
+        # (sampled ones only: `continuing` stores none for the others).
+        propagated = None
+        if span is not None:
+            propagated = trace_context.headers_for(span) if span.is_recording() else None
+        elif self._tracing:
+            propagated = trace_context.current()
         try:
             body, status = await self._post(path, payload, propagated)
             return body

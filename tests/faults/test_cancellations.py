@@ -42,8 +42,8 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
         assert cancelled > 300, cancelled
         assert fake_llama.max_in_flight <= 4, "abandoned calls went past --concurrency"
         http = server.pool.endpoints[0].http
-        assert await eventually(lambda: http.abandoned == 0, 3), "abandoned calls did not end"
-        assert not _tracked(), "per-pair tasks stayed registered after they ended"
+        assert await eventually(lambda: http.abandoned == 0 and not _tracked(), 3), \
+            "abandoned calls did not end, or their tasks stayed registered"
         assert server.pool.endpoints[0].available, "a healthy backend was taken out"
         answers = [await client.rerank(f"normal {i}", DOCS, timeout=5) for i in range(20)]
     assert all(a.reranked and a.summary.failed == 0 for a in answers)
@@ -64,7 +64,7 @@ async def test_a_pair_let_go_makes_no_further_call(start_server: StartServer,
     """A per-pair call runs in its pair's own task. When the request stops waiting, a call
     on the wire is abandoned, not cancelled; when it then comes back "too long", the pair
     must not try again with a shorter document: nobody waits for it."""
-    fake_llama.latency_s = 0.4
+    fake_llama.latency_s = 1.0  # within the leash (2 s while no latency is known)
     fake_llama.mode = EXCEEDS_CONTEXT
     server = await start_server(concurrency=4)
     docs = [f"{name} " * 100 for name in DOCS[:3]]

@@ -7,9 +7,11 @@ import asyncio
 
 import pytest
 
-from rerank_server.scoring import http
+from rerank_server.scoring import http, prompt
 from rerank_server.scoring.base import PairOutcome
 from rerank_server.scoring.batching import map_pairs
+from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
 
 
 def _tracked() -> list[object]:
@@ -73,3 +75,32 @@ async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
     await asyncio.sleep(0)
     assert sorted(cancelled) == [0, 1, 2, 3]
     assert not _tracked()
+
+
+async def test_a_crash_after_the_request_left_is_logged(
+        fake_llama: FakeLlamaServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pair still running after its request stopped waiting (its call was on the wire,
+    so it was abandoned and answered late) has nobody to raise to: a crash is logged."""
+    fake_llama.latency_s = 0.3
+    backend = http.HttpBackend(fake_llama.url, 2, 5.0)
+    body = {"messages": [{"role": "system", "content": prompt.SYSTEM_PROMPT},
+                         {"role": "user", "content": prompt.user_message("i", "q", "d")}],
+            "max_tokens": 1, "logprobs": True, "top_logprobs": 20}
+
+    async def one(i: int) -> PairOutcome:
+        await backend.post_json("/v1/chat/completions", body)
+        return PairOutcome(i, 0.5)
+
+    def emit(_outcome: PairOutcome) -> None:
+        raise ValueError("a bug")
+
+    scorer = asyncio.create_task(map_pairs(1, one, emit))
+    assert await eventually(lambda: fake_llama.in_flight == 1, 2)
+    scorer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await scorer
+    assert backend.abandoned == 1  # let go on the wire, not cancelled
+    assert await eventually(lambda: backend.abandoned == 0, 3)
+    await backend.aclose()
+    assert "pair_crashed_unheard" in capsys.readouterr().out
+    assert len(fake_llama.requests) == 1 and not _tracked()
