@@ -34,6 +34,16 @@ async def test_every_pair_is_emitted_once_in_its_own_task() -> None:
     assert not _tracked()
 
 
+async def _waits_long(i: int, cancelled: list[int]) -> PairOutcome:
+    """A pair whose answer takes 10 s; notes when it is cancelled."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        cancelled.append(i)
+        raise
+    return PairOutcome(i, 0.5)
+
+
 async def test_a_crashing_pair_raises_and_the_rest_are_let_go() -> None:
     started: list[int] = []
     cancelled: list[int] = []
@@ -42,12 +52,7 @@ async def test_a_crashing_pair_raises_and_the_rest_are_let_go() -> None:
         started.append(i)
         if i == 1:
             raise ValueError("a bug")
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-        return PairOutcome(i, 0.5)
+        return await _waits_long(i, cancelled)
 
     with pytest.raises(ValueError):
         await map_pairs(3, one, lambda _o: None)
@@ -58,16 +63,8 @@ async def test_a_crashing_pair_raises_and_the_rest_are_let_go() -> None:
 
 async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
     cancelled: list[int] = []
-
-    async def one(i: int) -> PairOutcome:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-        return PairOutcome(i, 0.5)
-
-    scorer = asyncio.create_task(map_pairs(4, one, lambda _o: None))
+    scorer = asyncio.create_task(
+        map_pairs(4, lambda i: _waits_long(i, cancelled), lambda _o: None))
     await asyncio.sleep(0.01)
     scorer.cancel()
     with pytest.raises(asyncio.CancelledError):
