@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 
 from rerank_server.scoring import http, prompt
 from rerank_server.scoring.base import PairOutcome
@@ -74,8 +75,7 @@ async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
     assert not _tracked()
 
 
-async def test_a_crash_after_the_request_left_is_logged(
-        fake_llama: FakeLlamaServer, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_a_crash_after_the_request_left_is_logged(fake_llama: FakeLlamaServer) -> None:
     """A pair still running after its request stopped waiting (its call was on the wire,
     so it was abandoned and answered late) has nobody to raise to: a crash is logged."""
     fake_llama.latency_s = 0.3
@@ -97,7 +97,9 @@ async def test_a_crash_after_the_request_left_is_logged(
     with pytest.raises(asyncio.CancelledError):
         await scorer
     assert backend.abandoned == 1  # let go on the wire, not cancelled
-    assert await eventually(lambda: backend.abandoned == 0, 3)
+    with structlog.testing.capture_logs() as logged:
+        assert await eventually(lambda: backend.abandoned == 0, 3)
     await backend.aclose()
-    assert "pair_crashed_unheard" in capsys.readouterr().out
+    assert [e["error"] for e in logged if e["event"] == "pair_crashed_unheard"] == \
+        ["ValueError"]
     assert len(fake_llama.requests) == 1 and not _tracked()
