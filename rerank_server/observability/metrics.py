@@ -84,7 +84,8 @@ class CallDurations:
     """
 
     # The labels OpenTelemetry's Prometheus exporter gives this family: every attribute
-    # key any sample has (absent ones empty) and the instrumentation scope.
+    # key (empty where a sample has none; the exporter leaves out a key no sample has,
+    # which Prometheus treats the same) and the instrumentation scope.
     LABELS = ("rerank_backend", "server_address", "server_port", "http_request_method",
               "http_response_status_code", "error_type", "otel_scope_name",
               "otel_scope_schema_url", "otel_scope_version")
