@@ -242,7 +242,7 @@ class Settings:
         "With tracing on, a span for each CPU-only step of a request (rerank.validate, "
         "rerank.shape, rerank.chunk, rerank.blend). Off: the server span and rerank.score; "
         "the steps are the server span's time outside rerank.score. The four spans add "
-        "3-4% to a 40-candidate request's CPU against a fast backend.",
+        "3-4 percent to a 40-candidate request's CPU against a fast backend.",
         group="observability"))
     otlp_endpoint: str = field(default="", metadata=_opt(
         "OTLP/gRPC collector for traces and metrics, e.g. http://otel-collector:4317 "
