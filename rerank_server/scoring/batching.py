@@ -79,7 +79,7 @@ async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
         nonlocal left
         me = asyncio.current_task()
         assert me is not None
-        own_calls(me)  # first: with an eager task factory `tasks` may not exist yet
+        own_calls(me)  # here, not after create_task: an eager task factory runs it first
         try:
             emit(await one(i))
         except Exception as exc:  # a bug: the scorer crashes, as a task group would

@@ -154,8 +154,6 @@ class HttpBackend:
         self.instance = instance_of(kind, self.base_url)
         self._metrics = metrics or Metrics.noop()
         self._tracer = tracer or trace.NoOpTracer()
-        # Tracing off: no span to look up or continue per call.
-        self._tracing = not isinstance(self._tracer, trace.NoOpTracer)
         self._trace_calls = trace_calls  # a client span per call (--trace-backend-calls)
         self._timeout_s = timeout_s
         # Plain HTTP: requests go straight to the lean transport as bytes, the head kept
@@ -337,12 +335,12 @@ class HttpBackend:
             attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
                         "rerank.pairs": pairs}) if self._trace_calls else None
         # The backend continues the trace: from this call's span, or from the request's
-        # (sampled ones only: `continuing` stores none for the others).
-        propagated = None
-        if span is not None:
-            propagated = trace_context.headers_for(span) if span.is_recording() else None
-        elif self._tracing:
+        # (sampled ones only: `continuing` stores none for the others, and nothing is
+        # stored while tracing is off).
+        if span is None:
             propagated = trace_context.current()
+        else:
+            propagated = trace_context.headers_for(span) if span.is_recording() else None
         try:
             body, status = await self._post(path, payload, propagated)
             return body
