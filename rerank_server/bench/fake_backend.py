@@ -139,9 +139,15 @@ MAX_HEAD = 64 * 1024
 
 class FakeHttp(asyncio.Protocol):
     """One keep-alive connection: requests with `Content-Length` bodies, answered in order
-    (clients send one request at a time per connection)."""
+    (clients send one request at a time per connection).
+
+    `POST /bench/record` starts recording the scoring calls that arrive, on every
+    connection, and `GET /bench/recorded` stops and returns them as `[{"path", "body"}]`:
+    the overhead benchmark replays one request's calls directly to time the backend alone.
+    """
 
     latency_s = 0.0  # per scoring call
+    recorded: list[dict[str, str]] | None = None
 
     def __init__(self) -> None:
         self.buffer = bytearray()
@@ -167,9 +173,19 @@ class FakeHttp(asyncio.Protocol):
 
     def respond(self, method: str, path: str, raw: bytes) -> None:
         if method == "GET":
+            if path == "/bench/recorded":
+                self.send(200, FakeHttp.recorded or [])
+                FakeHttp.recorded = None
+                return
             self.send(200, {"data": [{"id": "instant"}]} if path == "/v1/models"
                       else {"status": "ok"})
             return
+        if path == "/bench/record":
+            FakeHttp.recorded = []
+            self.send(200, {"status": "recording"})
+            return
+        if FakeHttp.recorded is not None and path not in SCORING_PATHS_EXEMPT:
+            FakeHttp.recorded.append({"path": path, "body": raw.decode()})
         try:
             payload = answer(path, orjson.loads(raw))
         except (orjson.JSONDecodeError, KeyError, TypeError, StopIteration):

@@ -59,6 +59,7 @@ from rerank_client import AsyncRerankClient, RerankError, Result, Summary
 
 from ..scoring import prompt
 from ..settings import DEFAULT_INSTRUCTION
+from . import replay
 from .processes import cpu_seconds, fake_backend, llama_server, rerank_server
 from .telemetry import telemetry_cost, telemetry_markdown
 
@@ -106,31 +107,58 @@ async def _timed(call: Callable[[], Awaitable[Any]]) -> float:
     return time.perf_counter() - started
 
 
+OVERHEAD_CONCURRENCY = 8
+
+
 def backend_args(kind: str, url: str) -> list[str]:
-    args = ["--backend", kind, "--backend-url", url, "--concurrency", "8",
-            "--max-candidates", "100", "--max-batch", "100"]
+    args = ["--backend", kind, "--backend-url", url, "--concurrency",
+            str(OVERHEAD_CONCURRENCY), "--max-candidates", "100", "--max-batch", "100"]
     return args + (["--model", "instant"] if kind in ("ollama", "llm") else [])
 
 
 async def overhead(requests: int) -> dict[str, Any]:
+    """Per kind and size: `requests` through rerank-server, each followed (or, every other
+    one, preceded) by the same backend calls replayed directly (`replay.py`), so both see
+    the same moment of a noisy machine. added = p50 through - p50 direct."""
     results: dict[str, Any] = {}
     with fake_backend() as url:
-        for kind in KINDS:
-            with rerank_server(backend_args(kind, url)) as (port, pid):
-                async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
-                    for size in SIZES:
-                        docs = passages(size)
-                        for i in range(3):  # warm-up
-                            await client.rerank(f"warm {i}", docs)
-                        cpu0 = cpu_seconds(pid)
-                        latencies = [await _timed(partial(client.rerank, f"q {i}", docs))
-                                     for i in range(requests)]
-                        cpu = cpu_seconds(pid) - cpu0
-                        results.setdefault(kind, {})[str(size)] = {
-                            **_ms(latencies),
-                            "cpu_us_per_pair": round(cpu / (requests * size) * 1e6, 1),
-                            "latencies_ms": [round(x * 1000, 3) for x in latencies]}
+        async with httpx.AsyncClient() as http:
+            for kind in KINDS:
+                with rerank_server(backend_args(kind, url)) as (port, pid):
+                    async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+                        for size in SIZES:
+                            results.setdefault(kind, {})[str(size)] = await _overhead_cell(
+                                client, http, url, pid, passages(size), requests)
     return results
+
+
+async def _overhead_cell(client: AsyncRerankClient, http: httpx.AsyncClient, url: str,
+                         pid: int, docs: list[str], requests: int) -> dict[str, Any]:
+    for i in range(3):  # warm-up
+        await client.rerank(f"warm {i}", docs)
+    await replay.start_recording(http, url)
+    await client.rerank("q recorded", docs)
+    calls = await replay.recorded_calls(http, url)
+    through: list[float] = []
+    direct: list[float] = []
+    async with replay.Replay(url, calls, OVERHEAD_CONCURRENCY) as backend:
+        # The server is idle while the calls are replayed: its CPU over the loop is its
+        # own work for the requests (and what each left to do after answering).
+        cpu0 = cpu_seconds(pid)
+        for i in range(requests):
+            if i % 2:
+                direct.append(await _timed(backend.run))
+            through.append(await _timed(partial(client.rerank, f"q {i}", docs)))
+            if not i % 2:
+                direct.append(await _timed(backend.run))
+        cpu = cpu_seconds(pid) - cpu0
+    times = _ms(through)
+    direct_p50 = round(pct(direct, 0.5) * 1000, 2)
+    return {**times, "direct_p50_ms": direct_p50,
+            "added_p50_ms": round(times["p50_ms"] - direct_p50, 2),
+            "backend_calls": len(calls),
+            "cpu_us_per_pair": round(cpu / (requests * len(docs)) * 1e6, 1),
+            "latencies_ms": [round(x * 1000, 3) for x in through]}
 
 
 async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
@@ -437,11 +465,15 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"Machine: {report['machine']}. Command: `{report['command']}`.", ""]
     if "overhead" in report:
         lines += ["#### Overhead (instant fake backend)", "",
-                  "| backend | candidates | p50 ms | p99 ms | server CPU µs / pair |",
-                  "|---|---|---|---|---|"]
+                  "Latency through rerank-server, the same backend calls replayed "
+                  "directly (the backend's own time), and the difference: what "
+                  "rerank-server adds.", "",
+                  "| backend | candidates | p50 ms | p99 ms | direct p50 ms | added p50 ms "
+                  "| server CPU µs / pair |", "|---|---|---|---|---|---|---|"]
         for kind, sizes in report["overhead"].items():
             for size, r in sizes.items():
                 lines.append(f"| {kind} | {size} | {r['p50_ms']} | {r['p99_ms']} | "
+                             f"{r['direct_p50_ms']} | {r['added_p50_ms']} | "
                              f"{r['cpu_us_per_pair']} |")
         lines.append("")
     if "telemetry" in report:

@@ -4,10 +4,13 @@ these check the tool, not the figures (docs/benchmarks.md has those)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from rerank_server.bench import replay
 from rerank_server.bench.processes import fake_backend
 from rerank_server.bench.run import KINDS, main
 from rerank_server.bench.run import passages as make_passages
@@ -26,9 +29,16 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["overhead"]) == set(KINDS)
-    for sizes in report["overhead"].values():
+    for kind, sizes in report["overhead"].items():
         assert set(sizes) == {"10", "40", "100"}
         assert all(r["p50_ms"] > 0 and r["cpu_us_per_pair"] >= 0 for r in sizes.values())
+        for size, r in sizes.items():
+            # The request's own backend calls, replayed straight to the fake: one per
+            # pair for the per-pair kinds, fewer for the batching ones.
+            calls = r["backend_calls"]
+            assert calls == int(size) if kind in ("chat", "ollama") else 1 <= calls <= 2
+            assert r["direct_p50_ms"] > 0
+            assert r["added_p50_ms"] == round(r["p50_ms"] - r["direct_p50_ms"], 2)
     assert set(report["throughput"]) == {"1", "2"}  # --workers
     for by_clients in report["throughput"].values():
         assert set(by_clients) == {"1", "4", "16", "64"}
@@ -110,3 +120,26 @@ def test_completion_options_call_llama_server_directly(tmp_path: Path) -> None:
     # What the completion backend asks for finds an answer token for every prompt.
     assert options["n_probs 20, cache_prompt on"]["yes_or_no_in_top"] == 1.0
     assert "#### `/completion` options" in (tmp_path / "bench.md").read_text()
+
+
+async def test_the_fake_records_scoring_calls_and_replay_sends_them_at_the_concurrency(
+        ) -> None:
+    """The overhead scenario's direct time: the fake records a request's scoring calls
+    (not its metadata calls), and `Replay` sends exactly those, `connections` at a time."""
+    body = b'{"query": "q", "documents": ["a", "b"]}'
+    with fake_backend(latency_ms=40) as url:
+        async with httpx.AsyncClient() as http:
+            await replay.start_recording(http, url)
+            for _ in range(4):
+                (await http.post(url + "/v1/rerank", content=body)).raise_for_status()
+            (await http.post(url + "/tokenize", content=b'{"content": "yes"}')).raise_for_status()
+            calls = await replay.recorded_calls(http, url)
+            assert calls == [("/v1/rerank", body)] * 4
+            assert await replay.recorded_calls(http, url) == []  # recording stopped
+        async with replay.Replay(url, calls, connections=2) as backend:
+            started = time.perf_counter()
+            await backend.run()
+            elapsed = time.perf_counter() - started
+    # Four 40 ms calls, two at a time: two rounds (80 ms), neither all at once (40 ms)
+    # nor one by one (160 ms).
+    assert 0.08 <= elapsed < 0.16
