@@ -118,8 +118,9 @@ class BackendPool:
     # --- calls
 
     async def call(self, path: str, payload: Any, parse: Callable[[Any], T],
-                   pairs: int = 1) -> T:
-        """POST to the best instance and `parse` its JSON; raises BackendCallError.
+                   pairs: int = 1, raw: bool = False) -> T:
+        """POST to the best instance and `parse` its JSON (with `raw`, the answer's bytes:
+        the parser decodes them); raises BackendCallError.
 
         `parse` raises MalformedResponse for an answer it cannot use; that counts as a
         malformed response of that instance (not a reason to eject it).
@@ -133,7 +134,7 @@ class BackendPool:
                                                "every backend instance is out")
             tried.append(endpoint)
             try:
-                body = await endpoint.http.post_json(path, payload, pairs)
+                body = await endpoint.http.post_json(path, payload, pairs, raw)
             except BackendCallError as exc:
                 last = exc
                 if _retryable(exc) and len(tried) < 2 and _PINNED.get() is None:

@@ -51,13 +51,13 @@ class ChatScorer(PooledScorer):
         }
         return self.with_model(body)
 
-    def _parse(self, body: Any) -> float:
+    def _parse(self, body: bytes) -> float:
         try:
-            score = p_yes(chat_top_logprobs(body))
+            top, model = chat_top_logprobs(body)
         except MalformedLogprobs as exc:
             raise MalformedResponse(str(exc)) from None
-        if isinstance(body, dict):
-            self.note_model(body.get("model"))
+        self.note_model(model)
+        score = p_yes(top)
         if score is None:
             raise MalformedResponse("no yes/no token in top logprobs")
         return score
@@ -78,7 +78,7 @@ class ChatScorer(PooledScorer):
                 try:
                     score = await self._pool.call("/v1/chat/completions",
                                                   self.payload(request, document),
-                                                  self._parse)
+                                                  self._parse, raw=True)
                 except BackendCallError as exc:
                     if exc.too_long and not last_try:
                         document = shorter(document)

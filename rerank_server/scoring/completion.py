@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from ..domain import BackendKind
 from . import prompt
 from .backend_pool import BackendPool, MalformedResponse
@@ -30,7 +32,7 @@ from .base import Emit, Failure, ScoreRequest
 from .batching import failed_all, score_in_batches
 from .context_fit import ContextFit, token_list
 from .http import BackendCallError
-from .logprobs import checked_logprob, p_yes
+from .logprobs import clamped, p_yes
 from .pooled_scorer import PooledScorer
 
 N_PROBS = 20
@@ -128,34 +130,56 @@ class CompletionScorer(PooledScorer):
                                     "response_fields": RESPONSE_FIELDS})
             scores = await self._pool.call("/completion", body,
                                            lambda b: self._parse(b, ids, len(chunk)),
-                                           pairs=len(chunk))
+                                           pairs=len(chunk), raw=True)
             return dict(enumerate(scores))
 
         await score_in_batches(prompts, self._max_batch, batch, emit,
                                missing="no yes/no token in top logprobs")
 
-    def _parse(self, body: Any, ids: dict[int, str], expected: int) -> list[float | None]:
-        results = [body] if isinstance(body, dict) else body
-        if not isinstance(results, list) or len(results) != expected:
+    def _parse(self, body: bytes, ids: dict[int, str], expected: int) -> list[float | None]:
+        try:
+            decoded = _RESULTS.decode(body)
+        except msgspec.ValidationError as exc:
+            raise MalformedResponse(f"completion result has no top_logprobs ({exc})") from None
+        except msgspec.DecodeError:
+            raise MalformedResponse("response is not JSON") from None
+        results = decoded if isinstance(decoded, list) else [decoded]
+        if len(results) != expected:
             raise MalformedResponse(f"expected {expected} completion results")
         scores: list[float | None] = []
         for result in results:
-            if not isinstance(result, dict):
-                raise MalformedResponse("completion result is not an object")
-            self.note_model(result.get("model"))
+            self.note_model(result.model)
             scores.append(p_yes(_answers(result, ids)))
         return scores
 
 
-def _answers(result: dict[str, Any], ids: dict[int, str]) -> list[tuple[str, float]]:
+class _Top(msgspec.Struct):
+    """One of the top logprobs (llama-server also sends its text and bytes: skipped)."""
+
+    id: int
+    logprob: float
+
+
+class _Position(msgspec.Struct):
+    top_logprobs: list[_Top]
+
+
+class _Result(msgspec.Struct):
+    completion_probabilities: list[_Position]
+    model: Any = None
+
+
+# Only the fields read, into these types (`logprobs.chat_top_logprobs` says why). An array
+# of results, or one result for a single prompt.
+_RESULTS = msgspec.json.Decoder(list[_Result] | _Result)
+
+
+def _answers(result: _Result, ids: dict[int, str]) -> list[tuple[str, float]]:
     """(yes|no, logprob) for the answer tokens among the first position's top logprobs."""
-    try:
-        top = result["completion_probabilities"][0]["top_logprobs"]
-        # Checked as chat's are: `float()` took a bool, or the string "nan", as a logprob.
-        return [(ids[entry["id"]], checked_logprob(entry["logprob"]))
-                for entry in top if entry.get("id") in ids]
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise MalformedResponse("completion result has no top_logprobs") from None
+    if not result.completion_probabilities:
+        raise MalformedResponse("completion result has no top_logprobs")
+    return [(ids[entry.id], clamped(entry.logprob))
+            for entry in result.completion_probabilities[0].top_logprobs if entry.id in ids]
 
 
 def _frame(prefix: str, suffix: str) -> tuple[str, str, str] | None:

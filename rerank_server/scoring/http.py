@@ -186,8 +186,10 @@ class HttpBackend:
         attributes = self.instance.attributes
         self._metrics.watch_active(self, lambda: (len(self._calls), attributes))
 
-    async def post_json(self, path: str, payload: Any, pairs: int = 1) -> Any:
-        """POST `payload` (scoring `pairs` pairs), return the decoded JSON body.
+    async def post_json(self, path: str, payload: Any, pairs: int = 1,
+                        raw: bool = False) -> Any:
+        """POST `payload` (scoring `pairs` pairs), return the decoded JSON body, or with
+        `raw` its bytes (for a scorer that decodes only the fields it reads).
 
         Raises BackendCallError. If the caller is cancelled, the call is abandoned (see
         the module docstring) and keeps its slot until it ends. A task registered with
@@ -210,11 +212,11 @@ class HttpBackend:
             self._calls[task] = loop.time()
             _ON_WIRE[task] = self
             try:
-                return await self._call(path, payload, pairs)
+                return await self._call(path, payload, pairs, raw)
             finally:
                 del _ON_WIRE[task]
                 self._forget(task)
-        call = loop.create_task(self._call(path, payload, pairs))
+        call = loop.create_task(self._call(path, payload, pairs, raw))
         self._calls[call] = loop.time()
         # Released when the call ends however it ends, even cancelled before it started.
         call.add_done_callback(self._forget)
@@ -236,14 +238,14 @@ class HttpBackend:
         balancing compares (a hung instance full of abandoned calls is not idle)."""
         return (len(self._calls) + self.waiting) / self.concurrency
 
-    async def _call(self, path: str, payload: Any, pairs: int) -> Any:
+    async def _call(self, path: str, payload: Any, pairs: int, raw: bool = False) -> Any:
         """One call, from holding its slot to releasing it; reports how it ended."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.in_flight_pairs += pairs
         ended: tuple[BackendCallError | None] | None = None  # None: not to be reported
         try:
-            body = await self._traced_post(path, payload, pairs)
+            body = await self._traced_post(path, payload, pairs, raw)
             if pairs:
                 # Metadata calls (pairs=0: /tokenize, /apply-template) take no slot on
                 # llama-server: their speed and their answers say nothing about scoring,
@@ -324,7 +326,7 @@ class HttpBackend:
         self._metrics.backend_errors.add(
             1, {**self.instance.attributes, ERROR_TYPE: ERROR_TYPES[Failure.MALFORMED]})
 
-    async def _traced_post(self, path: str, payload: Any, pairs: int) -> Any:
+    async def _traced_post(self, path: str, payload: Any, pairs: int, raw: bool) -> Any:
         attributes = self.instance.attributes
         started = time.perf_counter()
         status: int | None = None
@@ -342,7 +344,7 @@ class HttpBackend:
         else:
             propagated = trace_context.headers_for(span) if span.is_recording() else None
         try:
-            body, status = await self._post(path, payload, propagated)
+            body, status = await self._post(path, payload, propagated, raw)
             return body
         except BackendCallError as exc:
             error_type = ERROR_TYPES[exc.failure]
@@ -362,7 +364,8 @@ class HttpBackend:
                                                 self.instance, status, error_type)
 
     async def _post(self, path: str, payload: Any,
-                    propagated: trace_context.TraceHeaders | None) -> tuple[Any, int]:
+                    propagated: trace_context.TraceHeaders | None,
+                    raw: bool = False) -> tuple[Any, int]:
         content = orjson.dumps(payload)
         try:
             if self._lean is not None:
@@ -389,6 +392,8 @@ class HttpBackend:
                 raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
                                        "exceeds the model's context", status, too_long=True)
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
+        if raw:
+            return body, status
         try:
             return orjson.loads(body), status
         except orjson.JSONDecodeError:

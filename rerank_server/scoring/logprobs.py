@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 FLOOR_LOGPROB = -10.0
 MIN_LOGPROB = -1e4
 
@@ -51,35 +53,56 @@ def p_yes(top_logprobs: Iterable[tuple[str, float]]) -> float | None:
     return e / (1.0 + e)
 
 
-def chat_top_logprobs(body: Any) -> list[tuple[str, float]]:
-    """(token, logprob) pairs of the first generated token of an OpenAI chat response.
+class _Top(msgspec.Struct):
+    """One of the top logprobs (llama-server also sends its id and bytes: skipped)."""
+
+    token: str
+    logprob: float
+
+
+class _Position(msgspec.Struct):
+    top_logprobs: list[_Top]
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_Position]
+
+
+class _Choice(msgspec.Struct):
+    logprobs: _Logprobs
+
+
+class _ChatAnswer(msgspec.Struct):
+    choices: list[_Choice]
+    model: Any = None
+
+
+# Decodes only the fields read, into these types: about half of what decoding the whole
+# answer into dicts costs (each of the 20 entries carries a list of bytes), and a string,
+# a bool or null where a number belongs is an error, not a score.
+_CHAT = msgspec.json.Decoder(_ChatAnswer)
+
+
+def chat_top_logprobs(body: bytes) -> tuple[list[tuple[str, float]], Any]:
+    """(token, logprob) pairs of the first generated token of an OpenAI chat answer, and
+    the model it names.
 
     Shape: `choices[0].logprobs.content[0].top_logprobs[] = {token, logprob, ...}`.
-    Raises MalformedLogprobs when the shape is not there.
+    Raises MalformedLogprobs when the answer is not JSON or the shape is not there.
     """
     try:
-        content = body["choices"][0]["logprobs"]["content"]
-        entries = content[0]["top_logprobs"]
-        out = []
-        for e in entries:
-            token = e["token"]
-            if not isinstance(token, str):
-                raise TypeError("bad top_logprobs entry")
-            out.append((token, checked_logprob(e["logprob"])))
-        return out
-    except (KeyError, IndexError, TypeError) as exc:
-        raise MalformedLogprobs(
-            f"no top_logprobs in chat response ({type(exc).__name__})") from None
+        answer = _CHAT.decode(body)
+        top = answer.choices[0].logprobs.content[0].top_logprobs
+    except msgspec.ValidationError as exc:
+        raise MalformedLogprobs(f"no top_logprobs in chat response ({exc})") from None
+    except msgspec.DecodeError:
+        raise MalformedLogprobs("response is not JSON") from None
+    except IndexError:
+        raise MalformedLogprobs("no top_logprobs in chat response (empty list)") from None
+    return [(e.token, clamped(e.logprob)) for e in top], answer.model
 
 
-def checked_logprob(value: Any) -> float:
-    """`value` as a logprob; TypeError unless it is a number (not a bool) and not NaN.
-    -inf (probability 0) would turn the softmax into NaN: it becomes `MIN_LOGPROB`, which
-    is 0 as well."""
-    if type(value) is not float:  # exactly float, the common case, checks least
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise TypeError("bad logprob")
-        value = float(value)
-    if value != value:
-        raise TypeError("NaN logprob")
-    return value if value > MIN_LOGPROB else MIN_LOGPROB
+def clamped(logprob: float) -> float:
+    """-inf (probability 0) and the like would turn the softmax into NaN: anything below
+    `MIN_LOGPROB` becomes it, which is 0 as well."""
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import orjson
 import pytest
 
 from rerank_server.scoring.logprobs import (
@@ -48,13 +49,17 @@ def _chat(top: object) -> dict[str, object]:
 
 
 def test_chat_shape_parsed() -> None:
-    body = _chat([{"id": 1, "token": "yes", "bytes": [], "logprob": -0.5}])
-    assert chat_top_logprobs(body) == [("yes", -0.5)]
+    body = _chat([{"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": -0.5},
+                  {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -3}])
+    assert chat_top_logprobs(orjson.dumps({**body, "model": "m.gguf"})) == (
+        [("yes", -0.5), ("no", -3.0)], "m.gguf")
 
 
-def test_negative_infinity_is_clamped() -> None:
-    pairs = chat_top_logprobs(_chat([{"token": "no", "logprob": float("-inf")},
-                                     {"token": "yes", "logprob": -1.0}]))
+def test_a_vanishing_logprob_is_clamped() -> None:
+    # JSON has no -inf; a number too small to matter stands for it.
+    pairs, _ = chat_top_logprobs(orjson.dumps(_chat([{"token": "no", "logprob": -1e300},
+                                                     {"token": "yes", "logprob": -1.0}])))
+    assert pairs[0] == ("no", -1e4)
     assert p_yes(pairs) == pytest.approx(1.0)
 
 
@@ -66,10 +71,18 @@ def test_negative_infinity_is_clamped() -> None:
     {"choices": [{"logprobs": {"content": []}}]},
     _chat([{"token": 5, "logprob": -1}]),
     _chat([{"token": "yes", "logprob": "high"}]),
-    _chat([{"token": "yes", "logprob": float("nan")}]),
+    _chat([{"token": "yes", "logprob": True}]),
+    _chat([{"token": "yes", "logprob": None}]),  # how a NaN or -inf is sent as JSON
     _chat([{"token": "yes"}]),
+    _chat("yes"),
     "not a dict",
 ])
 def test_malformed_shapes_raise(body: object) -> None:
-    with pytest.raises(MalformedLogprobs):
-        chat_top_logprobs(body)
+    with pytest.raises(MalformedLogprobs, match="no top_logprobs"):
+        chat_top_logprobs(orjson.dumps(body))
+
+
+@pytest.mark.parametrize("raw", [b"", b"<html>busy</html>", b'{"choices": [', b"\xff"])
+def test_an_answer_that_is_not_json_raises(raw: bytes) -> None:
+    with pytest.raises(MalformedLogprobs, match="not JSON"):
+        chat_top_logprobs(raw)
