@@ -153,18 +153,18 @@ class CompletionScorer(PooledScorer):
         return scores
 
 
-class _Top(msgspec.Struct):
+class _Top(msgspec.Struct, gc=False):
     """One of the top logprobs (llama-server also sends its text and bytes: skipped)."""
 
     id: int
     logprob: float
 
 
-class _Position(msgspec.Struct):
+class _Position(msgspec.Struct, gc=False):
     top_logprobs: list[_Top]
 
 
-class _Result(msgspec.Struct):
+class _Result(msgspec.Struct, gc=False):
     completion_probabilities: list[_Position]
     model: Any = None
 
