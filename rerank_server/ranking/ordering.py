@@ -147,6 +147,13 @@ class IncrementalRanking:
     def release(self) -> list[Placed]:
         """Candidates whose position is now certain, in final order (each only once)."""
         out: list[Placed] = []
+        if not self._pending and self._resolved:
+            # Nothing outstanding, so everything resolved is certain: one sort instead of
+            # a pop and a bound check per candidate (a batch that lands whole, and the end
+            # of every request).
+            self._resolved.sort()
+            out = [entry[2] for entry in self._resolved]
+            self._resolved.clear()
         while self._resolved:
             while self._bounds and self._bounds[0][1] not in self._pending:
                 heapq.heappop(self._bounds)
