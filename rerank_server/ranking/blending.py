@@ -15,7 +15,7 @@ candidates keep their retrieval order relative to each other.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..domain import BlendStrategy
@@ -247,8 +247,19 @@ class Settled:
         return min(1.0, max(0.0, (score - self.low) / (self.high - self.low)))
 
     def final(self, rank: int, score: float | None) -> float:
-        return self.weight * self.normalized(rank, score) \
-            + (1.0 - self.weight) * retrieval_input(rank)
+        return self.finals(((rank, score),))[0]
+
+    def finals(self, ranked: Iterable[tuple[int, float | None]]) -> list[float]:
+        """`final` of each (rank, score): `normalized` and the blend inline, one loop for
+        a whole request's scores."""
+        weight, low, span = self.weight, self.low, self.high - self.low
+        flat = span <= _FLAT
+        out = []
+        for rank, score in ranked:
+            r = retrieval_input(rank)
+            n = r if score is None or flat else min(1.0, max(0.0, (score - low) / span))
+            out.append(weight * n + (1.0 - weight) * r)
+        return out
 
     def upper_bound(self, rank: int) -> float:
         """The highest final score a candidate still being scored could reach."""

@@ -117,7 +117,15 @@ class IncrementalRanking:
         half is in, or the scores in fix it whatever the rest will be), place what is
         held, and bound what is still outstanding."""
         params = self._params()
-        known = [p for c, p in self._held if c.index in self._basis and p is not None]
+        basis, normal = self._basis, self._normal
+        known: list[float] = []  # the half's scores (the weight) and the third's (the scale)
+        normal_scores: list[float] = []
+        for c, p in self._held:
+            if p is not None:
+                if c.index in basis:
+                    known.append(p)
+                if c.index in normal:
+                    normal_scores.append(p)
         if self._basis_outstanding:
             low, high = blending.weight_bounds(known, len(self._basis_outstanding), params)
             if low != high:
@@ -125,13 +133,12 @@ class IncrementalRanking:
             weight = low
         else:
             weight = blending.adaptive_weight(known, params)
-        settled = blending.Settled.weighted(
-            weight, [p for c, p in self._held if c.index in self._normal and p is not None])
+        settled = blending.Settled.weighted(weight, normal_scores)
         self._settled, self.reranker_weight = settled, settled.weight
-        final, resolved = settled.final, self._resolved
-        for c, p in self._held:
-            score = final(c.retrieval_rank, p)
-            resolved.append((_key(score, c), c.index, Placed(c, score, p)))
+        held, resolved = self._held, self._resolved
+        finals = settled.finals([(c.retrieval_rank, p) for c, p in held])
+        resolved.extend(((-score, c.retrieval_rank, c.index), c.index, Placed(c, score, p))
+                        for (c, p), score in zip(held, finals, strict=True))  # `_key` inline
         heapq.heapify(resolved)
         self._held.clear()
         self._bounds = [(_key(settled.upper_bound(c.retrieval_rank), c), c.index)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from ..domain import (
     Candidate,
@@ -36,6 +37,8 @@ from ..domain import (
     ThresholdSpec,
 )
 from .request import Request
+
+_BY_RANK = attrgetter("retrieval_rank", "index")  # retrieval order, ties by position
 
 IMPLICIT_LIST = "candidates"
 FIXED_DEFAULT = 0.5
@@ -88,8 +91,29 @@ def rank_bonus(rank: int) -> float:
 def shape(query: Request) -> Shaped:
     sources = _sources(query)
     fused = bool(query.lists)
-    groups = _groups([c for src in sources for c in src.candidates], query.dedup_key)
-    occurrences = sum(len(src.candidates) for src in sources)
+    everything = [c for src in sources for c in src.candidates]
+    occurrences = len(everything)
+    if not fused and not query.dedup_key and len({c.id for c in everything}) == occurrences:
+        # One list, every id once: the common case, with nothing to merge or fuse.
+        ordered, distinct = sorted(everything, key=_BY_RANK), occurrences
+    else:
+        ordered, distinct = _merged(query, sources, everything)
+
+    report = None
+    kept = ordered
+    if query.threshold is not None:
+        kept, report = apply_threshold(ordered, query.threshold, query.top_k)
+    return Shaped(tuple(kept), deduplicated=occurrences - distinct,
+                  filtered=len(ordered) - len(kept), threshold=report,
+                  lexical_top=_lexical_top(sources))
+
+
+def _merged(query: Request, sources: list[_Source], everything: list[Candidate],
+            ) -> tuple[list[Candidate], int]:
+    """Occurrences of one document merged, lists fused (by weighted reciprocal rank, when
+    there are lists), in retrieval order; and how many distinct documents there are."""
+    fused = bool(query.lists)
+    groups = _groups(everything, query.dedup_key)
     source_of = {c.index: src for src in sources for c in src.candidates}
 
     merged: list[tuple[Candidate, float]] = []
@@ -117,15 +141,8 @@ def shape(query: Request) -> Shaped:
                                    normalized_score=score / top if top > 0 else 0.0)
                    for i, (c, score) in enumerate(merged)]
     else:
-        ordered = sorted((c for c, _ in merged), key=lambda c: (c.retrieval_rank, c.index))
-
-    report = None
-    kept = ordered
-    if query.threshold is not None:
-        kept, report = apply_threshold(ordered, query.threshold, query.top_k)
-    return Shaped(tuple(kept), deduplicated=occurrences - len(groups),
-                  filtered=len(ordered) - len(kept), threshold=report,
-                  lexical_top=_lexical_top(sources))
+        ordered = sorted((c for c, _ in merged), key=_BY_RANK)
+    return ordered, len(groups)
 
 
 def _sources(query: Request) -> list[_Source]:

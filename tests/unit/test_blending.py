@@ -14,9 +14,11 @@ from rerank_server.ranking.blending import (
     ADAPTIVE,
     REQUEST_WIDE,
     AdaptiveParams,
+    Settled,
     adaptive_scores,
     adaptive_weight,
     blend,
+    retrieval_input,
     scores_can_matter,
     spread,
     upper_bound,
@@ -246,3 +248,16 @@ def test_a_wide_spread_fixes_the_weight_before_the_half_is_in() -> None:
     # 0.01) or up past decisive.
     low, high = weight_bounds([0.5, 0.6, 0.7, 0.55], 2)
     assert low == pytest.approx(0.0095, abs=1e-4) and high == 1.0
+
+
+@given(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
+       st.lists(st.tuples(st.integers(1, 200), st.none() | st.floats(-5.0, 5.0)),
+                max_size=30))
+def test_a_settled_blend_scores_a_request_at_once_as_one_by_one(
+        weight: float, a: float, b: float, ranked: list[tuple[int, float | None]]) -> None:
+    """`finals`, the loop over a whole request, is `final` of each, and `final` is the
+    weighted sum of `normalized` (which the profile fit reads) and the retrieval input."""
+    settled = Settled(weight, min(a, b), max(a, b))
+    assert settled.finals(ranked) == [settled.final(r, p) for r, p in ranked] == [
+        weight * settled.normalized(r, p) + (1.0 - weight) * retrieval_input(r)
+        for r, p in ranked]
