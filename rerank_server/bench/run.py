@@ -7,8 +7,10 @@ Every comparison runs in one invocation, alternating the things compared, and re
 ratios beside times (these machines are noisy). Scenarios:
 
 - overhead: an instant fake backend (`fake_backend.py`, its own process); per backend
-  kind and 10/40/100 candidates, latency p50/p99 per request and rerank-server's CPU time
-  per scored pair (read from /proc for the server process alone).
+  kind and 10/40/100 candidates, latency p50/p99 per request, the same backend calls
+  replayed straight to the fake (`replay.py`: the backend's own time), the latency
+  rerank-server adds (p50 through - p50 direct), and rerank-server's CPU time per scored
+  pair (read from /proc for the server process alone).
 - telemetry: what metrics and traces add per 40-candidate request (`telemetry.py`):
   five servers in this process, off / metrics / metrics+traces / metrics+traces+steps
   (a span per CPU-only step) / metrics+traces+calls (a span per backend call),
