@@ -44,7 +44,7 @@ from opentelemetry import trace
 
 from ..observability.metrics import Metrics
 from .base import Failure
-from .http import BackendCallError, HttpBackend
+from .http import BackendCallError, Decode, HttpBackend, MalformedResponse
 
 log = structlog.get_logger(__name__)
 
@@ -52,10 +52,6 @@ T = TypeVar("T")
 
 # The instance a probe must use, even while it is ejected (`BackendPool.pinned`).
 _PINNED: ContextVar[Endpoint | None] = ContextVar("rerank_pinned_endpoint", default=None)
-
-
-class MalformedResponse(ValueError):
-    """The backend answered, but not with what the scorer needs (no user text inside)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +114,12 @@ class BackendPool:
     # --- calls
 
     async def call(self, path: str, payload: Any, parse: Callable[[Any], T],
-                   pairs: int = 1, raw: bool = False) -> T:
-        """POST to the best instance and `parse` its JSON (with `raw`, the answer's bytes:
-        the parser decodes them); raises BackendCallError.
+                   pairs: int = 1, decode: Decode | None = None) -> T:
+        """POST to the best instance and `parse` its JSON (decoded by `decode` when
+        given, see `HttpBackend.post_json`); raises BackendCallError.
 
-        `parse` raises MalformedResponse for an answer it cannot use; that counts as a
-        malformed response of that instance (not a reason to eject it).
+        `parse` (or `decode`) raises MalformedResponse for an answer it cannot use; that
+        counts as a malformed response of that instance (not a reason to eject it).
         """
         tried: list[Endpoint] = []
         last: BackendCallError | None = None
@@ -134,13 +130,13 @@ class BackendPool:
                                                "every backend instance is out")
             tried.append(endpoint)
             try:
-                body = await endpoint.http.post_json(path, payload, pairs, raw)
-            except BackendCallError as exc:
-                last = exc
-                if _retryable(exc) and len(tried) < 2 and _PINNED.get() is None:
-                    continue
-                raise
-            try:
+                try:
+                    body = await endpoint.http.post_json(path, payload, pairs, decode)
+                except BackendCallError as exc:
+                    last = exc
+                    if _retryable(exc) and len(tried) < 2 and _PINNED.get() is None:
+                        continue
+                    raise
                 return parse(body)
             except MalformedResponse as exc:
                 endpoint.http.record_malformed()

@@ -12,12 +12,12 @@ from typing import Any
 
 from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse
+from .backend_pool import BackendPool
 from .base import Emit, PairOutcome, ScoreRequest
 from .batching import map_pairs
 from .context_fit import ContextFit, shorter
-from .http import BackendCallError
-from .logprobs import MalformedLogprobs, chat_top_logprobs, p_yes
+from .http import BackendCallError, MalformedResponse
+from .logprobs import ChatAnswer, chat_top_logprobs, decode_chat, p_yes
 from .pooled_scorer import PooledScorer
 
 TOP_LOGPROBS = 20
@@ -51,12 +51,9 @@ class ChatScorer(PooledScorer):
         }
         return self.with_model(body)
 
-    def _parse(self, body: bytes) -> float:
-        try:
-            top, model = chat_top_logprobs(body)
-        except MalformedLogprobs as exc:
-            raise MalformedResponse(str(exc)) from None
-        self.note_model(model)
+    def _parse(self, answer: ChatAnswer) -> float:
+        top = chat_top_logprobs(answer)  # MalformedLogprobs is a MalformedResponse
+        self.note_model(answer.model)
         score = p_yes(top)
         if score is None:
             raise MalformedResponse("no yes/no token in top logprobs")
@@ -78,7 +75,7 @@ class ChatScorer(PooledScorer):
                 try:
                     score = await self._pool.call("/v1/chat/completions",
                                                   self.payload(request, document),
-                                                  self._parse, raw=True)
+                                                  self._parse, decode=decode_chat)
                 except BackendCallError as exc:
                     if exc.too_long and not last_try:
                         document = shorter(document)

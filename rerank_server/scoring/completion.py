@@ -27,11 +27,11 @@ import msgspec
 
 from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse
+from .backend_pool import BackendPool
 from .base import Emit, Failure, ScoreRequest
 from .batching import failed_all, score_in_batches
 from .context_fit import ContextFit, token_list
-from .http import BackendCallError
+from .http import BackendCallError, MalformedResponse
 from .logprobs import clamped, p_yes
 from .pooled_scorer import PooledScorer
 
@@ -130,20 +130,14 @@ class CompletionScorer(PooledScorer):
                                     "response_fields": RESPONSE_FIELDS})
             scores = await self._pool.call("/completion", body,
                                            lambda b: self._parse(b, ids, len(chunk)),
-                                           pairs=len(chunk), raw=True)
+                                           pairs=len(chunk), decode=_decode)
             return dict(enumerate(scores))
 
         await score_in_batches(prompts, self._max_batch, batch, emit,
                                missing="no yes/no token in top logprobs")
 
-    def _parse(self, body: bytes, ids: dict[int, str], expected: int) -> list[float | None]:
-        try:
-            decoded = _RESULTS.decode(body)
-        except msgspec.ValidationError as exc:
-            raise MalformedResponse(f"completion result has no top_logprobs ({exc})") from None
-        except msgspec.DecodeError:
-            raise MalformedResponse("response is not JSON") from None
-        results = decoded if isinstance(decoded, list) else [decoded]
+    def _parse(self, results: list[_Result], ids: dict[int, str],
+               expected: int) -> list[float | None]:
         if len(results) != expected:
             raise MalformedResponse(f"expected {expected} completion results")
         scores: list[float | None] = []
@@ -154,14 +148,15 @@ class CompletionScorer(PooledScorer):
 
 
 class _Top(msgspec.Struct, gc=False):
-    """One of the top logprobs (llama-server also sends its text and bytes: skipped)."""
+    """One of the top logprobs (llama-server also sends its text and bytes: skipped).
+    Only the answer tokens' are read: an entry of another token may lack either field."""
 
-    id: int
-    logprob: float
+    id: int | None = None
+    logprob: float | None = None
 
 
 class _Position(msgspec.Struct, gc=False):
-    top_logprobs: list[_Top]
+    top_logprobs: list[_Top] | None = None
 
 
 class _Result(msgspec.Struct, gc=False):
@@ -169,17 +164,34 @@ class _Result(msgspec.Struct, gc=False):
     model: Any = None
 
 
-# Only the fields read, into these types (`logprobs.chat_top_logprobs` says why). An array
-# of results, or one result for a single prompt.
+# Only the fields read, into these types (`logprobs.decode_chat` says why). An array of
+# results, or one result for a single prompt.
 _RESULTS = msgspec.json.Decoder(list[_Result] | _Result)
+
+
+def _decode(body: bytes) -> list[_Result]:
+    """A `/completion` answer's bytes, decoded (`HttpBackend.post_json(decode=...)`):
+    MalformedResponse for JSON of the wrong shape, msgspec.DecodeError for not JSON."""
+    try:
+        decoded = _RESULTS.decode(body)
+    except msgspec.ValidationError as exc:
+        raise MalformedResponse(f"completion result has no top_logprobs ({exc})") from None
+    return decoded if isinstance(decoded, list) else [decoded]
 
 
 def _answers(result: _Result, ids: dict[int, str]) -> list[tuple[str, float]]:
     """(yes|no, logprob) for the answer tokens among the first position's top logprobs."""
-    if not result.completion_probabilities:
+    positions = result.completion_probabilities
+    top = positions[0].top_logprobs if positions else None
+    if top is None:
         raise MalformedResponse("completion result has no top_logprobs")
-    return [(ids[entry.id], clamped(entry.logprob))
-            for entry in result.completion_probabilities[0].top_logprobs if entry.id in ids]
+    answers = []
+    for entry in top:
+        if entry.id in ids:
+            if entry.logprob is None:
+                raise MalformedResponse("an answer token has no logprob")
+            answers.append((ids[entry.id], clamped(entry.logprob)))
+    return answers
 
 
 def _frame(prefix: str, suffix: str) -> tuple[str, str, str] | None:

@@ -22,8 +22,8 @@ from typing import Any
 
 import structlog
 
-from .backend_pool import BackendPool, MalformedResponse
-from .http import BackendCallError
+from .backend_pool import BackendPool
+from .http import BackendCallError, MalformedResponse
 
 log = structlog.get_logger(__name__)
 

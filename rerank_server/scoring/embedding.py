@@ -17,11 +17,11 @@ from typing import Any
 
 from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse
+from .backend_pool import BackendPool
 from .base import Emit, Failure, ScoreRequest
 from .batching import score_in_batches
 from .context_fit import ContextFit
-from .http import BackendCallError
+from .http import BackendCallError, MalformedResponse
 from .pooled_scorer import PooledScorer
 
 Vector = list[float]

@@ -44,6 +44,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 import orjson
 from opentelemetry import trace
 
@@ -65,6 +66,18 @@ ERROR_TYPES = {
     Failure.HTTP_ERROR: "http_status",
     Failure.MALFORMED: "malformed",
 }
+
+
+class MalformedResponse(ValueError):
+    """The backend answered, but not with what the scorer needs (no user text inside).
+
+    Raised by a scorer's parser, or by its decoder (`post_json(decode=...)`) for JSON of
+    the wrong shape: either way the instance did answer, which its health counts."""
+
+
+# A scorer's own decoder of an answer's bytes: raises MalformedResponse for JSON of the
+# wrong shape, and anything else for bytes that are not JSON.
+Decode = Callable[[bytes], Any]
 
 
 class BackendCallError(Exception):
@@ -187,9 +200,9 @@ class HttpBackend:
         self._metrics.watch_active(self, lambda: (len(self._calls), attributes))
 
     async def post_json(self, path: str, payload: Any, pairs: int = 1,
-                        raw: bool = False) -> Any:
-        """POST `payload` (scoring `pairs` pairs), return the decoded JSON body, or with
-        `raw` its bytes (for a scorer that decodes only the fields it reads).
+                        decode: Decode | None = None) -> Any:
+        """POST `payload` (scoring `pairs` pairs), return the decoded JSON body: by orjson,
+        or by `decode` (a scorer's typed decoder of only the fields it reads).
 
         Raises BackendCallError. If the caller is cancelled, the call is abandoned (see
         the module docstring) and keeps its slot until it ends. A task registered with
@@ -212,11 +225,11 @@ class HttpBackend:
             self._calls[task] = loop.time()
             _ON_WIRE[task] = self
             try:
-                return await self._call(path, payload, pairs, raw)
+                return await self._call(path, payload, pairs, decode)
             finally:
                 del _ON_WIRE[task]
                 self._forget(task)
-        call = loop.create_task(self._call(path, payload, pairs, raw))
+        call = loop.create_task(self._call(path, payload, pairs, decode))
         self._calls[call] = loop.time()
         # Released when the call ends however it ends, even cancelled before it started.
         call.add_done_callback(self._forget)
@@ -238,22 +251,22 @@ class HttpBackend:
         balancing compares (a hung instance full of abandoned calls is not idle)."""
         return (len(self._calls) + self.waiting) / self.concurrency
 
-    async def _call(self, path: str, payload: Any, pairs: int, raw: bool = False) -> Any:
+    async def _call(self, path: str, payload: Any, pairs: int,
+                    decode: Decode | None = None) -> Any:
         """One call, from holding its slot to releasing it; reports how it ended."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.in_flight_pairs += pairs
         ended: tuple[BackendCallError | None] | None = None  # None: not to be reported
         try:
-            body = await self._traced_post(path, payload, pairs, raw)
-            if pairs:
-                # Metadata calls (pairs=0: /tokenize, /apply-template) take no slot on
-                # llama-server: their speed and their answers say nothing about scoring,
-                # so they neither feed the latency figures nor clear a failure streak.
-                elapsed = loop.time() - started
-                self.latency_s = _ewma(self.latency_s, elapsed)
-                self.pair_s = _ewma(self.pair_s, elapsed / pairs)
-                ended = (None,)
+            try:
+                body = await self._traced_post(path, payload, pairs, decode)
+            except MalformedResponse:
+                # An answer, if not a usable one: the instance answered (as when the
+                # scorer's parser finds the shape wrong, after the call).
+                ended = self._answered(pairs, started)
+                raise
+            ended = self._answered(pairs, started)
             return body
         except BackendCallError as exc:
             ended = (exc,)
@@ -267,6 +280,18 @@ class HttpBackend:
             self.in_flight_pairs -= pairs
             if ended is not None:
                 self.on_outcome(ended[0])
+
+    def _answered(self, pairs: int, started: float) -> tuple[None] | None:
+        """A scoring call answered: its time feeds the latency figures and its outcome
+        clears the failure streak. Metadata calls (pairs=0: /tokenize, /apply-template)
+        take no slot on llama-server: their speed and their answers say nothing about
+        scoring, so they do neither (None: nothing to report)."""
+        if not pairs:
+            return None
+        elapsed = asyncio.get_running_loop().time() - started
+        self.latency_s = _ewma(self.latency_s, elapsed)
+        self.pair_s = _ewma(self.pair_s, elapsed / pairs)
+        return (None,)
 
     def leash_s(self) -> float:
         """How long after it was sent an abandoned call may still run."""
@@ -326,7 +351,8 @@ class HttpBackend:
         self._metrics.backend_errors.add(
             1, {**self.instance.attributes, ERROR_TYPE: ERROR_TYPES[Failure.MALFORMED]})
 
-    async def _traced_post(self, path: str, payload: Any, pairs: int, raw: bool) -> Any:
+    async def _traced_post(self, path: str, payload: Any, pairs: int,
+                           decode: Decode | None) -> Any:
         attributes = self.instance.attributes
         started = time.perf_counter()
         status: int | None = None
@@ -344,7 +370,7 @@ class HttpBackend:
         else:
             propagated = trace_context.headers_for(span) if span.is_recording() else None
         try:
-            body, status = await self._post(path, payload, propagated, raw)
+            body, status = await self._post(path, payload, propagated, decode)
             return body
         except BackendCallError as exc:
             error_type = ERROR_TYPES[exc.failure]
@@ -365,7 +391,7 @@ class HttpBackend:
 
     async def _post(self, path: str, payload: Any,
                     propagated: trace_context.TraceHeaders | None,
-                    raw: bool = False) -> tuple[Any, int]:
+                    decode: Decode | None = None) -> tuple[Any, int]:
         content = orjson.dumps(payload)
         try:
             if self._lean is not None:
@@ -392,11 +418,13 @@ class HttpBackend:
                 raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
                                        "exceeds the model's context", status, too_long=True)
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
-        if raw:
-            return body, status
         try:
-            return orjson.loads(body), status
-        except orjson.JSONDecodeError:
+            return (orjson.loads(body) if decode is None else decode(body)), status
+        except MalformedResponse:
+            raise  # JSON of the wrong shape: the scorer's decoder says what is missing
+        except (orjson.JSONDecodeError, msgspec.DecodeError, RecursionError):
+            # msgspec raises RecursionError for deeply nested input, where orjson
+            # reports it as a decoding error.
             raise BackendCallError(Failure.MALFORMED, "response is not JSON", status) from None
 
     def _url(self, path: str) -> httpx.URL:

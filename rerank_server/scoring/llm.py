@@ -17,9 +17,10 @@ from typing import Any
 
 from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse
+from .backend_pool import BackendPool
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches
+from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
 DOCUMENT_CHARS = 1000

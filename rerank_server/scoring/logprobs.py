@@ -16,11 +16,13 @@ from typing import Any
 
 import msgspec
 
+from .http import MalformedResponse
+
 FLOOR_LOGPROB = -10.0
 MIN_LOGPROB = -1e4
 
 
-class MalformedLogprobs(ValueError):
+class MalformedLogprobs(MalformedResponse):
     """The backend's answer has no usable logprobs."""
 
 
@@ -60,19 +62,21 @@ class _Top(msgspec.Struct, gc=False):
     logprob: float
 
 
+# Only the path read must be there (`chat_top_logprobs` checks it): a second choice or
+# position without logprobs does not spoil the first.
 class _Position(msgspec.Struct, gc=False):
-    top_logprobs: list[_Top]
+    top_logprobs: list[_Top] | None = None
 
 
 class _Logprobs(msgspec.Struct, gc=False):
-    content: list[_Position]
+    content: list[_Position] | None = None
 
 
 class _Choice(msgspec.Struct, gc=False):
-    logprobs: _Logprobs
+    logprobs: _Logprobs | None = None
 
 
-class _ChatAnswer(msgspec.Struct, gc=False):
+class ChatAnswer(msgspec.Struct, gc=False):
     choices: list[_Choice]
     model: Any = None
 
@@ -82,26 +86,32 @@ class _ChatAnswer(msgspec.Struct, gc=False):
 # a bool or null where a number belongs is an error, not a score. `gc=False`: decoded
 # JSON holds no reference cycles, and structs the collector does not track are about a
 # fifth cheaper to make.
-_CHAT = msgspec.json.Decoder(_ChatAnswer)
+_CHAT = msgspec.json.Decoder(ChatAnswer)
 
 
-def chat_top_logprobs(body: bytes) -> tuple[list[tuple[str, float]], Any]:
-    """(token, logprob) pairs of the first generated token of an OpenAI chat answer, and
-    the model it names.
+def decode_chat(body: bytes) -> ChatAnswer:
+    """An OpenAI chat answer's bytes, decoded (`HttpBackend.post_json(decode=...)`).
 
-    Shape: `choices[0].logprobs.content[0].top_logprobs[] = {token, logprob, ...}`.
-    Raises MalformedLogprobs when the answer is not JSON or the shape is not there.
-    """
+    Raises MalformedLogprobs for JSON of the wrong shape, msgspec.DecodeError for bytes
+    that are not JSON."""
     try:
-        answer = _CHAT.decode(body)
-        top = answer.choices[0].logprobs.content[0].top_logprobs
+        return _CHAT.decode(body)
     except msgspec.ValidationError as exc:
         raise MalformedLogprobs(f"no top_logprobs in chat response ({exc})") from None
-    except msgspec.DecodeError:
-        raise MalformedLogprobs("response is not JSON") from None
-    except IndexError:
-        raise MalformedLogprobs("no top_logprobs in chat response (empty list)") from None
-    return [(e.token, clamped(e.logprob)) for e in top], answer.model
+
+
+def chat_top_logprobs(answer: ChatAnswer) -> list[tuple[str, float]]:
+    """(token, logprob) pairs of the first generated token of an OpenAI chat answer.
+
+    Shape: `choices[0].logprobs.content[0].top_logprobs[] = {token, logprob, ...}`.
+    Raises MalformedLogprobs when the shape is not there.
+    """
+    choice = answer.choices[0] if answer.choices else None
+    content = choice.logprobs.content if choice and choice.logprobs else None
+    top = content[0].top_logprobs if content else None
+    if top is None:
+        raise MalformedLogprobs("no top_logprobs in chat response")
+    return [(e.token, clamped(e.logprob)) for e in top]
 
 
 def clamped(logprob: float) -> float:

@@ -13,10 +13,10 @@ from typing import Any
 
 from ..domain import BackendKind
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse
+from .backend_pool import BackendPool
 from .base import Emit, PairOutcome, ScoreRequest
 from .batching import map_pairs
-from .http import BackendCallError
+from .http import BackendCallError, MalformedResponse
 from .pooled_scorer import PooledScorer
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -20,9 +20,10 @@ from typing import Any
 from ..domain import BackendKind
 from ..settings import RerankFormat
 from . import prompt
-from .backend_pool import BackendPool, MalformedResponse
+from .backend_pool import BackendPool
 from .base import Emit, ScoreRequest
 from .batching import score_in_batches, to_unit
+from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
 

@@ -347,3 +347,32 @@ async def test_completion_takes_only_numbers_as_logprobs(backend: Callable[..., 
     assert by_id["3"] == pytest.approx(1 / (1 + math.exp(-1.5)))  # yes -0.5, no -2.0
     assert all(by_id[i] is None for i in ("0", "1", "2"))
     assert answer.summary.degraded_code == "partial"
+
+
+@pytest.mark.parametrize(("answer", "answered"), [
+    (b"<html>busy</html>", False),  # not JSON: not an answer, the streak stands
+    ([{"content": "yes"}] * len(DOCS), True),  # JSON of the wrong shape: answered
+])
+async def test_completion_answers_that_are_not_json_do_not_count_as_answered(
+        start_server: StartServer, answer: Any, answered: bool) -> None:
+    """`completion` decodes its answers itself; the instance's failure streak moves as
+    when the HTTP client decoded them (`chat`: in test_degraded.py)."""
+    def broken(method: str, path: str, body: Any, headers: Mapping[str, str],
+               ) -> tuple[int, Any]:
+        if path == "/completion":
+            return 200, answer
+        return plain_template(method, path, body, headers)
+
+    fake = JsonServer(broken).start()
+    try:
+        server = await start_server(backend_url=fake.url, backend="completion")
+        endpoint = server.pool.endpoints[0]
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+            await client.rerank("warm", ["x"], always_score=True)  # the template, the ids
+            endpoint.failures_in_row = 1
+            result = await client.rerank("q", DOCS, always_score=True)
+        assert not result.reranked
+        assert result.summary.degraded_code == "malformed_response"
+        assert endpoint.failures_in_row == (0 if answered else 1)
+    finally:
+        fake.stop()

@@ -118,3 +118,24 @@ async def test_request_timeout_option_applies(
     answer = await client.rerank("q", DOCS, timeout_ms=150)
     assert answer.summary.degraded_code == "timeout"
     assert answer.summary.total_ms < 900
+
+
+@pytest.mark.parametrize(("mode", "answered"), [
+    (llama.NOT_JSON, False),  # not an answer: the streak stands
+    (llama.NO_LOGPROBS, True),  # JSON of the wrong shape: answered, if uselessly
+])
+async def test_an_answer_that_is_not_json_does_not_count_as_answered(
+        start_server: StartServer, fake_llama: FakeLlamaServer, mode: str,
+        answered: bool) -> None:
+    """`chat` decodes its answers itself (typed, only the fields it reads) and keeps the
+    instance's health as the HTTP client's decoding kept it: bytes that are not JSON leave
+    its failure streak as it was, JSON of the wrong shape clears it (`completion`: in
+    test_backends_http.py)."""
+    fake_llama.mode = mode
+    server = await start_server()
+    endpoint = server.pool.endpoints[0]
+    endpoint.failures_in_row = 1
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
+    _assert_retrieval_order(answer, "malformed_response")
+    assert endpoint.failures_in_row == (0 if answered else 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import orjson
 import pytest
 
@@ -11,8 +12,13 @@ from rerank_server.scoring.logprobs import (
     FLOOR_LOGPROB,
     MalformedLogprobs,
     chat_top_logprobs,
+    decode_chat,
     p_yes,
 )
+
+
+def _top(body: object) -> list[tuple[str, float]]:
+    return chat_top_logprobs(decode_chat(orjson.dumps(body)))
 
 
 def test_softmax_of_yes_and_no() -> None:
@@ -51,14 +57,21 @@ def _chat(top: object) -> dict[str, object]:
 def test_chat_shape_parsed() -> None:
     body = _chat([{"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": -0.5},
                   {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -3}])
-    assert chat_top_logprobs(orjson.dumps({**body, "model": "m.gguf"})) == (
-        [("yes", -0.5), ("no", -3.0)], "m.gguf")
+    answer = decode_chat(orjson.dumps({**body, "model": "m.gguf"}))
+    assert chat_top_logprobs(answer) == [("yes", -0.5), ("no", -3.0)]
+    assert answer.model == "m.gguf"
+
+
+def test_only_the_first_choice_and_position_must_have_logprobs() -> None:
+    body = _chat([{"token": "yes", "logprob": -0.5}])
+    body["choices"].append({"logprobs": None})  # type: ignore[attr-defined]
+    assert _top(body) == [("yes", -0.5)]
 
 
 def test_a_vanishing_logprob_is_clamped() -> None:
     # JSON has no -inf; a number too small to matter stands for it.
-    pairs, _ = chat_top_logprobs(orjson.dumps(_chat([{"token": "no", "logprob": -1e300},
-                                                     {"token": "yes", "logprob": -1.0}])))
+    pairs = _top(_chat([{"token": "no", "logprob": -1e300},
+                        {"token": "yes", "logprob": -1.0}]))
     assert pairs[0] == ("no", -1e4)
     assert p_yes(pairs) == pytest.approx(1.0)
 
@@ -79,10 +92,14 @@ def test_a_vanishing_logprob_is_clamped() -> None:
 ])
 def test_malformed_shapes_raise(body: object) -> None:
     with pytest.raises(MalformedLogprobs, match="no top_logprobs"):
-        chat_top_logprobs(orjson.dumps(body))
+        _top(body)
 
 
-@pytest.mark.parametrize("raw", [b"", b"<html>busy</html>", b'{"choices": [', b"\xff"])
-def test_an_answer_that_is_not_json_raises(raw: bytes) -> None:
-    with pytest.raises(MalformedLogprobs, match="not JSON"):
-        chat_top_logprobs(raw)
+# The last: nesting deeper than the decoder goes, in a field it skips.
+@pytest.mark.parametrize("raw", [b"", b"<html>busy</html>", b'{"choices": [', b"\xff",
+                                 b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "choices": []}'])
+def test_an_answer_that_is_not_json_is_a_decoding_error(raw: bytes) -> None:
+    """Not MalformedLogprobs (JSON of the wrong shape): the HTTP client counts bytes that
+    are not JSON as a failed call (`HttpBackend._post`), deep nesting included."""
+    with pytest.raises((msgspec.DecodeError, RecursionError)):
+        decode_chat(raw)

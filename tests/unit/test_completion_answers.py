@@ -1,0 +1,72 @@
+"""`completion`'s answers, decoded typed (only the fields read): what is scored, what is
+malformed, and what is not JSON at all."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import orjson
+import pytest
+
+from rerank_server.scoring.completion import _answers, _decode
+from rerank_server.scoring.http import MalformedResponse
+
+IDS = {1: "yes", 2: "no"}
+
+
+def _result(top: Any) -> dict[str, Any]:
+    return {"completion_probabilities": [{"id": 1, "token": "yes", "bytes": [121],
+                                          "logprob": -0.1, "top_logprobs": top}],
+            "model": "/models/m.gguf"}
+
+
+def test_an_array_and_a_single_result_decode_alike() -> None:
+    top = [{"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": -0.5},
+           {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -2}]
+    one = _decode(orjson.dumps(_result(top)))
+    assert one == _decode(orjson.dumps([_result(top)]))
+    assert _answers(one[0], IDS) == [("yes", -0.5), ("no", -2.0)]
+    assert one[0].model == "/models/m.gguf"
+
+
+def test_entries_of_other_tokens_need_neither_id_nor_logprob() -> None:
+    top = [{"token": "The"}, {"id": None, "logprob": -1.0}, {"id": 7, "logprob": None},
+           {"id": 1, "logprob": -0.2}]
+    assert _answers(_decode(orjson.dumps([_result(top)]))[0], IDS) == [("yes", -0.2)]
+
+
+@pytest.mark.parametrize("answer", [
+    [{"model": "m"}],  # no completion_probabilities
+    [_result([{"id": 1, "logprob": "-0.1"}])],  # a string, a bool: not numbers
+    [_result([{"id": 1, "logprob": True}])],
+    [_result([{"id": "1", "logprob": -0.1}])],
+    [_result(None)],
+    {"error": "busy"},
+    "yes",
+])
+def test_json_of_the_wrong_shape_is_malformed(answer: Any) -> None:
+    with pytest.raises(MalformedResponse):
+        results = _decode(orjson.dumps(answer))
+        for result in results:
+            _answers(result, IDS)
+
+
+def test_an_answer_token_without_a_logprob_is_malformed() -> None:
+    with pytest.raises(MalformedResponse, match="no logprob"):
+        _answers(_decode(orjson.dumps([_result([{"id": 2}])]))[0], IDS)
+
+
+def test_a_vanishing_logprob_is_clamped_not_minus_infinity() -> None:
+    [(answer, logprob)] = _answers(
+        _decode(orjson.dumps([_result([{"id": 2, "logprob": -1e300}])]))[0], IDS)
+    assert answer == "no" and math.isfinite(logprob)
+
+
+@pytest.mark.parametrize("raw", [b"", b"<html>busy</html>", b"[{", b"\xff"])
+def test_bytes_that_are_not_json_are_a_decoding_error_not_malformed(raw: bytes) -> None:
+    """The HTTP client counts those as a failed call (`HttpBackend._post`)."""
+    with pytest.raises(msgspec.DecodeError) as caught:
+        _decode(raw)
+    assert not isinstance(caught.value, msgspec.ValidationError)
