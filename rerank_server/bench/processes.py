@@ -76,6 +76,19 @@ def fake_backend(latency_ms: float = 0.0) -> Iterator[str]:
         stop(proc)
 
 
+@contextmanager
+def bare_grpc() -> Iterator[int]:
+    """The port of a bare `grpc.aio` server answering `Rerank` (`bare_grpc.py`)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rerank_server.bench.bare_grpc",
+                             "--port", str(port)])
+    try:
+        _wait_port(port, proc)
+        yield port
+    finally:
+        stop(proc)
+
+
 def start_server(args: Sequence[str], env: Mapping[str, str] | None = None,
                  cwd: Path | None = None) -> tuple[int, subprocess.Popen[bytes]]:
     """A rerank-server started with `args` (cache and metrics off unless `args` say

@@ -9,8 +9,9 @@ ratios beside times (these machines are noisy). Scenarios:
 - overhead: an instant fake backend (`fake_backend.py`, its own process); per backend
   kind and 10/40/100 candidates, latency p50/p99 per request, the same backend calls
   replayed straight to the fake (`replay.py`: the backend's own time), the latency
-  rerank-server adds (p50 through - p50 direct), and rerank-server's CPU time per scored
-  pair (read from /proc for the server process alone).
+  rerank-server adds (p50 through - p50 direct), the same request to a bare gRPC server
+  (`bare_grpc.py`: the hop alone), and rerank-server's CPU time per scored pair (read
+  from /proc for the server process alone).
 - telemetry: what metrics and traces add per 40-candidate request (`telemetry.py`):
   five servers in this process, off / metrics / metrics+traces / metrics+traces+steps
   (a span per CPU-only step) / metrics+traces+calls (a span per backend call),
@@ -62,7 +63,7 @@ from rerank_client import AsyncRerankClient, RerankError, Result, Summary
 from ..scoring import prompt
 from ..settings import DEFAULT_INSTRUCTION
 from . import replay
-from .processes import cpu_seconds, fake_backend, llama_server, rerank_server
+from .processes import bare_grpc, cpu_seconds, fake_backend, llama_server, rerank_server
 from .telemetry import telemetry_cost, telemetry_markdown
 
 SCENARIOS = ("overhead", "telemetry", "model", "throughput", "streaming", "backends")
@@ -120,44 +121,54 @@ def backend_args(kind: str, url: str) -> list[str]:
 
 async def overhead(requests: int) -> dict[str, Any]:
     """Per kind and size: `requests` through rerank-server, each followed (or, every other
-    one, preceded) by the same backend calls replayed directly (`replay.py`), so both see
-    the same moment of a noisy machine. added = p50 through - p50 direct."""
+    one, preceded) by the same backend calls replayed directly (`replay.py`) and by the
+    same request to a bare gRPC server (`bare_grpc.py`), so all three see the same moment
+    of a noisy machine. added = p50 through - p50 direct; the bare server's p50 is the
+    part of it that is the gRPC hop with this client."""
     results: dict[str, Any] = {}
-    with fake_backend() as url:
-        async with httpx.AsyncClient() as http:
+    with fake_backend() as url, bare_grpc() as bare_port:
+        async with httpx.AsyncClient() as http, \
+                AsyncRerankClient(f"127.0.0.1:{bare_port}") as bare:
             for kind in KINDS:
                 with rerank_server(backend_args(kind, url)) as (port, pid):
                     async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
                         for size in SIZES:
                             results.setdefault(kind, {})[str(size)] = await _overhead_cell(
-                                client, http, url, pid, passages(size), requests)
+                                client, bare, http, url, pid, passages(size), requests)
     return results
 
 
-async def _overhead_cell(client: AsyncRerankClient, http: httpx.AsyncClient, url: str,
-                         pid: int, docs: list[str], requests: int) -> dict[str, Any]:
+async def _overhead_cell(client: AsyncRerankClient, bare: AsyncRerankClient,
+                         http: httpx.AsyncClient, url: str, pid: int, docs: list[str],
+                         requests: int) -> dict[str, Any]:
     for i in range(3):  # warm-up
         await client.rerank(f"warm {i}", docs)
+        await bare.rerank(f"warm {i}", docs)
     await replay.start_recording(http, url)
     await client.rerank("q recorded", docs)
     calls = await replay.recorded_calls(http, url)
     through: list[float] = []
     direct: list[float] = []
+    floor: list[float] = []
     async with replay.Replay(url, calls, OVERHEAD_CONCURRENCY) as backend:
-        # The server is idle while the calls are replayed: its CPU over the loop is its
-        # own work for the requests (and what each left to do after answering).
+        # The server is idle while the calls are replayed and the bare server answers:
+        # its CPU over the loop is its own work for the requests (and what each left to
+        # do after answering).
         cpu0 = cpu_seconds(pid)
         for i in range(requests):
             if i % 2:
                 direct.append(await _timed(backend.run))
+                floor.append(await _timed(partial(bare.rerank, f"q {i}", docs)))
             through.append(await _timed(partial(client.rerank, f"q {i}", docs)))
             if not i % 2:
+                floor.append(await _timed(partial(bare.rerank, f"q {i}", docs)))
                 direct.append(await _timed(backend.run))
         cpu = cpu_seconds(pid) - cpu0
     times = _ms(through)
     direct_p50 = round(pct(direct, 0.5) * 1000, 2)
     return {**times, "direct_p50_ms": direct_p50,
             "added_p50_ms": round(times["p50_ms"] - direct_p50, 2),
+            "bare_grpc_p50_ms": round(pct(floor, 0.5) * 1000, 2),
             "backend_calls": len(calls),
             "cpu_us_per_pair": round(cpu / (requests * len(docs)) * 1e6, 1),
             "latencies_ms": [round(x * 1000, 3) for x in through]}
@@ -468,15 +479,16 @@ def markdown(report: dict[str, Any]) -> str:
     if "overhead" in report:
         lines += ["#### Overhead (instant fake backend)", "",
                   "Latency through rerank-server, the same backend calls replayed "
-                  "directly (the backend's own time), and the difference: what "
-                  "rerank-server adds.", "",
+                  "directly (the backend's own time), the difference (what rerank-server "
+                  "adds), and the same request to a bare gRPC server (the hop alone).", "",
                   "| backend | candidates | p50 ms | p99 ms | direct p50 ms | added p50 ms "
-                  "| server CPU µs / pair |", "|---|---|---|---|---|---|---|"]
+                  "| bare gRPC p50 ms | server CPU µs / pair |",
+                  "|---|---|---|---|---|---|---|---|"]
         for kind, sizes in report["overhead"].items():
             for size, r in sizes.items():
                 lines.append(f"| {kind} | {size} | {r['p50_ms']} | {r['p99_ms']} | "
                              f"{r['direct_p50_ms']} | {r['added_p50_ms']} | "
-                             f"{r['cpu_us_per_pair']} |")
+                             f"{r['bare_grpc_p50_ms']} | {r['cpu_us_per_pair']} |")
         lines.append("")
     if "telemetry" in report:
         lines += telemetry_markdown(report["telemetry"])

@@ -37,7 +37,7 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
             # pair for the per-pair kinds, fewer for the batching ones.
             calls = r["backend_calls"]
             assert calls == int(size) if kind in ("chat", "ollama") else 1 <= calls <= 2
-            assert r["direct_p50_ms"] > 0
+            assert r["direct_p50_ms"] > 0 and r["bare_grpc_p50_ms"] > 0
             assert r["added_p50_ms"] == round(r["p50_ms"] - r["direct_p50_ms"], 2)
     assert set(report["throughput"]) == {"1", "2"}  # --workers
     for by_clients in report["throughput"].values():

@@ -1,0 +1,68 @@
+"""The floor under every overhead figure: a bare `grpc.aio` server answering `Rerank`.
+
+    python -m rerank_server.bench.bare_grpc --port 50099
+
+It runs as rerank-server's gRPC edge does (on uvloop where installed, the request taken
+as bytes and parsed), and answers each request with a response of as many results as
+the request has candidates, built once per count and then sent as prebuilt bytes. What
+a client measures against it is the gRPC hop alone on this machine at this moment: the
+overhead scenario alternates it with the requests through rerank-server, so the two can
+be compared in noisy hours (this VM's speed changes twofold within a day).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import grpc
+
+from ..api.pb import rerank_pb2 as pb
+
+_ANSWERS: dict[int, bytes] = {}
+
+
+def answer(count: int) -> bytes:
+    """A `RerankResponse` shaped like rerank-server's for `count` candidates."""
+    if count not in _ANSWERS:
+        response = pb.RerankResponse(
+            request_id="bare", reranked=True, backend="bare", model="bare",
+            blend_strategy=pb.BLEND_STRATEGY_ADAPTIVE,
+            counts=pb.Counts(candidates=count, submitted=count, scored=count),
+            timings=pb.Timings(total_ms=1.0, scoring_ms=0.5))
+        for i in range(count):
+            response.results.add(id=str(i), index=i, rank=i + 1, score=1.0 - i / (count + 1),
+                                 reranker_score=0.5, retrieval_rank=i + 1,
+                                 found_in=["candidates"])
+        _ANSWERS[count] = response.SerializeToString()
+    return _ANSWERS[count]
+
+
+async def rerank(raw: bytes, _context: Any) -> bytes:
+    return answer(len(pb.RerankRequest.FromString(raw).candidates))
+
+
+async def serve(port: int) -> None:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "rerank.v1.Reranker", {"Rerank": grpc.unary_unary_rpc_method_handler(rerank)}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(args.port))
+    else:
+        uvloop.run(serve(args.port))
+
+
+if __name__ == "__main__":
+    main()
