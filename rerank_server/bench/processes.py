@@ -44,16 +44,17 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) 
     raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30,
+               name: str = "rerank-server") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"rerank-server exited with {proc.returncode}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.1)
-    raise RuntimeError("rerank-server did not start listening")
+    raise RuntimeError(f"{name} did not start listening")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -83,7 +84,7 @@ def bare_grpc() -> Iterator[int]:
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server.bench.bare_grpc",
                              "--port", str(port)])
     try:
-        _wait_port(port, proc)
+        _wait_port(port, proc, name="the bare gRPC server")
         yield port
     finally:
         stop(proc)
