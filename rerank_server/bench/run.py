@@ -12,10 +12,10 @@ ratios beside times (these machines are noisy). Scenarios:
   rerank-server adds (p50 through - p50 direct), the same request to a bare gRPC server
   (`bare_grpc.py`: the hop alone), and rerank-server's CPU time per scored pair (read
   from /proc for the server process alone).
-- telemetry: what metrics and traces add per 40-candidate request (`telemetry.py`):
-  five servers in this process, off / metrics / metrics+traces / metrics+traces+steps
-  (a span per CPU-only step) / metrics+traces+calls (a span per backend call),
-  round-robin against the fake backend.
+- telemetry: what metrics and traces add per 40-candidate request (`telemetry.py`), for
+  `chat` and for `rerank` (a batching backend): five servers in this process, off /
+  metrics / metrics+traces / metrics+traces+steps (a span per CPU-only step) /
+  metrics+traces+calls (a span per backend call), round-robin against the fake backend.
 - model: the same passages scored against llama-server directly (concurrent chat calls
   at the slot count, the best direct strategy) and through rerank-server (chat backend,
   same concurrency); through/direct is our efficiency.
@@ -64,6 +64,7 @@ from ..scoring import prompt
 from ..settings import DEFAULT_INSTRUCTION
 from . import replay
 from .processes import bare_grpc, cpu_seconds, fake_backend, llama_server, rerank_server
+from .telemetry import KINDS as TELEMETRY_KINDS
 from .telemetry import telemetry_cost, telemetry_markdown
 
 SCENARIOS = ("overhead", "telemetry", "model", "throughput", "streaming", "backends")
@@ -491,7 +492,8 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{r['bare_grpc_p50_ms']} | {r['cpu_us_per_pair']} |")
         lines.append("")
     if "telemetry" in report:
-        lines += telemetry_markdown(report["telemetry"])
+        for by_kind in report["telemetry"].values():
+            lines += telemetry_markdown(by_kind)
     if "model" in report:
         m = report["model"]
         under_test = report.get("backend_under_test", "llama-server, stand-in model")
@@ -596,8 +598,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["overhead"] = await overhead(args.requests)
     if "telemetry" in chosen:
         with fake_backend() as url:
-            report["telemetry"] = await telemetry_cost(url, args.requests * 10,
-                                                       passages(TELEMETRY_CANDIDATES))
+            report["telemetry"] = {kind: await telemetry_cost(
+                url, args.requests * 10, passages(TELEMETRY_CANDIDATES), kind)
+                for kind in TELEMETRY_KINDS}
     if "throughput" in chosen:
         report["throughput"] = await throughput(
             args.seconds, [int(w) for w in args.workers.split(",")])

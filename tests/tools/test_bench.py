@@ -43,11 +43,13 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     for by_clients in report["throughput"].values():
         assert set(by_clients) == {"1", "4", "16", "64"}
         assert all(r["errors"] == 0 and r["requests_per_s"] > 0 for r in by_clients.values())
-    telemetry = report["telemetry"]
-    assert telemetry["requests"] == 20 and telemetry["off"]["cpu_ratio"] == 1.0
-    assert all(telemetry[s]["cpu_ms_per_request"] > 0
-               for s in ("off", "metrics", "metrics+traces", "metrics+traces+steps",
-                         "metrics+traces+calls"))
+    assert set(report["telemetry"]) == {"chat", "rerank"}  # per pair, and batched
+    for kind, telemetry in report["telemetry"].items():
+        assert telemetry["backend"] == kind
+        assert telemetry["requests"] == 20 and telemetry["off"]["cpu_ratio"] == 1.0
+        assert all(telemetry[s]["cpu_ms_per_request"] > 0
+                   for s in ("off", "metrics", "metrics+traces", "metrics+traces+steps",
+                             "metrics+traces+calls"))
     assert report["model"]["through_over_direct"] > 0
     streaming = report["streaming"]
     assert set(streaming) == {"fixed 30 ms x2, 12", "fixed 5 ms x4, 6", "llama-server x4, 6"}
@@ -76,7 +78,7 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     for plot in report["plots"]:
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (tmp_path / "bench.md").read_text()
-    assert "#### Overhead" in markdown and "#### Telemetry" in markdown
+    assert "#### Overhead" in markdown and "#### Telemetry, `rerank`" in markdown
 
 
 @pytest.mark.parametrize("kind", ["embedding", "rerank"])
