@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from ..api.pb import rerank_pb2 as pb
+from ..loops import loop_factory
 
 _ANSWERS: dict[int, bytes] = {}
 
@@ -56,12 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(args.port))
-    else:
-        uvloop.run(serve(args.port))
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop where installed
+        runner.run(serve(args.port))
 
 
 if __name__ == "__main__":

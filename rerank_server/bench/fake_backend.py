@@ -25,6 +25,8 @@ from typing import Any, cast
 
 import orjson
 
+from ..loops import loop_factory
+
 
 def _score(text: str) -> float:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "big") / 2**32
@@ -220,12 +222,8 @@ def main() -> None:
                         help="wait this long before answering each scoring call")
     args = parser.parse_args()
     FakeHttp.latency_s = args.latency_ms / 1000
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(args.port))
-    else:
-        uvloop.run(serve(args.port))
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop where installed
+        runner.run(serve(args.port))
 
 
 if __name__ == "__main__":
