@@ -39,6 +39,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 import structlog
 from opentelemetry import trace
 
@@ -114,9 +115,10 @@ class BackendPool:
     # --- calls
 
     async def call(self, path: str, payload: Any, parse: Callable[[Any], T],
-                   pairs: int = 1, decode: Decode | None = None) -> T:
-        """POST to the best instance and `parse` its JSON (decoded by `decode` when
-        given, see `HttpBackend.post_json`); raises BackendCallError.
+                   pairs: int = 1, decode: Decode = orjson.loads) -> T:
+        """POST to the best instance and `parse` its JSON, as `decode` reads it (orjson
+        unless a scorer gives its own, see `HttpBackend.post_json`); raises
+        BackendCallError.
 
         `parse` (or `decode`) raises MalformedResponse for an answer it cannot use; that
         counts as a malformed response of that instance (not a reason to eject it).

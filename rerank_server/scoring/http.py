@@ -200,7 +200,7 @@ class HttpBackend:
         self._metrics.watch_active(self, lambda: (len(self._calls), attributes))
 
     async def post_json(self, path: str, payload: Any, pairs: int = 1,
-                        decode: Decode | None = None) -> Any:
+                        decode: Decode = orjson.loads) -> Any:
         """POST `payload` (scoring `pairs` pairs), return the decoded JSON body: by orjson,
         or by `decode` (a scorer's typed decoder of only the fields it reads).
 
@@ -252,7 +252,7 @@ class HttpBackend:
         return (len(self._calls) + self.waiting) / self.concurrency
 
     async def _call(self, path: str, payload: Any, pairs: int,
-                    decode: Decode | None = None) -> Any:
+                    decode: Decode = orjson.loads) -> Any:
         """One call, from holding its slot to releasing it; reports how it ended."""
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -352,7 +352,7 @@ class HttpBackend:
             1, {**self.instance.attributes, ERROR_TYPE: ERROR_TYPES[Failure.MALFORMED]})
 
     async def _traced_post(self, path: str, payload: Any, pairs: int,
-                           decode: Decode | None) -> Any:
+                           decode: Decode) -> Any:
         attributes = self.instance.attributes
         started = time.perf_counter()
         status: int | None = None
@@ -391,7 +391,7 @@ class HttpBackend:
 
     async def _post(self, path: str, payload: Any,
                     propagated: trace_context.TraceHeaders | None,
-                    decode: Decode | None = None) -> tuple[Any, int]:
+                    decode: Decode = orjson.loads) -> tuple[Any, int]:
         content = orjson.dumps(payload)
         try:
             if self._lean is not None:
@@ -419,7 +419,7 @@ class HttpBackend:
                                        "exceeds the model's context", status, too_long=True)
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
         try:
-            return (orjson.loads(body) if decode is None else decode(body)), status
+            return decode(body), status
         except MalformedResponse:
             raise  # JSON of the wrong shape: the scorer's decoder says what is missing
         except (orjson.JSONDecodeError, msgspec.DecodeError, RecursionError):
