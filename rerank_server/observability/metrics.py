@@ -4,10 +4,10 @@ Names follow the OpenTelemetry semantic conventions where one exists (`rpc.serve
 `http.client.*`) and carry a `rerank.` prefix otherwise. Units are declared, so the
 Prometheus exporter appends `_seconds`, `_total` and so on.
 
-The instruments come from whatever `MeterProvider` the server was given: with metrics off
-that is the no-op provider and each record call costs a method call and nothing more.
-One instrument is recorded per backend call rather than per request, so it has a cheaper
-path (`CallDurations`).
+The instruments come from whatever `MeterProvider` the server was given (with metrics off
+that is the no-op provider and each record call costs a method call and nothing more),
+or, when metrics go only to the Prometheus endpoint, straight from its registry
+(`instruments.py`).
 Attributes never hold query or document text; their values are small closed sets (method
 names, status codes, reason codes, backend instances from the configuration).
 """
@@ -17,11 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import prometheus_client
 from opentelemetry.metrics import (
     CallbackOptions,
-    Histogram,
-    Meter,
     MeterProvider,
     NoOpMeterProvider,
     Observation,
@@ -30,12 +27,15 @@ from prometheus_client import CollectorRegistry
 
 from .. import __version__
 from ..domain import RerankSummary
+from .instruments import SCOPE_NAME, Instruments, bound
 
 # 5 ms .. 15 s: a cached answer takes a few milliseconds, a large batch on a CPU model
 # takes seconds.
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0)
 # Retrieval hands over 5..100 candidates in practice; the last buckets catch large caps.
-COUNT_BUCKETS = (5, 10, 20, 30, 50, 75, 100, 250, 1000)
+# Floats, so both paths write `le="5.0"` (OpenTelemetry's exporter writes an int as "5",
+# prometheus_client as "5.0"; Prometheus reads both as the same number).
+COUNT_BUCKETS = (5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 250.0, 1000.0)
 
 # Attribute keys (semantic conventions where they exist).
 RPC_SYSTEM_NAME = "rpc.system.name"
@@ -71,167 +71,138 @@ class Instance:
         return {BACKEND: self.backend, SERVER_ADDRESS: self.address, SERVER_PORT: self.port}
 
 
+INSTANCE_KEYS = (BACKEND, SERVER_ADDRESS, SERVER_PORT)
+
+
 class CallDurations:
     """`http.client.request.duration`: one sample per backend call, 40 per `chat` request.
 
-    Through OpenTelemetry's SDK a record with these five attributes costs about 8 µs (it
-    cleans and hashes the attributes on every call), which was most of what metrics cost
-    a `chat` request. When metrics go only to the Prometheus endpoint (the default), the
-    samples go straight into a prometheus_client histogram in the endpoint's registry,
-    about 1 µs, under the name, labels and buckets OpenTelemetry's exporter gives them
-    (tests/unit/test_metrics.py holds the two renderings equal). With OTLP metrics on,
-    the OpenTelemetry instrument records them, so both exports carry them.
+    Keyed by (instance, status, error type) to a record with those attributes fixed
+    (`instruments.bound`): with the direct histogram, a dict lookup and an observe.
     """
-
-    # The labels OpenTelemetry's Prometheus exporter gives this family: every attribute
-    # key (empty where a sample has none; the exporter leaves out a key no sample has,
-    # which Prometheus treats the same) and the instrumentation scope.
-    LABELS = ("rerank_backend", "server_address", "server_port", "http_request_method",
-              "http_response_status_code", "error_type", "otel_scope_name",
-              "otel_scope_schema_url", "otel_scope_version")
 
     DESCRIPTION = "Duration of HTTP calls to scoring backends, by instance and outcome."
 
-    def __init__(self, meter: Meter, registry: CollectorRegistry | None) -> None:
-        self._instrument: Histogram | None = None
-        self._histogram: prometheus_client.Histogram | None = None
-        # (instance, status, error type) -> the labelled child: a record is then a dict
-        # lookup and an observe.
-        self._children: dict[tuple[Instance, int | None, str | None],
-                             prometheus_client.Histogram] = {}
-        if registry is None:
-            self._instrument = meter.create_histogram(
-                "http.client.request.duration", unit="s", description=self.DESCRIPTION,
-                explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
-            return
-        # No `_created` series, as OpenTelemetry's exporter has none; nothing else in the
-        # process uses prometheus_client's own metrics.
-        prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-        self._histogram = prometheus_client.Histogram(
-            "http_client_request_duration_seconds", self.DESCRIPTION, self.LABELS,
-            registry=registry, buckets=DURATION_BUCKETS_S)
+    def __init__(self, instruments: Instruments) -> None:
+        self._histogram = instruments.histogram(
+            "http.client.request.duration", "s", self.DESCRIPTION, DURATION_BUCKETS_S,
+            keys=(*INSTANCE_KEYS, HTTP_METHOD, HTTP_STATUS, ERROR_TYPE))
+        self._records: dict[tuple[Instance, int | None, str | None],
+                            Callable[[float], None]] = {}
 
     def record(self, seconds: float, instance: Instance, status: int | None,
                error_type: str | None) -> None:
         """One POST to `instance`: its HTTP status when it answered, its error type when
         it failed."""
-        if self._instrument is not None:
+        key = (instance, status, error_type)
+        record = self._records.get(key)
+        if record is None:
             attributes: dict[str, str | int] = {**instance.attributes, HTTP_METHOD: "POST"}
             if status is not None:
                 attributes[HTTP_STATUS] = status
             if error_type is not None:
                 attributes[ERROR_TYPE] = error_type
-            self._instrument.record(seconds, attributes)
-            return
-        key = (instance, status, error_type)
-        child = self._children.get(key)
-        if child is None:
-            assert self._histogram is not None
-            child = self._children[key] = self._histogram.labels(
-                instance.backend, instance.address, str(instance.port), "POST",
-                "" if status is None else str(status), error_type or "", "rerank_server",
-                "", __version__)
-        child.observe(seconds)
+            record = self._records[key] = bound(self._histogram, attributes)
+        record(seconds)
 
 
 class Metrics:
     """The server's instruments and the few helpers that record them consistently.
 
-    `prometheus`: the registry the Prometheus endpoint serves, when metrics go only there
-    (`CallDurations` then records into it directly).
+    `prometheus`: the registry the Prometheus endpoint serves, when metrics go only there;
+    the instruments then record straight into it (`instruments.py`).
     """
 
     def __init__(self, provider: MeterProvider,
                  prometheus: CollectorRegistry | None = None) -> None:
-        meter = provider.get_meter("rerank_server", __version__)
+        meter = provider.get_meter(SCOPE_NAME, __version__)
+        make = Instruments(meter, prometheus)
         # --- RPCs
-        self.rpc_duration = meter.create_histogram(
-            "rpc.server.call.duration", unit="s",
-            description="Duration of gRPC calls handled, by method and status code.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
-        self.rpc_active = meter.create_up_down_counter(
-            "rerank.server.active_rpcs", unit="{rpc}",
-            description="Reranker RPCs in progress (health and reflection excluded).")
-        self.rpc_rejected = meter.create_counter(
-            "rerank.server.rejected_rpcs", unit="{rpc}",
-            description="Reranker RPCs refused with RESOURCE_EXHAUSTED because "
-                        "max_concurrent_rpcs were already in progress.")
+        self.rpc_duration = make.histogram(
+            "rpc.server.call.duration", "s",
+            "Duration of gRPC calls handled, by method and status code.",
+            DURATION_BUCKETS_S, keys=(RPC_SYSTEM_NAME, RPC_METHOD, RPC_STATUS))
+        self.rpc_active = make.up_down_counter(
+            "rerank.server.active_rpcs", "{rpc}",
+            "Reranker RPCs in progress (health and reflection excluded).", keys=(RPC_METHOD,))
+        self.rpc_rejected = make.counter(
+            "rerank.server.rejected_rpcs", "{rpc}",
+            "Reranker RPCs refused with RESOURCE_EXHAUSTED because max_concurrent_rpcs "
+            "were already in progress.", keys=(RPC_METHOD,))
         # --- rerank requests (one per Rerank/RerankStream call and per RerankBatch item)
-        self.requests = meter.create_counter(
-            "rerank.requests", unit="{request}",
-            description="Rerank requests answered, by whether they were reranked and why not.")
-        self.candidates = meter.create_histogram(
-            "rerank.request.candidates", unit="{candidate}",
-            description="Candidates per rerank request, as received.",
-            explicit_bucket_boundaries_advisory=COUNT_BUCKETS)
-        self.pairs_scored = meter.create_histogram(
-            "rerank.request.scored_pairs", unit="{pair}",
-            description="Pairs the scorer scored per rerank request.",
-            explicit_bucket_boundaries_advisory=COUNT_BUCKETS)
-        self.pairs = meter.create_counter(
-            "rerank.pairs", unit="{pair}",
-            description="Query-document pairs by outcome: scored (by the backend), cached "
-                        "(from the score cache), failed (error.type says how).")
-        self.duration = meter.create_histogram(
-            "rerank.request.duration", unit="s",
-            description="Time from a request's arrival in the pipeline to its summary.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
-        self.scoring_duration = meter.create_histogram(
-            "rerank.scoring.duration", unit="s",
-            description="Time spent waiting for the scorer per rerank request.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
-        self.cache_lookups = meter.create_counter(
-            "rerank.cache.lookups", unit="{pair}",
-            description="Score cache lookups by rerank.cache.result: hit, miss, or bypass "
-                        "(the request asked not to read the cache).")
-        self.threshold = meter.create_histogram(
-            "rerank.threshold.final", unit="1",
-            description="The threshold finally applied, per request that asked for one.",
-            explicit_bucket_boundaries_advisory=THRESHOLD_BUCKETS)
-        self.reranker_weight = meter.create_histogram(
-            "rerank.blend.reranker_weight", unit="1",
-            description="The reranker's weight in a request-wide blend (adaptive, profile): "
-                        "0 keeps the retrieval order, 1 is the reranker's order.",
-            explicit_bucket_boundaries_advisory=WEIGHT_BUCKETS)
-        self.threshold_steps = meter.create_histogram(
-            "rerank.threshold.steps", unit="{step}",
-            description="How many times the adaptive threshold was lowered per request.",
-            explicit_bucket_boundaries_advisory=(0, 1, 2, 4, 8))
+        self.requests = make.counter(
+            "rerank.requests", "{request}",
+            "Rerank requests answered, by whether they were reranked and why not.",
+            keys=(RERANKED, REASON, BACKEND))
+        self.candidates = make.histogram(
+            "rerank.request.candidates", "{candidate}",
+            "Candidates per rerank request, as received.", COUNT_BUCKETS)
+        self.pairs_scored = make.histogram(
+            "rerank.request.scored_pairs", "{pair}",
+            "Pairs the scorer scored per rerank request.", COUNT_BUCKETS)
+        self.pairs = make.counter(
+            "rerank.pairs", "{pair}",
+            "Query-document pairs by outcome: scored (by the backend), cached (from the "
+            "score cache), failed (error.type says how).",
+            keys=(PAIR_OUTCOME, BACKEND, ERROR_TYPE))
+        self.duration = make.histogram(
+            "rerank.request.duration", "s",
+            "Time from a request's arrival in the pipeline to its summary.",
+            DURATION_BUCKETS_S)
+        self.scoring_duration = make.histogram(
+            "rerank.scoring.duration", "s",
+            "Time spent waiting for the scorer per rerank request.", DURATION_BUCKETS_S)
+        self.cache_lookups = make.counter(
+            "rerank.cache.lookups", "{pair}",
+            "Score cache lookups by rerank.cache.result: hit, miss, or bypass (the request "
+            "asked not to read the cache).", keys=(CACHE_RESULT,))
+        self.threshold = make.histogram(
+            "rerank.threshold.final", "1",
+            "The threshold finally applied, per request that asked for one.",
+            THRESHOLD_BUCKETS)
+        self.reranker_weight = make.histogram(
+            "rerank.blend.reranker_weight", "1",
+            "The reranker's weight in a request-wide blend (adaptive, profile): 0 keeps "
+            "the retrieval order, 1 is the reranker's order.", WEIGHT_BUCKETS,
+            keys=(BACKEND, BLEND, BLEND_PROFILE))
+        self.threshold_steps = make.histogram(
+            "rerank.threshold.steps", "{step}",
+            "How many times the adaptive threshold was lowered per request.", (0.0, 1.0, 2.0, 4.0, 8.0))
         # --- backend instances
-        self.call_durations = CallDurations(meter, prometheus)
+        self.call_durations = CallDurations(make)
         # Read when scraped, from each instance's own count (`watch_active`): counting
-        # up and down on every call cost about 13 µs of CPU per call.
+        # up and down on every call cost about 13 µs of CPU per call. Observed, so it
+        # stays with the SDK even when the others record directly.
         self._active: dict[int, Callable[[], tuple[int, dict[str, str | int]]]] = {}
         meter.create_observable_up_down_counter(
             "http.client.active_requests", callbacks=[self._observe_active],
             unit="{request}",
             description="HTTP calls to a scoring backend instance in flight.")
-        self.backend_errors = meter.create_counter(
-            "rerank.backend.errors", unit="{error}",
-            description="Failed backend calls by instance and error.type: timeout, connect, "
-                        "http_status, malformed.")
-        self.abandoned_calls = meter.create_counter(
-            "rerank.backend.abandoned_calls", unit="{call}",
-            description="Backend calls whose request stopped waiting for them (budget spent, "
-                        "client gone); each still holds its slot until it ends.")
-        self.abandoned_open = meter.create_up_down_counter(
-            "rerank.backend.abandoned_calls.open", unit="{call}",
-            description="Abandoned backend calls still running.")
-        self.abandoned_age = meter.create_histogram(
-            "rerank.backend.abandoned_call.age", unit="s",
-            description="How long an abandoned call ran on after it was abandoned (answered, "
-                        "or cancelled when its leash ran out).",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
-        self.backend_ejections = meter.create_counter(
-            "rerank.backend.ejections", unit="{ejection}",
-            description="Times an instance was taken out of the pool after failing calls "
-                        "in a row.")
-        self.backend_up = meter.create_gauge(
-            "rerank.backend.up", unit="1",
-            description="1 while the backend's /health answers 200, else 0.")
-        self.llama_restarts = meter.create_counter(
-            "rerank.llama_server.restarts", unit="{restart}",
-            description="Restarts of the managed llama-server after it exited.")
+        self.backend_errors = make.counter(
+            "rerank.backend.errors", "{error}",
+            "Failed backend calls by instance and error.type: timeout, connect, "
+            "http_status, malformed.", keys=(*INSTANCE_KEYS, ERROR_TYPE))
+        self.abandoned_calls = make.counter(
+            "rerank.backend.abandoned_calls", "{call}",
+            "Backend calls whose request stopped waiting for them (budget spent, client "
+            "gone); each still holds its slot until it ends.", keys=INSTANCE_KEYS)
+        self.abandoned_open = make.up_down_counter(
+            "rerank.backend.abandoned_calls.open", "{call}",
+            "Abandoned backend calls still running.", keys=INSTANCE_KEYS)
+        self.abandoned_age = make.histogram(
+            "rerank.backend.abandoned_call.age", "s",
+            "How long an abandoned call ran on after it was abandoned (answered, or "
+            "cancelled when its leash ran out).", DURATION_BUCKETS_S, keys=INSTANCE_KEYS)
+        self.backend_ejections = make.counter(
+            "rerank.backend.ejections", "{ejection}",
+            "Times an instance was taken out of the pool after failing calls in a row.",
+            keys=INSTANCE_KEYS)
+        self.backend_up = make.gauge(
+            "rerank.backend.up", "1",
+            "1 while the backend's /health answers 200, else 0.", keys=INSTANCE_KEYS)
+        self.llama_restarts = make.counter(
+            "rerank.llama_server.restarts", "{restart}",
+            "Restarts of the managed llama-server after it exited.")
 
     def watch_active(self, owner: object,
                      source: Callable[[], tuple[int, dict[str, str | int]]] | None) -> None:

@@ -81,8 +81,8 @@ async def test_prometheus_counters_and_histograms_move(
     # 6, 4 and 6 candidates: all three land in the "<= 10" bucket, two above 5.
     assert moved(before, after, "rerank_request_candidates_count") == 3
     assert moved(before, after, "rerank_request_candidates_sum") == 16
-    assert moved(before, after, "rerank_request_candidates_bucket", le="5") == 1
-    assert moved(before, after, "rerank_request_candidates_bucket", le="10") == 3
+    assert moved(before, after, "rerank_request_candidates_bucket", le="5.0") == 1
+    assert moved(before, after, "rerank_request_candidates_bucket", le="10.0") == 3
     assert moved(before, after, "rerank_request_scored_pairs_sum") == 10
     assert moved(before, after, "rerank_pairs_total", rerank_pair_outcome="scored") == 10
     assert moved(before, after, "rerank_pairs_total", rerank_pair_outcome="failed",
