@@ -167,7 +167,8 @@ class Metrics:
             keys=(BACKEND, BLEND, BLEND_PROFILE))
         self.threshold_steps = make.histogram(
             "rerank.threshold.steps", "{step}",
-            "How many times the adaptive threshold was lowered per request.", (0.0, 1.0, 2.0, 4.0, 8.0))
+            "How many times the adaptive threshold was lowered per request.",
+            (0.0, 1.0, 2.0, 4.0, 8.0))
         # --- backend instances
         self.call_durations = CallDurations(make)
         # Read when scraped, from each instance's own count (`watch_active`): counting

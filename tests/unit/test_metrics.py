@@ -143,5 +143,5 @@ def test_direct_histogram_holds_what_was_recorded() -> None:
 def test_an_undeclared_attribute_is_refused() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(MeterProvider(), prometheus=registry)
-    with pytest.raises(ValueError, match="rerank.backend"):
+    with pytest.raises(ValueError, match=r"rerank\.backend"):
         metrics.rpc_active.add(1, {RPC_METHOD: "m", "rerank.backend": "chat"})
