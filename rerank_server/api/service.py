@@ -97,7 +97,8 @@ class RerankService:
         try:
             async with self._admitted(raw, seen) as query:
                 del raw  # the domain query holds what is needed
-                results, summary = await self._reranker.answer(query, _deadline(context))
+                results, summary = await self._reranker.answer(
+                    query, _deadline(context), self._reranker.telemetry.request_span())
         except Exception as exc:
             await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
@@ -111,7 +112,9 @@ class RerankService:
         first_ms: float | None = None
         try:
             async with self._admitted(raw, seen) as query, \
-                    contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items:
+                    contextlib.aclosing(self._reranker.run(
+                        query, _deadline(context),
+                        self._reranker.telemetry.request_span())) as items:
                 del raw
                 # To the pipeline's end (the summary is its last item), and closed at once
                 # when the client goes away: a generator left suspended is closed only

@@ -90,6 +90,16 @@ class Telemetry:
             return _UNTRACED
         return self.tracer.start_as_current_span(name)
 
+    def request_span(self) -> trace.Span | None:
+        """The current span, for an edge whose span stands for exactly one request (a
+        Rerank or RerankStream call's server span): the request's scoring reports into it
+        rather than into a `rerank.score` span of its own, one span fewer per request.
+        None with tracing off, and with `--trace-steps`, where `rerank.score` is one of
+        the steps."""
+        if self.tracer_provider is None or self.trace_steps:
+            return None
+        return trace.get_current_span()
+
     @property
     def metrics_port(self) -> int | None:
         return None if self.metrics_server is None else self.metrics_server.server_port

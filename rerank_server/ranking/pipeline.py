@@ -14,6 +14,8 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 
+from opentelemetry import trace
+
 from ..domain import (
     Candidate,
     Degraded,
@@ -64,15 +66,21 @@ class Reranker:
             return resolve(query, self.rules)
 
     async def run(self, query: RerankQuery, deadline_remaining_s: float | None = None,
+                  request_span: trace.Span | None = None,
                   ) -> AsyncGenerator[RankedCandidate | RerankSummary, None]:
+        """The results as their places become certain, then the summary.
+
+        `request_span`: the request's own span from the edge (`Telemetry.request_span`);
+        its scoring is traced there instead of in a `rerank.score` span."""
         self.active += 1
         try:
-            async for item in self._run(query, deadline_remaining_s):
+            async for item in self._run(query, deadline_remaining_s, request_span):
                 yield item
         finally:
             self.active -= 1
 
     async def answer(self, query: RerankQuery, deadline_remaining_s: float | None = None,
+                     request_span: trace.Span | None = None,
                      ) -> tuple[list[RankedCandidate], RerankSummary]:
         """The whole answer at once (unary RPCs, the JSON API): results in final order and
         the summary.
@@ -82,7 +90,7 @@ class Reranker:
         request), and until then `active` still counts the request."""
         results: list[RankedCandidate] = []
         summary: RerankSummary | None = None
-        async for item in self.run(query, deadline_remaining_s):
+        async for item in self.run(query, deadline_remaining_s, request_span):
             if isinstance(item, RerankSummary):
                 summary = item
             else:
@@ -92,6 +100,7 @@ class Reranker:
         return results, summary
 
     async def _run(self, query: RerankQuery, deadline_remaining_s: float | None,
+                   request_span: trace.Span | None,
                    ) -> AsyncGenerator[RankedCandidate | RerankSummary, None]:
         started = time.perf_counter()
         telemetry = self.telemetry
@@ -154,7 +163,7 @@ class Reranker:
             pairs = ScoreRequest(request.query, request.instruction,
                                  [documents[i] for i in pending], request.max_tokens_per_doc)
             async for arrived in score_within(self.scorer, pairs, budget, telemetry.tracer,
-                                              self.stopping):
+                                              self.stopping, request_span):
                 resolved = []
                 for pair in arrived:
                     i = pending[pair.pair]

@@ -98,10 +98,15 @@ class _Inbox(Wakeup):
 
 async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
                        tracer: trace.Tracer, stop: StopSignal | None = None,
+                       span: trace.Span | None = None,
                        ) -> AsyncIterator[list[PairOutcome]]:
     """The pairs' outcomes as they arrive, each exactly once; those left when `budget`
     runs out as timeouts, and those left when `stop` is set (the server is shutting
     down) as such.
+
+    Traced in a `rerank.score` span of its own, or, given `span` (the request's own span,
+    current here), in that one: its attributes go there and the backend calls continue
+    it, one span fewer per request.
 
     The budget bounds only the waits, never the caller's work between yields: a timeout
     that fired while the caller wrote a stream message would cancel the RPC.
@@ -110,14 +115,22 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
     deadline = loop.time() + budget
     inbox = _Inbox()
     remaining = set(range(len(request.documents)))
-    # Not a `with` block: the span must not stay current across the yields below. The
-    # scorer task copies the context at creation, so backend calls become its children.
-    span = tracer.start_span("rerank.score", attributes={
-        "rerank.backend": scorer.kind, "rerank.pairs": len(remaining)})
+    attributes: dict[str, str | int] = {"rerank.backend": scorer.kind,
+                                        "rerank.pairs": len(remaining)}
+    own = span is None
+    if span is None:
+        # Not a `with` block: the span must not stay current across the yields below.
+        # The scorer task copies the context at creation, so backend calls become its
+        # children.
+        span = tracer.start_span("rerank.score", attributes=attributes)
+        attributes = {}
     if span is trace.INVALID_SPAN:  # tracing off: no context to switch for the task
         task = asyncio.create_task(scorer.score(request, inbox.put))
-    else:
+    elif own:
         with trace.use_span(span, end_on_exit=False), trace_context.continuing(span):
+            task = asyncio.create_task(scorer.score(request, inbox.put))
+    else:  # already current
+        with trace_context.continuing(span):
             task = asyncio.create_task(scorer.score(request, inbox.put))
     task.add_done_callback(inbox.wake)
     # One timer for the whole budget, not one per wait (a per-pair backend waits once per
@@ -160,9 +173,11 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
         if unsubscribe is not None:
             unsubscribe()
         await _stop(task)
-        span.set_attributes({"rerank.model": scorer.model, "rerank.scored": scored,
-                             "rerank.failed": failed})
-        span.end()
+        if span.is_recording():  # the request's span gets all of them here, at once
+            span.set_attributes({**attributes, "rerank.model": scorer.model,
+                                 "rerank.scored": scored, "rerank.failed": failed})
+        if own:
+            span.end()
 
 
 def _why_nothing(task: asyncio.Task[None], stop: StopSignal | None, spent: bool,

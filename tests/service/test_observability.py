@@ -217,18 +217,25 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
     (root,) = [s for s in spans if s.name == f"/{RERANK}"]
     assert root.parent is not None and format(root.parent.span_id, "016x") == PARENT_ID
     assert root.kind is SpanKind.SERVER and root.status.status_code is StatusCode.UNSET
-    assert dict(root.attributes or {}) == {
+    rpc_attributes = {
         "rpc.system": "grpc", "rpc.service": "rerank.v1.Reranker", "rpc.method": "Rerank",
         "rpc.grpc.status_code": 0}
+    scoring_attributes = {"rerank.backend": "chat", "rerank.pairs": 4,
+                          "rerank.model": "fake-reranker.gguf", "rerank.scored": 4,
+                          "rerank.failed": 0}
     assert all(format(s.context.trace_id, "032x") == TRACE_ID for s in spans if s.context)
     steps = {s.name: s for s in _children(spans, root)}
-    assert set(steps) == ({"rerank.validate", "rerank.shape", "rerank.chunk", "rerank.score",
-                           "rerank.blend"} if server.settings.trace_steps
-                          else {"rerank.score"})
-    score = steps["rerank.score"]
-    assert score.attributes is not None
-    assert score.attributes["rerank.backend"] == "chat"
-    assert score.attributes["rerank.scored"] == 4
+    if server.settings.trace_steps:
+        assert set(steps) == {"rerank.validate", "rerank.shape", "rerank.chunk",
+                              "rerank.score", "rerank.blend"}
+        assert dict(root.attributes or {}) == rpc_attributes
+        score = steps["rerank.score"]
+        assert dict(score.attributes or {}) == scoring_attributes
+    else:
+        # One span per request: the server span carries what rerank.score would.
+        assert steps == {}
+        assert dict(root.attributes or {}) == {**rpc_attributes, **scoring_attributes}
+        score = root
     calls = _children(spans, score)
     sent = [tp.split("-")[2] for tp in fake_llama.traceparents]
     assert len(sent) == 4 and all(tp.split("-")[1] == TRACE_ID
@@ -243,7 +250,7 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
         # The backend received the trace too, each call with its own span as parent.
         assert set(sent) == {format(c.context.span_id, "016x") for c in calls if c.context}
     else:
-        # No span per call: every call continues the trace from rerank.score.
+        # No span per call: every call continues the trace from the scoring's span.
         assert calls == []
         assert score.context is not None
         assert set(sent) == {format(score.context.span_id, "016x")}
@@ -258,6 +265,32 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
     (line,) = [e for e in rpc_lines if e.get("request_id") == "r-1"]
     assert line["trace_id"] == TRACE_ID
     assert root.context is not None and line["span_id"] == format(root.context.span_id, "016x")
+
+
+async def test_a_stream_is_one_span_and_a_batch_has_a_scoring_span_per_request(
+        traced: tuple[RunningServer, InMemorySpanExporter], fake_llama: FakeLlamaServer,
+        ) -> None:
+    """RerankStream carries one request, so by default its server span carries the
+    scoring; a RerankBatch call carries many, so each request's scoring has its own
+    `rerank.score` span under the call's."""
+    server, exporter = traced
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        items = [item async for item in client.stream("q", ["a", "b", "c"])]
+        answers = [answer async for answer in client.rerank_many(
+            {"one": ("q1", ["a", "b", "c", "d"]), "two": ("q2", ["c", "d", "e"])})]
+    assert len(items) == 4 and len(answers) == 2
+    spans = list(exporter.get_finished_spans())
+    (stream,) = [s for s in spans if s.name == "/rerank.v1.Reranker/RerankStream"]
+    (batch,) = [s for s in spans if s.name == "/rerank.v1.Reranker/RerankBatch"]
+    if server.settings.trace_steps:
+        (score,) = [s for s in _children(spans, stream) if s.name == "rerank.score"]
+        assert (score.attributes or {})["rerank.scored"] == 3
+    else:
+        assert [s for s in _children(spans, stream) if s.name.startswith("rerank.")] == []
+        assert (stream.attributes or {})["rerank.scored"] == 3
+    scores = [s for s in _children(spans, batch) if s.name == "rerank.score"]
+    assert sorted((s.attributes or {})["rerank.scored"] for s in scores) == [3, 4]
+    assert "rerank.scored" not in (batch.attributes or {})
 
 
 async def test_a_refused_call_is_traced_with_its_status(
