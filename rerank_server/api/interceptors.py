@@ -164,7 +164,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if admitted:
                 self._release(method, limited)
             self._record(method, started, code)
-            if server_span is not None:
+            if server_span is not None and token is not None:
                 otel_context.detach(token)
                 server_span.set_attribute("rpc.grpc.status_code", code.value[0])
                 if code in SERVER_FAULTS:
