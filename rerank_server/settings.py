@@ -235,14 +235,15 @@ class Settings:
         group="observability"))
     trace_backend_calls: bool = field(default=False, metadata=_opt(
         "With tracing on, one client span per backend HTTP call (a 40-candidate chat "
-        "request makes 40). Off: calls carry the rerank.score span's traceparent, so a "
-        "traced backend still joins the trace, at a fraction of the cost.",
+        "request makes 40). Off: calls carry the traceparent of the span that carries the "
+        "request's scoring, so a traced backend still joins the trace, at a fraction of "
+        "the cost.",
         group="observability"))
     trace_steps: bool = field(default=False, metadata=_opt(
         "With tracing on, a span for each CPU-only step of a request (rerank.validate, "
-        "rerank.shape, rerank.chunk, rerank.blend). Off: the server span and rerank.score; "
-        "the steps are the server span's time outside rerank.score. The four spans add "
-        "3-4 percent to a 40-candidate request's CPU against a fast backend.",
+        "rerank.shape, rerank.chunk, rerank.blend) and rerank.score. Off: one span per "
+        "Rerank or RerankStream call, the server span, which carries the scoring's "
+        "attributes (RerankBatch items and JSON API requests keep rerank.score).",
         group="observability"))
     otlp_endpoint: str = field(default="", metadata=_opt(
         "OTLP/gRPC collector for traces and metrics, e.g. http://otel-collector:4317 "

@@ -29,9 +29,10 @@ Health polls and metadata reads go through a client of their own, so a backend s
 by scoring calls is not taken for a dead one because its poll waited for a connection.
 
 Every call is one `http.client.request.duration` sample. With tracing on, the W3C
-`traceparent` goes out with it so a traced backend continues the trace: from the
-request's `rerank.score` span, or with `--trace-backend-calls` from a client span of its
-own (`POST`) carrying the backend, the instance, the pair count and the status.
+`traceparent` goes out with it so a traced backend continues the trace: from the span
+that carries the request's scoring (its server span or `rerank.score`), or with
+`--trace-backend-calls` from a client span of its own (`POST`) carrying the backend, the
+instance, the pair count and the status.
 """
 
 from __future__ import annotations
