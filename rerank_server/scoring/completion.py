@@ -140,11 +140,9 @@ class CompletionScorer(PooledScorer):
                expected: int) -> list[float | None]:
         if len(results) != expected:
             raise MalformedResponse(f"expected {expected} completion results")
-        scores: list[float | None] = []
-        for result in results:
-            self.note_model(result.model)
-            scores.append(p_yes(_answers(result, ids)))
-        return scores
+        if results:  # one server answered them all: the first names the model
+            self.note_model(results[0].model)
+        return [p_yes(_answers(result, ids)) for result in results]
 
 
 class _Top(msgspec.Struct, gc=False):

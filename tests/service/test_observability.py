@@ -261,7 +261,7 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
         assert CANARY not in s.name
 
     rpc_lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
-                 if line.startswith("{") and '"event": "rpc"' in line]
+                 if line.startswith("{") and '"event":"rpc"' in line]
     (line,) = [e for e in rpc_lines if e.get("request_id") == "r-1"]
     assert line["trace_id"] == TRACE_ID
     assert root.context is not None and line["span_id"] == format(root.context.span_id, "016x")
