@@ -3,9 +3,12 @@ unset ones stay unset, and answers come back whole."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from rerank_client import Candidate, RankedList
 from rerank_client.pb import rerank_pb2 as pb
-from rerank_client.types import RerankAnswer, build_request
+from rerank_client.types import RerankAnswer, Result, build_request
 
 
 def test_request_carries_every_given_field_and_leaves_the_rest_unset() -> None:
@@ -50,3 +53,9 @@ def test_answer_reads_every_result_field() -> None:
     assert bare.reranker_score is None and bare.retrieval_score is None
     assert bare.scored_text is None and bare.normalized_retrieval_score is None
     assert bare.metadata == {} and bare.found_in == () and not bare.cached
+    # Built by writing the slots directly, yet the same as the dataclass's own: equal,
+    # hashable where its fields are, and frozen.
+    assert bare == Result("b", 0, 2, 0.1, None, None, 1, None, {}, None, (), False)
+    assert repr(full).startswith("Result(id='a', index=2")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        full.score = 1.0  # type: ignore[misc]

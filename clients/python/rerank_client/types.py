@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from .pb import rerank_pb2 as pb
@@ -115,18 +115,40 @@ class Result:
 
     @classmethod
     def from_pb(cls, r: pb.RankedResult) -> Result:
-        # Presence checks inline, no copies of empty maps and lists, and the fields by
-        # position (4.2 -> 2.8 µs a result): this runs once per result of every answer.
+        # Presence checks inline, no copies of empty maps and lists, the fields by
+        # position, and the slots written directly (`_slot_writer`): this runs once per
+        # result of every answer (40 results: 118 -> 88 µs in a loop with the last).
         has = r.HasField
-        return cls(
+        metadata, found_in = r.metadata, r.found_in
+        return _new_result(
             r.id, r.index, r.rank, r.score,
             r.reranker_score if has("reranker_score") else None,
             r.retrieval_score if has("retrieval_score") else None,
             r.retrieval_rank,
             r.scored_text if has("scored_text") else None,
-            dict(r.metadata) if r.metadata else {},
+            dict(metadata) if metadata else {},
             r.normalized_retrieval_score if has("normalized_retrieval_score") else None,
-            tuple(r.found_in) if r.found_in else (), r.cached)
+            tuple(found_in) if found_in else (), r.cached)
+
+
+def _slot_writer(cls: type[T]) -> Callable[..., T]:
+    """A constructor of the frozen, slotted dataclass `cls` that takes every field by
+    position and writes the slots directly. The dataclass's own `__init__` goes through
+    `object.__setattr__` once per field, to get past the frozen class's `__setattr__`:
+    for `Result`'s twelve fields 1.5-2.3 µs against 0.9 (in a loop). Generated, as
+    dataclasses generate `__init__`, so it follows the fields; no defaults, no checks."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    writers = {f"_set_{name}": getattr(cls, name).__set__ for name in names}
+    source = (f"def new({', '.join(names)}):\n    self = _new(_cls)\n"
+              + "".join(f"    _set_{name}(self, {name})\n" for name in names)
+              + "    return self\n")
+    namespace: dict[str, Any] = {"_new": object.__new__, "_cls": cls, **writers}
+    exec(source, namespace)  # the source is made of field names only
+    new: Callable[..., T] = namespace["new"]
+    return new
+
+
+_new_result = _slot_writer(Result)
 
 
 @dataclass(frozen=True, slots=True)
