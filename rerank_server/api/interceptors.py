@@ -161,15 +161,17 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 code = _code_of(exc, context)
             raise
         finally:
-            if admitted:
-                self._release(method, limited)
-            self._record(method, started, code)
-            if server_span is not None and token is not None:
-                otel_context.detach(token)
-                server_span.set_attribute("rpc.grpc.status_code", code.value[0])
-                if code in SERVER_FAULTS:
-                    server_span.set_status(trace.StatusCode.ERROR, code.name)
-                server_span.end()
+            try:
+                if admitted:
+                    self._release(method, limited)
+                self._record(method, started, code)
+            finally:
+                if server_span is not None and token is not None:
+                    otel_context.detach(token)
+                    server_span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    if code in SERVER_FAULTS:
+                        server_span.set_status(trace.StatusCode.ERROR, code.name)
+                    server_span.end()
 
     def _unary(self, behavior: Behavior, method: str, limited: bool,
                allowed: bool, span: Callable[[], trace.Span] | None) -> Behavior:

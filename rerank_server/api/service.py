@@ -97,6 +97,10 @@ class RerankService:
         try:
             async with self._admitted(raw, seen) as query:
                 del raw  # the domain query holds what is needed
+                # One span for the call and its request (`Telemetry.request_span`). Not
+                # for RerankStream: a stream cancelled while gRPC waits to send ends its
+                # server span before the pipeline is closed, and the scoring's counts
+                # would be lost with it.
                 results, summary = await self._reranker.answer(
                     query, _deadline(context), self._reranker.telemetry.request_span())
         except Exception as exc:
@@ -112,9 +116,7 @@ class RerankService:
         first_ms: float | None = None
         try:
             async with self._admitted(raw, seen) as query, \
-                    contextlib.aclosing(self._reranker.run(
-                        query, _deadline(context),
-                        self._reranker.telemetry.request_span())) as items:
+                    contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items:
                 del raw
                 # To the pipeline's end (the summary is its last item), and closed at once
                 # when the client goes away: a generator left suspended is closed only

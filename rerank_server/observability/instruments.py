@@ -14,7 +14,10 @@ records, so both exports carry every measurement.
 
 The direct families declare their attribute keys up front (the exporter gives a family
 the union of its samples' keys, with "" where a sample has none; Prometheus reads an
-empty label as an absent one), and refuse an undeclared one when it first appears.
+empty label as an absent one), and refuse an undeclared one wherever it appears. They
+have no cardinality limit (the SDK's is 2,000 series a family): every attribute value
+the server records comes from a closed set (methods, status codes, reasons, the
+configured instances).
 """
 
 from __future__ import annotations
@@ -77,10 +80,12 @@ class _Family:
     def __init__(self, metric: MetricWrapperBase, keys: Sequence[str]) -> None:
         self._metric = metric
         self._keys = tuple(keys)
-        self._children: dict[tuple[object, ...] | None, Any] = {}
+        self._children: dict[tuple[tuple[str, object], ...] | None, Any] = {}
 
     def child(self, attributes: Attributes | None) -> Any:
-        key = tuple(map(attributes.get, self._keys)) if attributes else None
+        # Keyed by the attributes as given, so every new set of keys is checked once
+        # (prometheus_client hands out one child per label values however it is asked).
+        key = tuple(attributes.items()) if attributes else None
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self._labelled(attributes or {})

@@ -91,9 +91,10 @@ class Telemetry:
         return self.tracer.start_as_current_span(name)
 
     def request_span(self) -> trace.Span | None:
-        """The current span, for an edge whose span stands for exactly one request (a
-        Rerank or RerankStream call's server span): the request's scoring reports into it
-        rather than into a `rerank.score` span of its own, one span fewer per request.
+        """The current span, for an edge whose span stands for exactly one request and
+        outlives its pipeline (a unary Rerank call's server span): the request's scoring
+        reports into it rather than into a `rerank.score` span of its own, one span fewer
+        per request.
         None with tracing off, and with `--trace-steps`, where `rerank.score` is one of
         the steps."""
         if self.tracer_provider is None or self.trace_steps:

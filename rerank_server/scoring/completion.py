@@ -140,8 +140,8 @@ class CompletionScorer(PooledScorer):
                expected: int) -> list[float | None]:
         if len(results) != expected:
             raise MalformedResponse(f"expected {expected} completion results")
-        if results:  # one server answered them all: the first names the model
-            self.note_model(results[0].model)
+        # One server answered them all: the first result that names a model will do.
+        self.note_model(next((r.model for r in results if r.model), None))
         return [p_yes(_answers(result, ids)) for result in results]
 
 

@@ -59,3 +59,11 @@ def test_answer_reads_every_result_field() -> None:
     assert repr(full).startswith("Result(id='a', index=2")
     with pytest.raises(dataclasses.FrozenInstanceError):
         full.score = 1.0  # type: ignore[misc]
+
+
+def test_a_result_subclass_is_built_as_itself() -> None:
+    class Mine(Result):
+        __slots__ = ()
+
+    built = Mine.from_pb(pb.RankedResult(id="a", index=0, rank=1, score=0.5, retrieval_rank=1))
+    assert type(built) is Mine and built.id == "a"

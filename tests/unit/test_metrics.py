@@ -140,8 +140,9 @@ def test_direct_histogram_holds_what_was_recorded() -> None:
     assert by_reason == {"none": 4.0, "timeout": 1.0}
 
 
-def test_an_undeclared_attribute_is_refused() -> None:
+def test_an_undeclared_attribute_is_refused_even_after_a_declared_one() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(MeterProvider(), prometheus=registry)
+    metrics.rpc_active.add(1, {RPC_METHOD: "m"})
     with pytest.raises(ValueError, match=r"rerank\.backend"):
         metrics.rpc_active.add(1, {RPC_METHOD: "m", "rerank.backend": "chat"})
