@@ -242,8 +242,8 @@ class Settings:
     trace_steps: bool = field(default=False, metadata=_opt(
         "With tracing on, a span for each CPU-only step of a request (rerank.validate, "
         "rerank.shape, rerank.chunk, rerank.blend) and rerank.score. Off: one span per "
-        "Rerank call, the server span, which carries the scoring's attributes "
-        "(RerankStream, RerankBatch items and JSON API requests keep rerank.score).",
+        "Rerank call or JSON API request, the server span, which carries the scoring's "
+        "attributes (RerankStream and RerankBatch requests keep rerank.score).",
         group="observability"))
     otlp_endpoint: str = field(default="", metadata=_opt(
         "OTLP/gRPC collector for traces and metrics, e.g. http://otel-collector:4317 "

@@ -20,12 +20,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from ..domain import BlendStrategy, Candidate, RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
+from ..observability import propagation
 from ..observability.logs import rpc_answered, rpc_failed
 from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
@@ -56,16 +59,54 @@ class _Gate:
     route's dependencies run). The body's size is FastAPI's `max_body_size`, checked as
     the body arrives (413), so no body over `--max-message-bytes` is ever held."""
 
-    def __init__(self, app: ASGIApp, *, tokens: TokenSet, max_active: int) -> None:
+    def __init__(self, app: ASGIApp, *, tokens: TokenSet, max_active: int,
+                 tracer: trace.Tracer | None = None) -> None:
         self._app = app
         self._tokens = tokens
         self._max_active = max_active
+        self._tracer = tracer  # None: tracing off
         self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
-            return
+        elif self._tracer is not None and scope["path"] in RERANK_PATHS:
+            await self._traced(self._tracer, scope, receive, send)
+        else:
+            await self._gated(scope, receive, send)
+
+    async def _traced(self, tracer: trace.Tracer, scope: Scope, receive: Receive,
+                      send: Send) -> None:
+        """A rerank request in a SERVER span (OpenTelemetry's HTTP conventions), a child
+        of the caller's span when its headers carry one (`traceparent`), refusals
+        included. Current throughout, so the request's scoring reports into it
+        (`Telemetry.request_span`) and its log line carries its ids."""
+        method, route = scope["method"], scope["path"]
+        span = tracer.start_span(
+            f"{method} {route}", context=propagation.incoming(Headers(scope=scope)),
+            kind=trace.SpanKind.SERVER,
+            attributes={"http.request.method": method, "http.route": route,
+                        "url.path": route, "url.scheme": scope.get("scheme", "http")})
+        token = otel_context.attach(trace.set_span_in_context(span))
+        status = 500  # unless a response starts
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._gated(scope, receive, sending)
+        finally:
+            otel_context.detach(token)
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:  # the server's fault; a 4xx is the caller's
+                span.set_attributes({"error.type": str(status)})
+                span.set_status(trace.StatusCode.ERROR, str(status))
+            span.end()
+
+    async def _gated(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = Headers(scope=scope)
         path = scope["path"]
         if path not in OPEN_PATHS and not self._tokens.accepts(headers.get("authorization")):
@@ -108,7 +149,9 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
                     "order, and a failing model degrades an answer instead of failing it.",
         docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
         max_body_size=max_body_bytes)  # bodies without Content-Length, checked as read
-    app.add_middleware(_Gate, tokens=tokens, max_active=max_active)
+    telemetry = reranker.telemetry
+    app.add_middleware(_Gate, tokens=tokens, max_active=max_active,
+                       tracer=telemetry.tracer if telemetry.tracing else None)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -135,7 +178,8 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
             _check_unicode(query, field)
             inflight.take(len(body))
             try:
-                results, summary = await reranker.answer(query)
+                results, summary = await reranker.answer(query, None,
+                                                         telemetry.request_span())
                 rpc_answered(rpc, summary, len(results))
                 reranker.telemetry.metrics.record_rerank(summary)
                 return results, summary

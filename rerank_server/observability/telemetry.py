@@ -92,11 +92,10 @@ class Telemetry:
 
     def request_span(self) -> trace.Span | None:
         """The current span, for an edge whose span stands for exactly one request and
-        outlives its pipeline (a unary Rerank call's server span): the request's scoring
-        reports into it rather than into a `rerank.score` span of its own, one span fewer
-        per request.
-        None with tracing off, and with `--trace-steps`, where `rerank.score` is one of
-        the steps."""
+        outlives its pipeline (a unary Rerank call's server span, a JSON API request's):
+        the request's scoring reports into it rather than into a `rerank.score` span of
+        its own, one span fewer per request. None with tracing off, and with
+        `--trace-steps`, where `rerank.score` is one of the steps."""
         if self.tracer_provider is None or self.trace_steps:
             return None
         return trace.get_current_span()

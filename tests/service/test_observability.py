@@ -27,11 +27,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 from rerank_client import AsyncRerankClient, RerankError, ServerBusyError, Threshold
 
+from rerank_server.managed.llama_server import free_port
 from rerank_server.observability.telemetry import Telemetry
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
 from tests.conftest import StartServer
 from tests.fakes.llama import HTTP_500, FakeLlamaServer
+from tests.waiting import eventually
 
 CANARY = "CANARY-91c2"
 RERANK = "rerank.v1.Reranker/Rerank"
@@ -288,6 +290,52 @@ async def test_streams_and_batches_trace_each_request_in_a_scoring_span(
         assert "rerank.scored" not in (call.attributes or {})
 
 
+@pytest.mark.parametrize("steps", [False, True], ids=["default-spans", "step-spans"])
+async def test_the_json_api_continues_the_callers_trace(
+        fake_llama: FakeLlamaServer, steps: bool) -> None:
+    """A JSON API request is a SERVER span under the caller's (its `traceparent`
+    header), carrying its scoring by default like a Rerank call; a refused one is traced
+    with its status, which is the caller's fault and so not an error."""
+    exporter = InMemorySpanExporter()
+    settings = Settings(port=0, http_port=free_port(), backend_url=fake_llama.url,
+                        probe=False, metrics=False, trace_steps=steps)
+    server = await build_server(settings, telemetry=Telemetry.create(
+        settings, span_processor=SimpleSpanProcessor(exporter), environ={}))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+            ok = await http.post("/v1/rerank", json={
+                "query": f"{CANARY} q", "documents": [f"{CANARY} {i}" for i in range(3)]},
+                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+            refused = await http.post("/rerank", json={"query": "", "texts": ["a"]})
+            await http.get("/health")
+        # The response reaches the client as it is sent; the span ends just after.
+        assert await eventually(lambda: {"POST /v1/rerank", "POST /rerank"} <= {
+            s.name for s in exporter.get_finished_spans()}, 5)
+    finally:
+        await server.stop(grace=0)
+    assert ok.status_code == 200 and refused.status_code == 422
+    spans = list(exporter.get_finished_spans())
+    (root,) = [s for s in spans if s.name == "POST /v1/rerank"]
+    assert root.kind is SpanKind.SERVER and root.status.status_code is StatusCode.UNSET
+    assert root.parent is not None and format(root.parent.span_id, "016x") == PARENT_ID
+    attributes = dict(root.attributes or {})
+    assert attributes["http.response.status_code"] == 200
+    assert attributes["http.route"] == "/v1/rerank"
+    scoring = [s for s in _children(spans, root) if s.name == "rerank.score"]
+    carrier = scoring[0] if steps else root
+    assert (carrier.attributes or {})["rerank.scored"] == 3
+    assert len(scoring) == (1 if steps else 0)
+    assert carrier.context is not None
+    assert {tp.split("-")[2] for tp in fake_llama.traceparents} == {
+        format(carrier.context.span_id, "016x")}
+    (tei,) = [s for s in spans if s.name == "POST /rerank"]
+    assert (tei.attributes or {})["http.response.status_code"] == 422
+    assert tei.status.status_code is StatusCode.UNSET and tei.parent is None
+    assert not [s for s in spans if "health" in s.name]
+    for s in spans:
+        assert CANARY not in str(dict(s.attributes or {}))
+
+
 async def test_a_refused_call_is_traced_with_its_status(
         traced: tuple[RunningServer, InMemorySpanExporter]) -> None:
     """A caller's mistake (INVALID_ARGUMENT) is recorded on the server span but is not the
@@ -296,6 +344,9 @@ async def test_a_refused_call_is_traced_with_its_status(
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         with pytest.raises(RerankError):
             await client.rerank("", ["a document"])
+    # The status reaches the client as the handler aborts; the span ends just after.
+    assert await eventually(lambda: any(s.name == f"/{RERANK}"
+                                        for s in exporter.get_finished_spans()), 5)
     (root,) = [s for s in exporter.get_finished_spans() if s.name == f"/{RERANK}"]
     assert root.attributes is not None
     assert root.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
