@@ -292,7 +292,7 @@ async def test_streams_and_batches_trace_each_request_in_a_scoring_span(
 
 @pytest.mark.parametrize("steps", [False, True], ids=["default-spans", "step-spans"])
 async def test_the_json_api_continues_the_callers_trace(
-        fake_llama: FakeLlamaServer, steps: bool) -> None:
+        fake_llama: FakeLlamaServer, steps: bool, capsys: pytest.CaptureFixture[str]) -> None:
     """A JSON API request is a SERVER span under the caller's (its `traceparent`
     header), carrying its scoring by default like a Rerank call; a refused one is traced
     with its status, which is the caller's fault and so not an error."""
@@ -334,6 +334,10 @@ async def test_the_json_api_continues_the_callers_trace(
     assert not [s for s in spans if "health" in s.name]
     for s in spans:
         assert CANARY not in str(dict(s.attributes or {}))
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if '"rpc":"POST /v1/rerank"' in line]
+    assert line["trace_id"] == TRACE_ID
+    assert line["span_id"] == format(root.context.span_id, "016x")
 
 
 async def test_a_refused_call_is_traced_with_its_status(
