@@ -20,7 +20,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,8 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..domain import BlendStrategy, Candidate, RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
-from ..observability import propagation
 from ..observability.logs import rpc_answered, rpc_failed
+from ..observability.server_spans import close_server_span, open_server_span
 from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from ..security.tokens import TokenSet
@@ -82,12 +81,10 @@ class _Gate:
         included. Current throughout, so the request's scoring reports into it
         (`Telemetry.request_span`) and its log line carries its ids."""
         method, route = scope["method"], scope["path"]
-        span = tracer.start_span(
-            f"{method} {route}", context=propagation.incoming(Headers(scope=scope)),
-            kind=trace.SpanKind.SERVER,
-            attributes={"http.request.method": method, "http.route": route,
-                        "url.path": route, "url.scheme": scope.get("scheme", "http")})
-        token = otel_context.attach(trace.set_span_in_context(span))
+        opened = open_server_span(
+            tracer, f"{method} {route}", Headers(scope=scope),
+            {"http.request.method": method, "http.route": route, "url.path": route,
+             "url.scheme": scope.get("scheme", "http")})
         status = 500  # unless a response starts
 
         async def sending(message: Message) -> None:
@@ -99,12 +96,9 @@ class _Gate:
         try:
             await self._gated(scope, receive, sending)
         finally:
-            otel_context.detach(token)
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:  # the server's fault; a 4xx is the caller's
-                span.set_attributes({"error.type": str(status)})
-                span.set_status(trace.StatusCode.ERROR, str(status))
-            span.end()
+            fault = str(status) if status >= 500 else None  # a 4xx is the caller's
+            close_server_span(opened, {"http.response.status_code": status,
+                                       **({"error.type": fault} if fault else {})}, fault)
 
     async def _gated(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = Headers(scope=scope)
