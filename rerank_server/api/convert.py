@@ -6,11 +6,12 @@ default: a client built against a newer proto may have asked for something else.
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..domain import (
+    NO_METADATA,
     BlendStrategy,
     Candidate,
     DegradedCode,
@@ -77,19 +78,24 @@ def _optional(message: Any, name: str) -> Any:
 def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candidate, ...]:
     """Domain candidates; `index` counts on from `first_index` over the whole request."""
     out = []
-    # A loop with the presence checks inline, positional arguments, and no copy of an
-    # empty map: this runs for every candidate of every request (a third cheaper than the
-    # helper-based form). The order is `Candidate`'s fields'.
+    append, new = out.append, _new
+    # A loop with the presence checks inline, the fields by position in `Candidate`'s
+    # order, no copy of an empty map, and `tuple.__new__` instead of the named tuple's
+    # constructor (half its cost): this runs for every candidate of every request.
     for i, c in enumerate(wire):
         has = c.HasField
-        out.append(Candidate(
+        metadata = c.metadata
+        append(new(Candidate, (
             c.id, c.text, first_index + i,
             c.retrieval_rank if has("retrieval_rank") else i + 1,
             c.title if has("title") else None,
             c.retrieval_score if has("retrieval_score") else None,
-            dict(c.metadata) if c.metadata else {},
-        ))
+            dict(metadata) if metadata else NO_METADATA,
+        )))
     return tuple(out)
+
+
+_new = tuple.__new__
 
 
 def _lists(request: pb.RerankRequest) -> tuple[RankedList, ...]:
@@ -122,7 +128,7 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
     options = request.options
     candidates = _candidates(request.candidates, 0)
     return RerankQuery(
-        request_id=request.request_id or uuid.uuid4().hex,
+        request_id=request.request_id or os.urandom(16).hex(),  # uuid4().hex: 4x the cost
         query=request.query,
         candidates=candidates,
         top_k=request.top_k,

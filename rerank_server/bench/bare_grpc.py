@@ -34,8 +34,7 @@ def answer(count: int) -> bytes:
             timings=pb.Timings(total_ms=1.0, scoring_ms=0.5))
         for i in range(count):
             response.results.add(id=str(i), index=i, rank=i + 1, score=1.0 - i / (count + 1),
-                                 reranker_score=0.5, retrieval_rank=i + 1,
-                                 found_in=["candidates"])
+                                 reranker_score=0.5, retrieval_rank=i + 1)
         _ANSWERS[count] = response.SerializeToString()
     return _ANSWERS[count]
 

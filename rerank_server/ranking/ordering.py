@@ -28,18 +28,32 @@ from . import blending
 
 
 class Placed(NamedTuple):
-    """A candidate whose final position is known (a named tuple: one is made per
-    candidate, at under half the cost of a frozen dataclass)."""
+    """A candidate whose final position is known.
 
+    Its first three fields are its place in the final order, so a list of them sorts
+    into that order as it is: blended score descending (stored negated), retrieval rank,
+    then position in the request, which is unique, so a comparison never reaches the
+    candidate. One tuple per candidate, built with `tuple.__new__` (`_placed`): a named
+    tuple's own constructor costs twice as much, and this is built for every candidate
+    of every request."""
+
+    neg_score: float
+    retrieval_rank: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, which nothing calls
     candidate: Candidate
-    score: float
     reranker_score: float | None
 
+    @property
+    def score(self) -> float:
+        """The blended score (negation is exact, so this is the score as blended)."""
+        return -self.neg_score
 
-def _key(score: float, c: Candidate) -> tuple[float, int, int]:
-    return (-score, c.retrieval_rank, c.index)
+
+def _placed(score: float, c: Candidate, reranker_score: float | None) -> Placed:
+    return _new(Placed, (-score, c.retrieval_rank, c.index, c, reranker_score))
 
 
+_new = tuple.__new__
 _BY_RANK = attrgetter("retrieval_rank", "index")  # retrieval order, ties by position
 
 
@@ -56,16 +70,17 @@ class IncrementalRanking:
         self._params = params
         self._request_wide = strategy in blending.REQUEST_WIDE
         self._tail = tail
-        # Outstanding candidates by their upper bound, best first; stale entries are
-        # skipped lazily once their candidate resolves.
+        # Outstanding candidates by their upper bound, best first, as (-bound, retrieval
+        # rank, index): the key a `Placed` starts with. Stale entries are skipped lazily
+        # once their candidate resolves.
         self._pending: dict[int, Candidate] = {c.index: c for c in scored}
         # A request-wide blend holds every outcome until it settles, so it needs no
         # bounds until then (`_settle` sets them).
-        self._bounds = [] if self._request_wide else [
-            (_key(blending.upper_bound(strategy, c.retrieval_rank), c), c.index)
+        self._bounds: list[tuple[float, int, int]] = [] if self._request_wide else [
+            (-blending.upper_bound(strategy, c.retrieval_rank), c.retrieval_rank, c.index)
             for c in scored]
         heapq.heapify(self._bounds)
-        self._resolved: list[tuple[tuple[float, int, int], int, Placed]] = []
+        self._resolved: list[Placed] = []  # a heap while anything is outstanding
         self._tail_released = False
         # Request-wide blends: the candidates whose scores settle it, those resolved
         # before it settled, and the settled blend.
@@ -74,8 +89,6 @@ class IncrementalRanking:
         # The weight settles on the best-ranked half, the normalization on the third.
         self._basis = frozenset(c.index for c in best_ranked[:blending.settle_count(n)])
         self._normal = frozenset(c.index for c in best_ranked[:blending.normalize_count(n)])
-        self._basis_outstanding = set(self._basis)
-        self._normal_outstanding = set(self._normal)
         self._held: list[tuple[Candidate, float | None]] = []
         self._settled: blending.Settled | None = None
         self.reranker_weight: float | None = None  # set when a request-wide blend settles
@@ -95,22 +108,19 @@ class IncrementalRanking:
         to try after each pair past the best-ranked third, each try bounding the weight
         over every way the rest could turn out."""
         pending, held = self._pending, self._held
-        holding = self._request_wide and self._settled is None
-        before = len(held)
+        if self._request_wide and self._settled is None:
+            before = len(held)
+            for candidate_index, reranker_score in outcomes:
+                held.append((pending.pop(candidate_index), reranker_score))
+            # Only once something arrived: an empty group (no cache hits) settles nothing.
+            if len(held) > before and self._normal.isdisjoint(pending):
+                self._settle()
+            return
         for candidate_index, reranker_score in outcomes:
             c = pending.pop(candidate_index)
-            if holding:
-                held.append((c, reranker_score))
-                self._basis_outstanding.discard(candidate_index)
-                self._normal_outstanding.discard(candidate_index)
-                continue
             score = self._settled.final(c.retrieval_rank, reranker_score) if self._settled \
                 else blending.blend(self._strategy, c.retrieval_rank, reranker_score)
-            heapq.heappush(self._resolved, (_key(score, c), candidate_index,
-                                            Placed(c, score, reranker_score)))
-        # Only once something arrived: an empty group (no cache hits) settles nothing.
-        if holding and len(held) > before and not self._normal_outstanding:
-            self._settle()
+            heapq.heappush(self._resolved, _placed(score, c, reranker_score))
 
     def _settle(self) -> None:
         """The best-ranked third is in: settle the blend once its weight is certain (the
@@ -126,8 +136,9 @@ class IncrementalRanking:
                     known.append(p)
                 if c.index in normal:
                     normal_scores.append(p)
-        if self._basis_outstanding:
-            low, high = blending.weight_bounds(known, len(self._basis_outstanding), params)
+        basis_outstanding = len(basis.intersection(self._pending))
+        if basis_outstanding:
+            low, high = blending.weight_bounds(known, basis_outstanding, params)
             if low != high:
                 return
             weight = low
@@ -137,13 +148,15 @@ class IncrementalRanking:
         self._settled, self.reranker_weight = settled, settled.weight
         held, resolved = self._held, self._resolved
         finals = settled.finals([(c.retrieval_rank, p) for c, p in held])
-        resolved.extend(((-score, c.retrieval_rank, c.index), c.index, Placed(c, score, p))
-                        for (c, p), score in zip(held, finals, strict=True))  # `_key` inline
-        heapq.heapify(resolved)
-        self._held.clear()
-        self._bounds = [(_key(settled.upper_bound(c.retrieval_rank), c), c.index)
-                        for c in self._pending.values()]
-        heapq.heapify(self._bounds)
+        new = _new
+        for (c, p), score in zip(held, finals, strict=True):  # `_placed` inline
+            resolved.append(new(Placed, (-score, c.retrieval_rank, c.index, c, p)))
+        held.clear()
+        if self._pending:  # else `release` sorts them all at once
+            heapq.heapify(resolved)
+            self._bounds = [(-settled.upper_bound(c.retrieval_rank), c.retrieval_rank,
+                             c.index) for c in self._pending.values()]
+            heapq.heapify(self._bounds)
 
     def fail_outstanding(self) -> list[int]:
         """Resolve every outstanding pair as failed (deadline, backend gone); their indexes."""
@@ -153,24 +166,27 @@ class IncrementalRanking:
 
     def release(self) -> list[Placed]:
         """Candidates whose position is now certain, in final order (each only once)."""
-        out: list[Placed] = []
-        if not self._pending and self._resolved:
+        resolved, pending = self._resolved, self._pending
+        if not pending:
             # Nothing outstanding, so everything resolved is certain: one sort instead of
             # a pop and a bound check per candidate (a batch that lands whole, and the end
             # of every request).
-            self._resolved.sort()
-            out = [entry[2] for entry in self._resolved]
-            self._resolved.clear()
-        while self._resolved:
-            while self._bounds and self._bounds[0][1] not in self._pending:
-                heapq.heappop(self._bounds)
-            # Keys sort ascending, so "a beats b" is key(a) < key(b).
-            if self._bounds and self._bounds[0][0] < self._resolved[0][0]:
+            resolved.sort()
+            out, self._resolved = resolved, []
+            if not self._tail_released:
+                self._tail_released = True
+                out.extend(_placed(0.0, c, None) for c in self._tail)
+            return out
+        out = []
+        bounds = self._bounds
+        while resolved:
+            while bounds and bounds[0][2] not in pending:
+                heapq.heappop(bounds)
+            # Keys sort ascending, so "a beats b" is key(a) < key(b); the bound's key is
+            # a placed candidate's first three fields, and never equal to another's.
+            if bounds and bounds[0] < resolved[0][:3]:
                 break
-            out.append(heapq.heappop(self._resolved)[2])
-        if not self._pending and not self._resolved and not self._tail_released:
-            self._tail_released = True
-            out.extend(Placed(c, 0.0, None) for c in self._tail)
+            out.append(heapq.heappop(resolved))
         return out
 
 
@@ -187,13 +203,12 @@ class Emitter:
         self._cached.update(indexes)
 
     def take(self, placed: list[Placed]) -> list[RankedCandidate]:
-        out: list[RankedCandidate] = []
-        texts, cached = self._texts, self._cached
-        for p in placed:
-            if self._top_k and self._next_rank > self._top_k:
-                break
-            index = p.candidate.index
-            out.append(RankedCandidate(p.candidate, self._next_rank, p.score,
-                                       p.reranker_score, texts.get(index), index in cached))
-            self._next_rank += 1
-        return out
+        first = self._next_rank
+        if self._top_k:
+            placed = placed[:max(0, self._top_k - first + 1)]
+        self._next_rank = first + len(placed)
+        texts, cached, new = self._texts, self._cached, _new
+        # Built with `tuple.__new__`, fields in `RankedCandidate`'s order (see `Placed`).
+        return [new(RankedCandidate, (c, rank, -neg_score, p, texts.get(index) if texts
+                                      else None, index in cached))
+                for rank, (neg_score, _, index, c, p) in enumerate(placed, first)]

@@ -207,9 +207,11 @@ def test_shaped_copy_keeps_every_field_as_replace_does() -> None:
     assert _shaped(c, 0.7, ("l",)) == c._replace(normalized_score=0.7, found_in=("l",))
 
 
-def test_unique_ids_in_one_list_keep_their_order_and_list() -> None:
+def test_unique_ids_in_one_list_keep_their_order_and_name_no_list() -> None:
+    """Without `lists`, `found_in` stays empty (the proto: names of the lists that found
+    the candidate, with `lists`); it was ("candidates",) in every result until 2026-11-25."""
     shaped = shape(resolve(query(cands("cab", scores=[3.0, 2.0, 1.0])), RULES))
     assert [c.id for c in shaped.candidates] == ["c", "a", "b"]
-    assert all(c.found_in == ("candidates",) for c in shaped.candidates)
+    assert all(c.found_in == () for c in shaped.candidates)
     assert [c.normalized_score for c in shaped.candidates] == [1.0, 0.5, 0.0]
     assert shaped.deduplicated == 0
