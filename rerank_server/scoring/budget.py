@@ -21,7 +21,8 @@ import structlog
 from opentelemetry import trace
 
 from . import trace_context
-from .base import Failure, PairOutcome, Scorer, ScoreRequest
+from .base import Emit, Failure, PairOutcome, Scorer, ScoreRequest
+from .http import done_with_calls, let_go, own_calls
 from .wakeup import Wakeup
 
 log = structlog.get_logger(__name__)
@@ -125,13 +126,13 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
         span = tracer.start_span("rerank.score", attributes=attributes)
         attributes = {}
     if span is trace.INVALID_SPAN:  # tracing off: no context to switch for the task
-        task = asyncio.create_task(scorer.score(request, inbox.put))
+        task = asyncio.create_task(_scoring(scorer, request, inbox.put))
     elif own:
         with trace.use_span(span, end_on_exit=False), trace_context.continuing(span):
-            task = asyncio.create_task(scorer.score(request, inbox.put))
+            task = asyncio.create_task(_scoring(scorer, request, inbox.put))
     else:  # already current
         with trace_context.continuing(span):
-            task = asyncio.create_task(scorer.score(request, inbox.put))
+            task = asyncio.create_task(_scoring(scorer, request, inbox.put))
     task.add_done_callback(inbox.wake)
     # One timer for the whole budget, not one per wait (a per-pair backend waits once per
     # arriving group); it only marks the inbox, so it never interrupts the caller.
@@ -197,7 +198,25 @@ def _why_nothing(task: asyncio.Task[None], stop: StopSignal | None, spent: bool,
     return None
 
 
+async def _scoring(scorer: Scorer, request: ScoreRequest, emit: Emit) -> None:
+    """The scorer's task. It makes its backend calls itself (`http.own_calls`): a batching
+    scorer's one call per request needs no task and shield of its own (a tenth of a
+    batched call's CPU); `_stop` lets it go rather than cancel it, so a call on the wire
+    is abandoned on the leash, as a shielded one would be."""
+    me = asyncio.current_task()
+    assert me is not None
+    own_calls(me)
+    try:
+        await scorer.score(request, emit)
+    finally:
+        done_with_calls(me)
+
+
 async def _stop(task: asyncio.Task[None]) -> None:
+    """Stop waiting for the scorer: let it go (`http.let_go`), and wait for it to unwind
+    when that cancelled it (a per-pair scorer then lets its pairs go); an abandoned call
+    runs on within its leash without anyone waiting for it."""
     if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        let_go(task)
+        if task.cancelling():
+            await asyncio.gather(task, return_exceptions=True)
