@@ -77,7 +77,7 @@ def _optional(message: Any, name: str) -> Any:
 
 def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candidate, ...]:
     """Domain candidates; `index` counts on from `first_index` over the whole request."""
-    out = []
+    out: list[Candidate] = []
     append, new = out.append, _new
     # A loop with the presence checks inline, the fields by position in `Candidate`'s
     # order, no copy of an empty map, and `tuple.__new__` instead of the named tuple's

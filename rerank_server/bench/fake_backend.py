@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import json
 import math
+import random
+import struct
 from typing import Any, cast
 
 import orjson
@@ -45,6 +48,22 @@ def _logprobs(p: float) -> list[dict[str, Any]]:
              "logprob": math.log(max(p, 1e-6))},
             {"id": 2, "token": "no", "bytes": [110, 111], "logprob": math.log(max(1 - p, 1e-6))},
             *_OTHERS]
+
+
+# An embedding is as long as MiniLM-L6's (384 floats) and written as llama-server writes
+# floats, so decoding it costs what a real answer's does: the first three components
+# carry the score (the cosine with the query's), the rest are the same tiny values for
+# every text (about 1e-7 each: they move a cosine by less than 1e-11).
+EMBEDDING_DIMENSIONS = 384
+_RANDOM = random.Random(7)
+_TAIL = [float(f"{_RANDOM.uniform(-1e-7, 1e-7):.8g}") for _ in range(EMBEDDING_DIMENSIONS - 3)]
+_TAIL_BYTES = struct.pack(f"<{len(_TAIL)}f", *_TAIL)
+
+
+def _embedding(score: float, as_base64: bool) -> list[float] | str:
+    if as_base64:  # OpenAI's `encoding_format: base64`: little-endian float32
+        return base64.b64encode(struct.pack("<3f", score, 1.0, 0.5) + _TAIL_BYTES).decode()
+    return [score, 1.0, 0.5, *_TAIL]
 
 
 _TIMINGS = {"cache_n": 0, "prompt_n": 150, "prompt_ms": 20.5, "prompt_per_token_ms": 0.14,
@@ -91,8 +110,14 @@ def answer(path: str, body: Any) -> Any:
         return {"results": [{"index": i, "relevance_score": _score(t)}
                             for i, t in enumerate(body["documents"])]}
     if path == "/v1/embeddings":
-        return {"data": [{"index": i, "embedding": [_score(t), 1.0, 0.5]}
-                         for i, t in enumerate(body["input"])]}
+        as_base64 = body.get("encoding_format") == "base64"
+        data = [{"embedding": _embedding(_score(t), as_base64), "index": i,
+                 "object": "embedding", **({"encoding_format": "base64"} if as_base64
+                                           else {})}
+                for i, t in enumerate(body["input"])]
+        tokens = sum(len(t) // 4 for t in body["input"])
+        return {"model": "instant", "object": "list",
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "data": data}
     if path == "/api/generate":
         return {"response": str(round(_score(body["prompt"]) * 10)), "done": True}
     return None
@@ -135,6 +160,9 @@ def _completion(index: int, prompt: str, fields: Any) -> dict[str, Any]:
             "completion_probabilities": result["completion_probabilities"]}
 
 
+# What llama-server's `/props` tells of the context (2048 tokens per slot, as the bench's
+# llama-server runs): the scorers cut documents to it, and a 600-character passage fits.
+_PROPS = {"default_generation_settings": {"n_ctx": 2048}, "total_slots": 4}
 SCORING_PATHS_EXEMPT = ("/tokenize", "/apply-template")  # metadata: never delayed
 MAX_HEAD = 64 * 1024
 
@@ -180,7 +208,7 @@ class FakeHttp(asyncio.Protocol):
                 FakeHttp.recorded = None
                 return
             self.send(200, {"data": [{"id": "instant"}]} if path == "/v1/models"
-                      else {"status": "ok"})
+                      else _PROPS if path == "/props" else {"status": "ok"})
             return
         if path == "/bench/record":
             FakeHttp.recorded = []

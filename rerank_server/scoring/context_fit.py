@@ -63,7 +63,17 @@ class ContextFit:
         budget = await self.budget(around, max_tokens_per_doc)
         if budget is None:
             return documents
-        return list(await asyncio.gather(*(self._cut(doc, budget) for doc in documents)))
+        # Only the documents over the byte bound need the tokenizer, and a task each:
+        # gathering every document made a task per pair on every request.
+        longer = [i for i, doc in enumerate(documents)
+                  if len(doc) > budget // 4 and len(doc.encode()) > budget]
+        if not longer:
+            return documents
+        cut = await asyncio.gather(*(self._cut(documents[i], budget) for i in longer))
+        fitted = list(documents)
+        for i, doc in zip(longer, cut, strict=True):
+            fitted[i] = doc
+        return fitted
 
     async def budget(self, around: str, max_tokens_per_doc: int = 0) -> int | None:
         slot = await self.slot_tokens()

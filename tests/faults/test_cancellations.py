@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from grpc_health.v1 import health_pb2
 from rerank_client import AsyncRerankClient
@@ -13,6 +15,7 @@ from rerank_client import AsyncRerankClient
 from rerank_server.api.grpc_server import BACKEND_HEALTH
 from rerank_server.scoring import http as http_module
 from tests.conftest import StartServer
+from tests.fakes.json_server import JsonServer
 from tests.fakes.llama import EXCEEDS_CONTEXT, FakeLlamaServer
 from tests.waiting import eventually
 
@@ -79,3 +82,36 @@ async def test_a_pair_let_go_makes_no_further_call(start_server: StartServer,
     await asyncio.sleep(0.5)  # time for a second try (answered at once), were one made
     assert len(fake_llama.requests) == 3, "a pair let go called the backend again"
     assert not _tracked()
+
+
+async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out(
+        start_server: StartServer) -> None:
+    """A batching scorer makes its one call in the scorer's own task (no task and shield
+    of its own): when the request's budget runs out, that task is let go, so the call on
+    the wire is abandoned, not cancelled. It keeps its slot until it ends within the
+    leash, the request answers in retrieval order in time, and nothing stays tracked."""
+    def slow_rerank(method: str, path: str, body: Any, headers: Mapping[str, str],
+                    ) -> tuple[int, Any]:
+        if method == "GET":
+            return (200, {"status": "ok"}) if path == "/health" else (404, {})
+        time.sleep(1.0)  # past the request's deadline, within the leash (2 s)
+        return 200, {"results": [{"index": i, "relevance_score": 0.5}
+                                 for i in range(len(body["documents"]))]}
+
+    fake = JsonServer(slow_rerank).start()
+    try:
+        server = await start_server(backend="rerank", backend_url=fake.url)
+        http = server.pool.endpoints[0].http
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+            started = time.monotonic()
+            answer = await client.rerank("q", DOCS, timeout=0.5)
+            took = time.monotonic() - started
+        assert not answer.reranked and answer.summary.degraded_code == "timeout"
+        assert took < 0.5, took
+        assert http.abandoned == 1 and len(http._calls) == 1, "the call was not abandoned"
+        assert await eventually(lambda: http.abandoned == 0 and not http._calls, 3), \
+            "the abandoned call did not end within its leash"
+        assert len(fake.posts("/v1/rerank")) == 1
+        assert not _tracked()
+    finally:
+        fake.stop()

@@ -1,0 +1,128 @@
+"""The `embedding` backend's wire: embeddings asked for as base64 (OpenAI's
+`encoding_format`, which llama-server, vLLM and TEI speak), floats from a backend that
+ignores or refuses the option, answers whose entries come out of order, and vectors that
+are not numbers. The real llama-server's base64 answers are in tests/real."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import pytest
+from rerank_client import AsyncRerankClient
+
+from tests.conftest import StartServer
+from tests.fakes.json_server import Handler, JsonServer
+
+DOCS = ["a relevant passage", "noise", "another relevant one", "more noise"]
+QUERY = "what is relevant"
+
+
+def vector(text: str) -> list[float]:
+    lean = 0.9 if "relevant" in text else 0.1
+    return [lean, 1 - lean, 0.25]
+
+
+def expected_score(text: str) -> float:
+    """The cosine the server should find between the query's embedding and `text`'s."""
+    q, d = vector(QUERY), vector(text)
+    dot = sum(x * y for x, y in zip(q, d, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in q)) * math.sqrt(sum(y * y for y in d)))
+
+
+def as_base64(values: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+def openai_embeddings(refuse_base64: bool = False, reverse: bool = False,
+                      nan_for: str = "") -> Handler:
+    """`/v1/embeddings` answering in base64 when asked (or refusing it, as vLLM did until
+    mid-2024), its entries reversed if `reverse`, a NaN in the vectors of texts holding
+    `nan_for` (only base64 can carry one)."""
+    def handler(method: str, path: str, body: Any, headers: Mapping[str, str],
+                ) -> tuple[int, Any]:
+        if method == "GET":
+            return (200, {"status": "ok"}) if path == "/health" else (404, {})
+        wants_base64 = body.get("encoding_format") == "base64"
+        if wants_base64 and refuse_base64:
+            return 400, {"object": "error", "type": "BadRequestError", "code": 400,
+                         "message": "base64 encoding is not currently supported"}
+        data = []
+        for i, text in enumerate(body["input"]):
+            values = vector(text)
+            if nan_for and nan_for in text:
+                values[0] = math.nan
+            data.append({"object": "embedding", "index": i,
+                         "embedding": as_base64(values) if wants_base64 else values})
+        if reverse:
+            data.reverse()
+        return 200, {"object": "list", "data": data, "model": "minilm"}
+    return handler
+
+
+@pytest.fixture
+async def embedding_backend(start_server: StartServer,
+                            ) -> AsyncIterator[Any]:
+    fakes: list[JsonServer] = []
+    clients: list[AsyncRerankClient] = []
+
+    async def start(handler: Handler) -> tuple[JsonServer, AsyncRerankClient]:
+        fake = JsonServer(handler).start()
+        fakes.append(fake)
+        server = await start_server(backend="embedding", backend_url=fake.url)
+        clients.append(AsyncRerankClient(f"127.0.0.1:{server.port}"))
+        return fake, clients[-1]
+
+    yield start
+    for client in clients:
+        await client.close()
+    for fake in fakes:
+        fake.stop()
+
+
+async def test_embeddings_come_as_base64_and_score_their_documents(
+        embedding_backend: Any) -> None:
+    fake, client = await embedding_backend(openai_embeddings())
+    answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.scored == len(DOCS)
+    assert all(c.body["encoding_format"] == "base64" for c in fake.posts("/v1/embeddings"))
+    for result in answer.results:  # float32 on the wire: equal to about 1e-7
+        assert result.reranker_score == pytest.approx(expected_score(DOCS[result.index]),
+                                                      abs=1e-6)
+    assert [r.index for r in answer.results][:2] == [0, 2]
+
+
+async def test_a_backend_that_refuses_base64_gets_floats_from_then_on(
+        embedding_backend: Any) -> None:
+    fake, client = await embedding_backend(openai_embeddings(refuse_base64=True))
+    for _ in range(2):
+        answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
+        assert answer.reranked and answer.summary.failed == 0
+    formats = [c.body.get("encoding_format") for c in fake.posts("/v1/embeddings")]
+    # Refused by the first request's two calls (query and documents, sent together),
+    # then never asked again.
+    assert formats[:2] == ["base64", "base64"] and set(formats[2:]) == {None}, formats
+
+
+async def test_entries_out_of_order_score_their_own_documents(
+        embedding_backend: Any) -> None:
+    """The answer's `index` says which text an embedding belongs to, not its position."""
+    _, client = await embedding_backend(openai_embeddings(reverse=True))
+    answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
+    assert answer.summary.scored == len(DOCS)
+    for result in answer.results:
+        assert result.reranker_score == pytest.approx(expected_score(DOCS[result.index]),
+                                                      abs=1e-6)
+
+
+async def test_an_embedding_that_is_not_a_number_fails_its_pair_only(
+        embedding_backend: Any) -> None:
+    _, client = await embedding_backend(openai_embeddings(nan_for="noise"))
+    answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.degraded_code == "partial"
+    assert answer.summary.scored == 2 and answer.summary.failed == 2
+    failed = {r.index for r in answer.results if r.reranker_score is None}
+    assert failed == {1, 3}

@@ -1,0 +1,46 @@
+"""Cutting documents to the model's context: only documents over the byte bound go to
+the tokenizer, and each of those is cut at a token boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rerank_server.scoring.context_fit import SAFETY_TOKENS, ContextFit
+
+
+class Pool:
+    """The two calls `ContextFit` makes of a backend pool, answered as llama-server does
+    with one token per byte; anything else fails the test."""
+
+    def __init__(self, n_ctx: int) -> None:
+        self.n_ctx = n_ctx
+        self.calls: list[str] = []
+
+    async def get_json(self, path: str) -> Any:
+        assert path == "/props"
+        return {"default_generation_settings": {"n_ctx": self.n_ctx}}
+
+    async def call(self, path: str, payload: Any, parse: Callable[[Any], Any],
+                   pairs: int = 1) -> Any:
+        self.calls.append(path)
+        if path == "/tokenize":
+            return parse({"tokens": list(payload["content"].encode())})
+        assert path == "/detokenize"
+        return parse({"content": bytes(payload["tokens"]).decode(errors="ignore")})
+
+
+async def test_only_documents_over_the_byte_bound_are_tokenized() -> None:
+    pool = Pool(n_ctx=100 + SAFETY_TOKENS)  # a budget of 100 tokens
+    fit = ContextFit(pool)  # type: ignore[arg-type]
+    documents = ["short", "x" * 100, "é" * 60, "y" * 150]  # 5, 100, 120 and 150 bytes
+    fitted = await fit.fit(documents, "")
+    assert fitted == ["short", "x" * 100, "é" * 50, "y" * 100]
+    assert pool.calls == ["/tokenize", "/detokenize"] * 2  # the last two only
+
+
+async def test_documents_that_all_fit_make_no_call() -> None:
+    pool = Pool(n_ctx=2048)
+    documents = ["a passage of about six hundred characters " * 14] * 40
+    fitted = await ContextFit(pool).fit(documents, "around")  # type: ignore[arg-type]
+    assert fitted == documents and pool.calls == []
