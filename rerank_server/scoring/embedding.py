@@ -11,7 +11,6 @@ The instruction is not used: symmetric embedding models take none.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import math
 from collections.abc import Mapping, Sequence
@@ -19,6 +18,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import pybase64
 import structlog
 
 from ..domain import BackendKind
@@ -72,12 +72,16 @@ class EmbeddingScorer(PooledScorer):
         if len(data) != count:
             raise MalformedResponse(f"expected {count} embeddings")
         self.note_model(answer.model)
-        vectors: list[Vector | None] = [None] * count
+        indexes = []
         for position, item in enumerate(data):
             index = position if item.index is None else item.index
             if not 0 <= index < count or not item.embedding:
                 raise MalformedResponse("embedding entry without index or vector")
-            vectors[index] = _vector(item.embedding)
+            indexes.append(index)
+        vectors: list[Vector | None] = [None] * count
+        for index, vector in zip(indexes, _rows([item.embedding for item in data]),
+                                 strict=True):
+            vectors[index] = vector
         return vectors
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
@@ -88,17 +92,22 @@ class EmbeddingScorer(PooledScorer):
         texts = await self._fit.fit(
             [prompt.neutralize(request.query), *map(prompt.neutralize, request.documents)],
             "", request.max_tokens_per_doc)
+        if len(texts) <= self._max_batch:
+            # The query and every document in one call (the common request): one round
+            # trip instead of two, and a third less of our CPU per request.
+            async def together(_start: int, _documents: Sequence[str],
+                               ) -> Mapping[int, float | None]:
+                vectors = await self.embed(texts)
+                return _similarities(vectors[0], vectors[1:])
+
+            await score_in_batches(texts[1:], len(texts), together, emit)
+            return
         query = asyncio.ensure_future(self.embed(texts[:1]))
 
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
             vectors = await self.embed(documents)
             (q,) = await asyncio.shield(query)  # a failed query embedding fails the slice
-            try:
-                if q is None:
-                    raise MalformedResponse("no embedding of the query")
-                return similarities(q, vectors)
-            except MalformedResponse as exc:
-                raise BackendCallError(Failure.MALFORMED, str(exc)) from None
+            return _similarities(q, vectors)
 
         try:
             await score_in_batches(texts[1:], self._max_batch, call, emit)
@@ -107,6 +116,17 @@ class EmbeddingScorer(PooledScorer):
                 query.cancel()
             elif not query.cancelled():
                 query.exception()  # retrieved: reported through the slices already
+
+
+def _similarities(query: Vector | None, vectors: Sequence[Vector | None],
+                  ) -> dict[int, float | None]:
+    """`similarities`, with an answer that cannot be scored as a failed call."""
+    try:
+        if query is None:
+            raise MalformedResponse("no embedding of the query")
+        return similarities(query, vectors)
+    except MalformedResponse as exc:
+        raise BackendCallError(Failure.MALFORMED, str(exc)) from None
 
 
 class _Embedding(msgspec.Struct, gc=False):
@@ -135,13 +155,27 @@ def _decode(body: bytes) -> _Answer:
         raise MalformedResponse(f"embeddings answer of the wrong shape ({exc})") from None
 
 
-def _vector(embedding: str | list[float]) -> Vector:
-    if isinstance(embedding, list):
+def _rows(embeddings: list[str | list[float]]) -> list[Vector]:
+    """The embeddings as float64 vectors: those of one size as rows of one array, made
+    with one conversion (a conversion per vector was most of the decoding's cost)."""
+    try:
+        raw = [pybase64.b64decode(e, validate=True) if isinstance(e, str) else None
+               for e in embeddings]
+    except binascii.Error:
+        raise MalformedResponse("embedding is neither floats nor base64 float32") from None
+    sizes = {len(r) if r is not None else -1 for r in raw}
+    if len(sizes) == 1 and next(iter(sizes)) % 4 == 0 and -1 not in sizes:
+        return list(np.frombuffer(b"".join(raw), dtype="<f4")  # type: ignore[arg-type]
+                    .astype(np.float64).reshape(len(raw), -1))
+    return [_vector(e, r) for e, r in zip(embeddings, raw, strict=True)]
+
+
+def _vector(embedding: str | list[float], raw: bytes | None) -> Vector:
+    if raw is None:
         return np.asarray(embedding, dtype=np.float64)
     try:
-        raw = base64.b64decode(embedding, validate=True)
         return np.frombuffer(raw, dtype="<f4").astype(np.float64)
-    except (binascii.Error, ValueError):
+    except ValueError:  # not a whole number of float32s
         raise MalformedResponse("embedding is neither floats nor base64 float32") from None
 
 

@@ -69,10 +69,12 @@ async def embedding_backend(start_server: StartServer,
     fakes: list[JsonServer] = []
     clients: list[AsyncRerankClient] = []
 
-    async def start(handler: Handler) -> tuple[JsonServer, AsyncRerankClient]:
+    async def start(handler: Handler, max_batch: int = 32,
+                    ) -> tuple[JsonServer, AsyncRerankClient]:
         fake = JsonServer(handler).start()
         fakes.append(fake)
-        server = await start_server(backend="embedding", backend_url=fake.url)
+        server = await start_server(backend="embedding", backend_url=fake.url,
+                                    max_batch=max_batch)
         clients.append(AsyncRerankClient(f"127.0.0.1:{server.port}"))
         return fake, clients[-1]
 
@@ -83,12 +85,18 @@ async def embedding_backend(start_server: StartServer,
         fake.stop()
 
 
+@pytest.mark.parametrize(("max_batch", "inputs"), [
+    (32, [[QUERY, *DOCS]]),  # the query with the documents: one call
+    (2, [[QUERY], DOCS[:2], DOCS[2:]]),  # the query on its own, then slices of two
+])
 async def test_embeddings_come_as_base64_and_score_their_documents(
-        embedding_backend: Any) -> None:
-    fake, client = await embedding_backend(openai_embeddings())
+        embedding_backend: Any, max_batch: int, inputs: list[list[str]]) -> None:
+    fake, client = await embedding_backend(openai_embeddings(), max_batch=max_batch)
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.scored == len(DOCS)
-    assert all(c.body["encoding_format"] == "base64" for c in fake.posts("/v1/embeddings"))
+    calls = fake.posts("/v1/embeddings")
+    assert sorted(c.body["input"] for c in calls) == sorted(inputs)
+    assert all(c.body["encoding_format"] == "base64" for c in calls)
     for result in answer.results:  # float32 on the wire: equal to about 1e-7
         assert result.reranker_score == pytest.approx(expected_score(DOCS[result.index]),
                                                       abs=1e-6)
@@ -98,13 +106,12 @@ async def test_embeddings_come_as_base64_and_score_their_documents(
 async def test_a_backend_that_refuses_base64_gets_floats_from_then_on(
         embedding_backend: Any) -> None:
     fake, client = await embedding_backend(openai_embeddings(refuse_base64=True))
-    for _ in range(2):
-        answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
+    for i in range(2):  # two queries: the second is not answered from the score cache
+        answer = await client.rerank(f"{QUERY} {i}", DOCS, blend_strategy="rerank_only")
         assert answer.reranked and answer.summary.failed == 0
     formats = [c.body.get("encoding_format") for c in fake.posts("/v1/embeddings")]
-    # Refused by the first request's two calls (query and documents, sent together),
-    # then never asked again.
-    assert formats[:2] == ["base64", "base64"] and set(formats[2:]) == {None}, formats
+    # Refused once, then asked again for floats, and never for base64 again.
+    assert formats == ["base64", None, None], formats
 
 
 async def test_entries_out_of_order_score_their_own_documents(
@@ -126,3 +133,19 @@ async def test_an_embedding_that_is_not_a_number_fails_its_pair_only(
     assert answer.summary.scored == 2 and answer.summary.failed == 2
     failed = {r.index for r in answer.results if r.reranker_score is None}
     assert failed == {1, 3}
+
+
+@pytest.mark.parametrize("embedding", ["AAAAAAA=", "not base64!", ""])
+async def test_an_embedding_that_is_not_whole_float32s_fails_the_call(
+        embedding_backend: Any, embedding: str) -> None:
+    """Five bytes, characters outside base64, nothing: malformed, never a crash."""
+    def broken(method: str, path: str, body: Any, headers: Mapping[str, str],
+               ) -> tuple[int, Any]:
+        if method == "GET":
+            return (200, {"status": "ok"}) if path == "/health" else (404, {})
+        return 200, {"data": [{"index": i, "embedding": embedding}
+                              for i in range(len(body["input"]))]}
+
+    _, client = await embedding_backend(broken)
+    answer = await client.rerank(QUERY, DOCS)
+    assert not answer.reranked and answer.summary.degraded_code == "malformed_response"
