@@ -79,9 +79,10 @@ def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candida
     """Domain candidates; `index` counts on from `first_index` over the whole request."""
     out: list[Candidate] = []
     append, new = out.append, _new
-    # A loop with the presence checks inline, the fields by position in `Candidate`'s
-    # order, no copy of an empty map, and `tuple.__new__` instead of the named tuple's
-    # constructor (half its cost): this runs for every candidate of every request.
+    # A loop with the presence checks inline, every field by position in `Candidate`'s
+    # order (`tuple.__new__` instead of the named tuple's constructor, half its cost,
+    # takes no defaults), no copy of an empty map: this runs for every candidate of every
+    # request.
     for i, c in enumerate(wire):
         has = c.HasField
         metadata = c.metadata
@@ -91,6 +92,7 @@ def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candida
             c.title if has("title") else None,
             c.retrieval_score if has("retrieval_score") else None,
             dict(metadata) if metadata else NO_METADATA,
+            None, (),  # normalized_score and found_in: `tuple.__new__` fills no default
         )))
     return tuple(out)
 

@@ -50,22 +50,27 @@ class EmbeddingScorer(PooledScorer):
 
     async def embed(self, texts: Sequence[str]) -> list[Vector | None]:
         """The embedding of each text, by the answer's `index`; None where it gave none."""
-        while True:
-            body = self.with_model({"input": list(texts)})
-            asked_base64 = self._base64  # another call may give up on it meanwhile
-            if asked_base64:
-                body["encoding_format"] = "base64"
-            try:
-                return await self._pool.call("/v1/embeddings", body,
-                                             lambda a: self._vectors(a, len(texts)),
-                                             pairs=len(texts), decode=_decode)
-            except BackendCallError as exc:
-                if not (asked_base64 and exc.status in (400, 422) and not exc.too_long):
-                    raise
-                if self._base64:
-                    self._base64 = False
-                    log.warning("embedding_base64_refused", status=exc.status,
-                                using="encoding_format float")
+        asked_base64 = self._base64
+        try:
+            return await self._embed(texts, asked_base64)
+        except BackendCallError as exc:
+            if not (asked_base64 and exc.status in (400, 422) and not exc.too_long):
+                raise
+        # Refused, maybe for the option: floats once, and from then on only if they are
+        # taken (an input the backend refuses anyway was not about the option).
+        vectors = await self._embed(texts, False)
+        if self._base64:
+            self._base64 = False
+            log.warning("embedding_base64_refused", using="encoding_format float")
+        return vectors
+
+    async def _embed(self, texts: Sequence[str], as_base64: bool) -> list[Vector | None]:
+        body = self.with_model({"input": list(texts)})
+        if as_base64:
+            body["encoding_format"] = "base64"
+        return await self._pool.call("/v1/embeddings", body,
+                                     lambda a: self._vectors(a, len(texts)),
+                                     pairs=len(texts), decode=_decode)
 
     def _vectors(self, answer: _Answer, count: int) -> list[Vector | None]:
         data = answer.data

@@ -226,10 +226,16 @@ class HttpBackend:
             self._calls[task] = loop.time()
             _ON_WIRE[task] = self
             try:
-                return await self._call(path, payload, pairs, decode)
+                body = await self._call(path, payload, pairs, decode)
             finally:
                 del _ON_WIRE[task]
                 self._forget(task)
+            if task in _LET_GO:
+                # Let go while its call was on the wire: the answer came within the
+                # leash, but nobody waits for what the task would do with it (a scorer
+                # would go on to score, in tasks of its own that are not let go).
+                raise asyncio.CancelledError
+            return body
         call = loop.create_task(self._call(path, payload, pairs, decode))
         self._calls[call] = loop.time()
         # Released when the call ends however it ends, even cancelled before it started.
@@ -311,7 +317,9 @@ class HttpBackend:
         delay = max(0.0, sent_at + self.leash_s() - abandoned_at)
 
         def give_up() -> None:
-            if not call.done():
+            # Only while the call is on the wire: a task that made its call itself may
+            # be past it (and `_forget` would never drop it from `_given_up`).
+            if not call.done() and call in self._calls:
                 self._given_up.add(call)
                 call.cancel()
 

@@ -13,7 +13,9 @@ from grpc_health.v1 import health_pb2
 from rerank_client import AsyncRerankClient
 
 from rerank_server.api.grpc_server import BACKEND_HEALTH
+from rerank_server.scoring import budget
 from rerank_server.scoring import http as http_module
+from rerank_server.scoring.base import Emit, ScoreRequest
 from tests.conftest import StartServer
 from tests.fakes.json_server import JsonServer
 from tests.fakes.llama import EXCEEDS_CONTEXT, FakeLlamaServer
@@ -103,15 +105,49 @@ async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out
         server = await start_server(backend="rerank", backend_url=fake.url)
         http = server.pool.endpoints[0].http
         async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
-            started = time.monotonic()
+            # An answer at all is in time: past its deadline the call would fail.
             answer = await client.rerank("q", DOCS, timeout=0.5)
-            took = time.monotonic() - started
         assert not answer.reranked and answer.summary.degraded_code == "timeout"
-        assert took < 0.5, took
         assert http.abandoned == 1 and len(http._calls) == 1, "the call was not abandoned"
         assert await eventually(lambda: http.abandoned == 0 and not http._calls, 3), \
             "the abandoned call did not end within its leash"
         assert len(fake.posts("/v1/rerank")) == 1
         assert not _tracked()
     finally:
+        fake.stop()
+
+
+async def test_a_scorer_let_go_mid_call_goes_no_further() -> None:
+    """A scorer's task let go while its own call is on the wire (a `completion` scorer's
+    `/apply-template`, say) stops when that call comes back within the leash: it starts
+    no scoring calls in tasks of its own, which nobody would let go, and leaves nothing
+    tracked, not even for the leash's timer."""
+    def slow(method: str, path: str, body: Any, headers: Mapping[str, str],
+             ) -> tuple[int, Any]:
+        time.sleep(0.3)
+        return 200, {"ok": True}
+
+    class TwoStepScorer:
+        kind, model = "test", ""
+
+        async def score(self, request: ScoreRequest, emit: Emit) -> None:
+            await backend.post_json("/meta", {}, pairs=0)
+            async with asyncio.TaskGroup() as group:  # slices, as a batching scorer's
+                for n in range(2):
+                    group.create_task(backend.post_json("/score", {"n": n}))
+
+    fake = JsonServer(slow).start()
+    backend = http_module.HttpBackend(fake.url, 4, 10.0)
+    try:
+        task = asyncio.create_task(budget._scoring(
+            TwoStepScorer(), ScoreRequest("q", "", ["d"]), lambda _: None))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)  # its own call is on the wire
+        await budget._stop(task)  # the request stops waiting
+        assert backend.abandoned == 1
+        assert await eventually(lambda: task.done() and backend.abandoned == 0, 3)
+        await asyncio.sleep(0.5)  # time for the scoring calls, were they made
+        assert fake.posts("/score") == []
+        assert not backend._given_up and not backend._calls and not _tracked()
+    finally:
+        await backend.aclose()
         fake.stop()

@@ -149,3 +149,42 @@ async def test_an_embedding_that_is_not_whole_float32s_fails_the_call(
     _, client = await embedding_backend(broken)
     answer = await client.rerank(QUERY, DOCS)
     assert not answer.reranked and answer.summary.degraded_code == "malformed_response"
+
+
+async def test_a_refusal_that_was_not_about_base64_keeps_base64(
+        embedding_backend: Any) -> None:
+    """A 422 for an input the backend refuses in any format (vLLM's over-long input, say)
+    is tried once with floats, fails again, and base64 stays on for the next request."""
+    def refuses_poison(method: str, path: str, body: Any, headers: Mapping[str, str],
+                       ) -> tuple[int, Any]:
+        if any("poison" in text for text in body.get("input", ())):
+            return 422, {"object": "error", "message": "input rejected"}
+        return openai_embeddings()(method, path, body, headers)
+
+    fake, client = await embedding_backend(refuses_poison)
+    failed = await client.rerank(QUERY, [*DOCS, "poison"])
+    assert failed.summary.degraded_code == "backend_error"
+    answer = await client.rerank(f"{QUERY} again", DOCS)
+    assert answer.reranked and answer.summary.failed == 0
+    formats = [c.body.get("encoding_format") for c in fake.posts("/v1/embeddings")]
+    assert formats == ["base64", None, "base64"], formats
+
+
+async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any) -> None:
+    """Two entries naming the same text: that text takes the last, the text none names
+    fails (no score), and no score lands on another document."""
+    def repeats(method: str, path: str, body: Any, headers: Mapping[str, str],
+                ) -> tuple[int, Any]:
+        status, answer = openai_embeddings()(method, path, body, headers)
+        if method == "POST":
+            answer["data"][2]["index"] = 1  # entry 2 claims text 1 (DOCS[0]); none has 2
+        return status, answer
+
+    _, client = await embedding_backend(repeats)
+    answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
+    by_index = {r.index: r.reranker_score for r in answer.results}
+    assert by_index[1] is None  # DOCS[1]'s text was never embedded
+    # DOCS[0] got text 2's vector (DOCS[1], noise) and the others their own.
+    assert by_index[0] == pytest.approx(expected_score(DOCS[1]), abs=1e-6)
+    for i in (2, 3):
+        assert by_index[i] == pytest.approx(expected_score(DOCS[i]), abs=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rerank_server.api.convert import response_to_pb, result_to_pb
+from rerank_server.api.convert import query_from_pb, response_to_pb, result_to_pb
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.domain import BlendStrategy, Candidate, RankedCandidate, RerankSummary
 
@@ -48,3 +48,18 @@ def test_response_holds_every_result_in_order() -> None:
     response = response_to_pb([FULL, BARE], summary)
     assert list(response.results) == [result_to_pb(FULL), result_to_pb(BARE)]
     assert response.request_id == "r" and response.counts.scored == 1
+
+
+def test_wire_candidates_are_whole_candidates() -> None:
+    """Read from the wire with `tuple.__new__` (no defaults filled in): each is equal to
+    the candidate the named tuple's constructor makes, every field there."""
+    request = pb.RerankRequest(query="q", candidates=[
+        pb.Candidate(id="a", text="x"),
+        pb.Candidate(id="b", text="y", title="t", retrieval_rank=4, retrieval_score=0.5,
+                     metadata={"k": "v"})])
+    first, second = query_from_pb(request).candidates
+    assert first == Candidate(id="a", text="x", index=0, retrieval_rank=1)
+    assert second == Candidate(id="b", text="y", index=1, retrieval_rank=4, title="t",
+                               retrieval_score=0.5, metadata={"k": "v"})
+    assert len(first) == len(Candidate._fields) and repr(first).startswith("Candidate(")
+    assert first._replace(found_in=("l",)).found_in == ("l",)
