@@ -75,21 +75,25 @@ async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
     assert not _tracked()
 
 
-async def test_a_crash_after_the_request_left_is_logged(fake_llama: FakeLlamaServer) -> None:
+async def test_a_pair_let_go_on_the_wire_stops_when_its_call_returns(
+        fake_llama: FakeLlamaServer) -> None:
     """A pair still running after its request stopped waiting (its call was on the wire,
-    so it was abandoned and answered late) has nobody to raise to: a crash is logged."""
+    so it was abandoned) stops when the call comes back within the leash: it emits
+    nothing to a request that is gone, so nothing of it can crash unheard either."""
     fake_llama.latency_s = 0.3
     backend = http.HttpBackend(fake_llama.url, 2, 5.0)
     body = {"messages": [{"role": "system", "content": prompt.SYSTEM_PROMPT},
                          {"role": "user", "content": prompt.user_message("i", "q", "d")}],
             "max_tokens": 1, "logprobs": True, "top_logprobs": 20}
+    answered: list[int] = []
 
     async def one(i: int) -> PairOutcome:
         await backend.post_json("/v1/chat/completions", body)
+        answered.append(i)
         return PairOutcome(i, 0.5)
 
     def emit(_outcome: PairOutcome) -> None:
-        raise ValueError("a bug")
+        raise AssertionError("emitted to a request that is gone")
 
     scorer = asyncio.create_task(map_pairs(1, one, emit))
     assert await eventually(lambda: fake_llama.in_flight == 1, 2)
@@ -97,9 +101,23 @@ async def test_a_crash_after_the_request_left_is_logged(fake_llama: FakeLlamaSer
     with pytest.raises(asyncio.CancelledError):
         await scorer
     assert backend.abandoned == 1  # let go on the wire, not cancelled
-    with structlog.testing.capture_logs() as logged:
-        assert await eventually(lambda: backend.abandoned == 0, 3)
+    assert await eventually(lambda: backend.abandoned == 0, 3)
     await backend.aclose()
+    assert answered == [] and len(fake_llama.requests) == 1 and not _tracked()
+
+
+async def test_a_crash_after_another_pair_crashed_is_logged() -> None:
+    """Two pairs crash in the same turn of the loop: the first is raised to the scorer,
+    the second has nobody left to raise to and is logged, not lost."""
+    async def one(i: int) -> PairOutcome:
+        return PairOutcome(i, 0.5)
+
+    def emit(_outcome: PairOutcome) -> None:
+        raise ValueError("a bug")
+
+    with structlog.testing.capture_logs() as logged:
+        with pytest.raises(ValueError):
+            await map_pairs(2, one, emit)
     assert [e["error"] for e in logged if e["event"] == "pair_crashed_unheard"] == \
         ["ValueError"]
-    assert len(fake_llama.requests) == 1 and not _tracked()
+    assert not _tracked()
