@@ -115,9 +115,8 @@ async def test_a_crash_after_another_pair_crashed_is_logged() -> None:
     def emit(_outcome: PairOutcome) -> None:
         raise ValueError("a bug")
 
-    with structlog.testing.capture_logs() as logged:
-        with pytest.raises(ValueError):
-            await map_pairs(2, one, emit)
+    with structlog.testing.capture_logs() as logged, pytest.raises(ValueError):
+        await map_pairs(2, one, emit)
     assert [e["error"] for e in logged if e["event"] == "pair_crashed_unheard"] == \
         ["ValueError"]
     assert not _tracked()
