@@ -168,10 +168,11 @@ def _rows(embeddings: list[str | list[float]]) -> list[Vector]:
                for e in embeddings]
     except binascii.Error:
         raise MalformedResponse("embedding is neither floats nor base64 float32") from None
-    sizes = {len(r) if r is not None else -1 for r in raw}
-    if len(sizes) == 1 and next(iter(sizes)) % 4 == 0 and -1 not in sizes:
-        return list(np.frombuffer(b"".join(raw), dtype="<f4")  # type: ignore[arg-type]
-                    .astype(np.float64).reshape(len(raw), -1))
+    blocks = [r for r in raw if r is not None]
+    if blocks and len(blocks) == len(raw) and len(blocks[0]) % 4 == 0 \
+            and all(len(b) == len(blocks[0]) for b in blocks):
+        return list(np.frombuffer(b"".join(blocks), dtype="<f4")
+                    .astype(np.float64).reshape(len(blocks), -1))
     return [_vector(e, r) for e, r in zip(embeddings, raw, strict=True)]
 
 
@@ -189,18 +190,17 @@ def similarities(query: Vector, vectors: Sequence[Vector | None]) -> dict[int, f
     None for a vector the answer left out or whose cosine is not a number (base64 can
     carry NaN). One matrix product for the whole slice: cosines in Python loops took
     about 2 ms for 40 MiniLM-sized vectors."""
-    present = [i for i, v in enumerate(vectors) if v is not None]
+    present = [(i, v) for i, v in enumerate(vectors) if v is not None]
     if not present:
         return {}
-    rows = [vectors[i] for i in present]
-    if any(v.shape != query.shape for v in rows if v is not None):
+    if any(v.shape != query.shape for _, v in present):
         raise MalformedResponse("embeddings of different sizes")
-    matrix = np.stack(rows)  # type: ignore[arg-type]
+    matrix = np.stack([v for _, v in present])
     norms = np.linalg.norm(matrix, axis=1) * np.linalg.norm(query)
     with np.errstate(divide="ignore", invalid="ignore"):
         cosines = (matrix @ query) / norms
     scores: dict[int, float | None] = {}
-    for i, c, norm in zip(present, cosines.tolist(), norms.tolist(), strict=True):
+    for (i, _), c, norm in zip(present, cosines.tolist(), norms.tolist(), strict=True):
         if norm == 0.0:  # an all-zero embedding is like nothing
             scores[i] = 0.0
         elif math.isfinite(c):
