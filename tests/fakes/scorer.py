@@ -28,6 +28,7 @@ class FunctionScorer:
     model: str = "hash"
     seen: list[str] = field(default_factory=list)
     closed: int = 0  # times `aclose` ran
+    queued_s: float = 0.0  # what `estimate_s` says the backend's queue holds
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         for i, document in enumerate(request.documents):
@@ -41,7 +42,7 @@ class FunctionScorer:
         pass
 
     def estimate_s(self, pairs: int) -> float:
-        return 0.0  # in process: never busy
+        return self.queued_s  # in process: as busy as the test says
 
     async def aclose(self) -> None:
         self.closed += 1
