@@ -78,14 +78,14 @@ def fake_backend(latency_ms: float = 0.0) -> Iterator[str]:
 
 
 @contextmanager
-def bare_grpc() -> Iterator[int]:
-    """The port of a bare `grpc.aio` server answering `Rerank` (`bare_grpc.py`)."""
+def bare_grpc() -> Iterator[tuple[int, int]]:
+    """(port, PID) of a bare `grpc.aio` server answering `Rerank` (`bare_grpc.py`)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rerank_server.bench.bare_grpc",
                              "--port", str(port)])
     try:
         _wait_port(port, proc, name="the bare gRPC server")
-        yield port
+        yield port, proc.pid
     finally:
         stop(proc)
 

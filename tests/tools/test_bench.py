@@ -31,7 +31,9 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert set(report["overhead"]) == set(KINDS)
     for kind, sizes in report["overhead"].items():
         assert set(sizes) == {"10", "40", "100"}
-        assert all(r["p50_ms"] > 0 and r["cpu_us_per_pair"] >= 0 for r in sizes.values())
+        assert all(r["p50_ms"] > 0 and r["cpu_us_per_pair"] >= 0
+                   and r["busy_cpu_us_per_pair"] >= 0 and r["bare_grpc_cpu_us_per_pair"] >= 0
+                   for r in sizes.values())
         for size, r in sizes.items():
             # The request's own backend calls, replayed straight to the fake: one per
             # pair for the per-pair kinds, fewer for the batching ones.
