@@ -156,9 +156,17 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
                     continue  # a scorer's second report of a pair is ignored
                 remaining.discard(outcome.pair)
                 if outcome.failure is None:
-                    scored += 1
-                else:
-                    failed += 1
+                    # The contract is a score on 0..1. Held here for every scorer, so a
+                    # NaN (which fails every comparison) never reaches the blend and
+                    # the sort, whatever a decoder lets through.
+                    score = outcome.score
+                    if score is not None and 0.0 <= score <= 1.0:
+                        scored += 1
+                        fresh.append(outcome)
+                        continue
+                    outcome = PairOutcome.failed(outcome.pair, Failure.MALFORMED,
+                                                 "no score on 0..1")
+                failed += 1
                 fresh.append(outcome)
             if fresh:
                 yield fresh

@@ -73,3 +73,16 @@ def test_shutdown_wakes_a_waiting_request() -> None:
     groups, elapsed = _on_uvloop(main)
     assert {o.failure for g in groups for o in g} == {Failure.SHUTTING_DOWN}
     assert elapsed < 5.0
+
+
+def test_a_score_off_0_to_1_fails_its_pair_alone() -> None:
+    """Whatever a scorer's decoder lets through, the blend sees scores on 0..1: a NaN
+    (which fails every comparison and would sort anywhere), a raw logit, or no score
+    without a failure fail their own pairs as malformed; the others stand."""
+    scores = {"doc 0": float("nan"), "doc 1": 1.5, "doc 2": 0.25, "doc 3": -0.1,
+              "doc 4": 1.0}
+    groups = _on_uvloop(lambda: _groups(FunctionScorer(score_of=scores.__getitem__), 5.0))
+    outcomes = {o.pair: o for g in groups for o in g}
+    assert sorted(outcomes) == list(range(5))
+    assert {i for i, o in outcomes.items() if o.failure is Failure.MALFORMED} == {0, 1, 3}
+    assert (outcomes[2].score, outcomes[4].score) == (0.25, 1.0)
