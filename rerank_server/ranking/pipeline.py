@@ -10,7 +10,6 @@ retrieval order with `reranked = False` and the reason.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
@@ -37,9 +36,6 @@ from .request import Request, RequestRules
 from .score_cache import Scope, ScoreCache
 from .shaping import Shaped, shape, skip_reason
 from .validation import resolve
-
-# What `_run` yields: results whose places became certain together, or, last, the summary.
-Batch = list[RankedCandidate] | RerankSummary
 
 
 class Reranker:
@@ -76,22 +72,10 @@ class Reranker:
 
         `request_span`: the request's own span from the edge (`Telemetry.request_span`);
         its scoring is traced there instead of in a `rerank.score` span."""
-        async with contextlib.aclosing(self._counted(query, deadline_remaining_s,
-                                                     request_span)) as batches:
-            async for batch in batches:
-                if isinstance(batch, RerankSummary):
-                    yield batch
-                else:
-                    for item in batch:
-                        yield item
-
-    async def _counted(self, query: RerankQuery, deadline_remaining_s: float | None,
-                       request_span: trace.Span | None) -> AsyncGenerator[Batch, None]:
-        """`_run`, counted in `active` while it runs."""
         self.active += 1
         try:
-            async for batch in self._run(query, deadline_remaining_s, request_span):
-                yield batch
+            async for item in self._run(query, deadline_remaining_s, request_span):
+                yield item
         finally:
             self.active -= 1
 
@@ -106,20 +90,18 @@ class Reranker:
         request), and until then `active` still counts the request."""
         results: list[RankedCandidate] = []
         summary: RerankSummary | None = None
-        async for batch in self._counted(query, deadline_remaining_s, request_span):
-            if isinstance(batch, RerankSummary):
-                summary = batch
+        async for item in self.run(query, deadline_remaining_s, request_span):
+            if isinstance(item, RerankSummary):
+                summary = item
             else:
-                results += batch
+                results.append(item)
         if summary is None:
             raise RuntimeError("pipeline ended without a summary")
         return results, summary
 
     async def _run(self, query: RerankQuery, deadline_remaining_s: float | None,
-                   request_span: trace.Span | None) -> AsyncGenerator[Batch, None]:
-        """The results in batches, each as its places become certain, then the summary.
-        Batches rather than single results: a result passed through two async generators
-        costs about a microsecond, 40-100 times a request."""
+                   request_span: trace.Span | None,
+                   ) -> AsyncGenerator[RankedCandidate | RerankSummary, None]:
         started = time.perf_counter()
         telemetry = self.telemetry
         request = self.resolve(query)
@@ -144,7 +126,8 @@ class Reranker:
 
         if skip is not None:
             ranking.fail_outstanding()
-            yield Emitter(request.top_k).take(ranking.release())
+            for item in Emitter(request.top_k).take(ranking.release()):
+                yield item
             yield self._summary(request, shaped, blend(), ranking, outcome, skip, started)
             return
 
@@ -163,9 +146,8 @@ class Reranker:
         ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
         emitter.mark_cached(scored_set[i].index for i in hits)
         outcome.cached = len(hits)
-        released = emitter.take(ranking.release())
-        if released:
-            yield released
+        for item in emitter.take(ranking.release()):
+            yield item
 
         pending = [i for i in range(len(documents)) if i not in hits]
         fresh: dict[str, float] = {}  # document text -> score, for the cache
@@ -194,9 +176,8 @@ class Reranker:
                         outcome.failures[kind] += 1
                         outcome.details.setdefault(kind, pair.detail)
                 ranking.resolve_all(resolved)
-                released = emitter.take(ranking.release())
-                if released:
-                    yield released
+                for item in emitter.take(ranking.release()):
+                    yield item
         outcome.scoring_s = time.perf_counter() - scoring_started
         outcome.scored += len(hits)
         # Keyed by the model known now: a backend that names its model only in its answers
@@ -213,7 +194,8 @@ class Reranker:
                                  "rerank.blend_profile": settled.profile})
             if ranking.reranker_weight is not None:
                 span.set_attribute("rerank.reranker_weight", ranking.reranker_weight)
-        yield final
+        for item in final:
+            yield item
         yield self._summary(request, shaped, settled, ranking, outcome,
                             overloaded or outcome.degraded(), started)
 
