@@ -119,7 +119,16 @@ def answer(path: str, body: Any) -> Any:
         return {"model": "instant", "object": "list",
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "data": data}
     if path == "/api/generate":
-        return {"response": str(round(_score(body["prompt"]) * 10)), "done": True}
+        # Ollama's whole non-streaming answer (docs.ollama.com/api/usage), not only the
+        # two fields the scorer reads: decoding the rest is part of a pair's cost.
+        prompt_tokens = len(body["prompt"]) // 4
+        return {"model": body.get("model", "instant"),
+                "created_at": "2026-11-25T07:30:00.000000Z",
+                "response": str(round(_score(body["prompt"]) * 10)), "done": True,
+                "done_reason": "stop", "total_duration": 174560334,
+                "load_duration": 101397084, "prompt_eval_count": prompt_tokens,
+                "prompt_eval_duration": 13074791, "eval_count": 2,
+                "eval_duration": 52479709}
     return None
 
 
