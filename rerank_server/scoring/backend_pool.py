@@ -20,9 +20,10 @@ and its own concurrency limit (`--concurrency` per instance).
   spent.
 - With every instance out, calls fail at once (`UNAVAILABLE`) instead of waiting for
   timeouts, and the request degrades to retrieval order.
-- Admission: `estimate_s(pairs)` says how long the pairs queued and in flight, plus
-  `pairs` more, would take at the recent per-pair latency and the available slots; the
-  pipeline answers OVERLOADED at once when that is past a request's budget.
+- Admission: `estimate_s(pairs, per_call)` says how long the pairs queued and in flight,
+  then `pairs` more in calls of `per_call`, would take at the recent per-pair latency and
+  the available slots; the pipeline answers OVERLOADED at once when that is past 90% of
+  a request's budget.
 
 State changes are logged once each (`backend_ejected`, `backend_restored`).
 """
@@ -159,23 +160,27 @@ class BackendPool:
         finally:
             _PINNED.reset(token)
 
-    def estimate_s(self, pairs: int) -> float:
-        """Seconds until `pairs` more pairs would be scored, behind what is queued and in
-        flight, at the recent per-pair latency over the available slots; 0 with no data.
+    def estimate_s(self, pairs: int, per_call: int = 1) -> float:
+        """Seconds until `pairs` more pairs would be scored, `per_call` pairs to a call; 0
+        with no latency sample yet.
 
-        Counted in whole rounds of the slots: with one call per pair, 10 pairs on 4 slots
-        take three calls' time, not two and a half. Spreading the pairs evenly
-        underestimated by up to a call, and admitted requests finished in the last few
-        percent of their budget (4.7-4.9 s of 5 s in `tests/faults/test_overload.py`), so
-        a slow moment pushed them past it. For a batching backend a round is one pair's
-        share of a call: the rounding adds next to nothing."""
+        The pairs queued and in flight drain over the available slots at the recent
+        per-pair latency; then this request's own calls run, as many at once as there are
+        slots, each taking its pairs' time. So 10 one-pair calls on 4 slots take three
+        calls' time, not two and a half, and one call of 40 pairs takes its 40 pairs'
+        time however many slots are free. Spreading a request's pairs evenly over the
+        slots underestimated both: a batched request's own call by as many times as there
+        are slots."""
         ready = [e for e in self.endpoints if e.available]
         rates = [e.http.pair_s for e in ready if e.http.pair_s is not None]
         if not ready or not rates:
             return 0.0
+        rate = sum(rates) / len(rates)
         slots = sum(e.http.concurrency for e in ready)
         waiting = sum(e.http.queued_pairs + e.http.in_flight_pairs for e in ready)
-        return -(-(waiting + pairs) // slots) * (sum(rates) / len(rates))
+        calls = -(-pairs // per_call)
+        rounds = -(-calls // slots)
+        return waiting * rate / slots + rounds * min(pairs, per_call) * rate
 
     def _pick(self, exclude: list[Endpoint]) -> Endpoint | None:
         pinned = _PINNED.get()

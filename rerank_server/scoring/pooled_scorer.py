@@ -13,6 +13,10 @@ from .backend_pool import BackendPool
 
 
 class PooledScorer:
+    # Pairs per backend call: one for the per-pair backends; the batching ones set their
+    # `--max-batch`. Admission needs it: one call of 40 pairs is not spread over the slots.
+    _max_batch = 1
+
     def __init__(self, pool: BackendPool, model: str = "") -> None:
         self._pool = pool
         self._configured_model = model
@@ -27,7 +31,7 @@ class PooledScorer:
             self._reported_model = await served_model(self._pool) or self._reported_model
 
     def estimate_s(self, pairs: int) -> float:
-        return self._pool.estimate_s(pairs)
+        return self._pool.estimate_s(pairs, self._max_batch)
 
     def note_model(self, reported: Any) -> None:
         """Remember the model an answer names (llama-server names its file path)."""

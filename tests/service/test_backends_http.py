@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -376,3 +377,27 @@ async def test_completion_answers_that_are_not_json_do_not_count_as_answered(
         assert endpoint.failures_in_row == (0 if answered else 1)
     finally:
         fake.stop()
+
+
+async def test_a_batched_call_longer_than_the_budget_is_answered_overloaded_at_once(
+        backend: Callable[..., Any]) -> None:
+    """Admission counts a batching backend's call as a whole: one call of 5 pairs that
+    took 0.4 s will take about that again, whatever the free slots, so a request with a
+    0.3 s budget is answered at once in retrieval order rather than sent to run out of
+    time (spread over the 4 slots, the estimate was 0.1 s and it was sent)."""
+    def slow(method: str, path: str, body: Any, headers: Mapping[str, str],
+             ) -> tuple[int, Any]:
+        if method == "POST":
+            time.sleep(0.4)
+        return cohere(method, path, body, headers)
+
+    fake, client = await backend(slow, backend="rerank", concurrency=4, max_batch=100)
+    first = await client.rerank("q", DOCS, blend_strategy="rerank_only", timeout_ms=5000)
+    assert first.reranked  # the latency sample admission works from
+    started = time.monotonic()
+    answer = await client.rerank("q2", DOCS, blend_strategy="rerank_only", timeout_ms=300)
+    took = time.monotonic() - started
+    assert not answer.reranked and answer.summary.degraded_code == "overloaded"
+    assert [r.id for r in answer.results] == [str(i) for i in range(len(DOCS))]
+    assert took < 0.25, "overload was not answered at once"
+    assert len(fake.posts("/v1/rerank")) == 1  # nothing sent for the second request

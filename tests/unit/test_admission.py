@@ -16,6 +16,8 @@ from rerank_server.domain import (
 )
 from rerank_server.ranking.pipeline import ADMISSION_HEADROOM, Reranker
 from rerank_server.scoring.backend_pool import BackendPool
+from rerank_server.scoring.chat import ChatScorer
+from rerank_server.scoring.rerank_api import RerankApiScorer
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
 from tests.fakes.scorer import FunctionScorer
@@ -29,8 +31,23 @@ def test_the_estimate_counts_whole_rounds_of_the_slots() -> None:
     # 10 pairs, one call each, 4 at a time: three rounds of calls, not two and a half.
     assert pool.estimate_s(10) == pytest.approx(0.6)
     assert pool.estimate_s(8) == pytest.approx(0.4)
-    http.queued_pairs, http.in_flight_pairs = 5, 4  # behind 9 others: 19 pairs, 5 rounds
-    assert pool.estimate_s(10) == pytest.approx(1.0)
+    # Behind 9 others, which drain over the 4 slots first.
+    http.queued_pairs, http.in_flight_pairs = 5, 4
+    assert pool.estimate_s(10) == pytest.approx(9 * 0.2 / 4 + 0.6)
+
+
+def test_a_batched_request_waits_for_its_own_call_whatever_the_free_slots() -> None:
+    pool = BackendPool(["http://127.0.0.1:1"], concurrency=4, timeout_s=1, kind="rerank")
+    pool.endpoints[0].http.pair_s = 0.05
+    # One call of 40 pairs takes 40 pairs' time: the idle slots do not share it (spread
+    # over 4 slots it was a quarter of that, and admission let in requests that then ran
+    # out of time instead of being answered at once).
+    assert pool.estimate_s(40, per_call=100) == pytest.approx(2.0)
+    # Two calls (32 + 8 pairs) run side by side: the longer one's time.
+    assert pool.estimate_s(40, per_call=32) == pytest.approx(1.6)
+    # The scorer says how many pairs go to a call: its `--max-batch`, or one.
+    assert RerankApiScorer(pool, max_batch=32).estimate_s(40) == pytest.approx(1.6)
+    assert ChatScorer(pool).estimate_s(40) == pytest.approx(10 * 0.05)
 
 
 def answer(queued_s: float) -> tuple[list[RankedCandidate], RerankSummary, FunctionScorer]:
