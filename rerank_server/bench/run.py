@@ -183,6 +183,7 @@ async def _overhead_cell(client: AsyncRerankClient, bare_server: tuple[AsyncRera
     busy0 = cpu_seconds(pid)
     await asyncio.gather(loop(0), loop(1))
     busy = cpu_seconds(pid) - busy0
+    busy_pairs = requests // 2 * 2 * len(docs)
     times = _ms(through)
     direct_p50 = round(pct(direct, 0.5) * 1000, 2)
     per_pair = 1e6 / (requests * len(docs))
@@ -191,7 +192,7 @@ async def _overhead_cell(client: AsyncRerankClient, bare_server: tuple[AsyncRera
             "bare_grpc_p50_ms": round(pct(floor, 0.5) * 1000, 2),
             "backend_calls": len(calls),
             "cpu_us_per_pair": round(cpu * per_pair, 1),
-            "busy_cpu_us_per_pair": round(busy * 1e6 / (requests // 2 * 2 * len(docs)), 1),
+            "busy_cpu_us_per_pair": round(busy * 1e6 / busy_pairs, 1),
             "bare_grpc_cpu_us_per_pair": round(bare_cpu * per_pair, 1),
             "latencies_ms": [round(x * 1000, 3) for x in through]}
 

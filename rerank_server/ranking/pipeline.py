@@ -266,8 +266,9 @@ def _overloaded(wait_s: float, budget_s: float) -> Degraded | None:
     less the headroom."""
     if wait_s <= budget_s * (1 - ADMISSION_HEADROOM):
         return None
-    return Degraded(DegradedCode.OVERLOADED, f"backend busy: about {wait_s:.1f} s of scoring "
-                                             f"queued, {budget_s:.1f} s of budget")
+    return Degraded(DegradedCode.OVERLOADED,
+                    f"backend busy: about {wait_s:.1f} s until these pairs would be scored, "
+                    f"past {1 - ADMISSION_HEADROOM:.0%} of the {budget_s:.1f} s budget")
 
 
 def _shape_attributes(request: Request, shaped: Shaped, submitted: int,

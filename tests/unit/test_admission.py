@@ -71,5 +71,6 @@ def test_a_queue_in_the_headroom_is_answered_overloaded_at_once() -> None:
     results, summary, scorer = answer(queued_s=(1 - ADMISSION_HEADROOM) * 1.01)
     assert not summary.reranked
     assert summary.degraded is not None and summary.degraded.code is DegradedCode.OVERLOADED
+    assert "past 90% of the 1.0 s budget" in summary.degraded.message
     assert scorer.seen == []  # nothing was sent
     assert [r.candidate.id for r in results] == [f"d{i}" for i in range(5)]  # retrieval order
