@@ -21,7 +21,6 @@ gets the right profile.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -90,6 +89,24 @@ class Blend:
     profile: str = ""
 
 
+class _Once:
+    """A function of no arguments, called the first time and remembered after: one per
+    request (`functools.cache` builds an LRU wrapper with `update_wrapper`, about ten
+    times the cost, for a single value)."""
+
+    __slots__ = ("_make", "_value")
+
+    def __init__(self, make: Callable[[], Blend]) -> None:
+        self._make: Callable[[], Blend] | None = make
+        self._value: Blend | None = None
+
+    def __call__(self) -> Blend:
+        if self._make is not None:
+            self._value, self._make = self._make(), None
+        assert self._value is not None
+        return self._value
+
+
 class BlendResolver:
     """Turns a requested strategy into the `Blend` for the served backend and model."""
 
@@ -114,7 +131,7 @@ class BlendResolver:
     def settle(self, strategy: BlendStrategy, backend: Callable[[], str],
                model: Callable[[], str]) -> Callable[[], Blend]:
         """The request's blend, resolved on first call and the same on every later one."""
-        return functools.cache(lambda: self.resolve(strategy, backend(), model()))
+        return _Once(lambda: self.resolve(strategy, backend(), model()))
 
 
 def load(path: str | Path | None = None) -> BlendProfiles:

@@ -85,16 +85,22 @@ class Reranker:
         """The whole answer at once (unary RPCs, the JSON API): results in final order and
         the summary.
 
-        `run` is consumed to its end, not left after the summary: a generator left
+        The pipeline is consumed to its end, not left after the summary: a generator left
         suspended is closed only when the event loop gets to its finalizer (a task per
         request), and until then `active` still counts the request."""
         results: list[RankedCandidate] = []
         summary: RerankSummary | None = None
-        async for item in self.run(query, deadline_remaining_s, request_span):
-            if isinstance(item, RerankSummary):
-                summary = item
-            else:
-                results.append(item)
+        # `_run` itself rather than `run`, which wraps it only to count `active`: a
+        # second generator would be resumed once more per result.
+        self.active += 1
+        try:
+            async for item in self._run(query, deadline_remaining_s, request_span):
+                if isinstance(item, RerankSummary):
+                    summary = item
+                else:
+                    results.append(item)
+        finally:
+            self.active -= 1
         if summary is None:
             raise RuntimeError("pipeline ended without a summary")
         return results, summary
