@@ -233,7 +233,7 @@ def freeze_startup_objects() -> None:
     The youngest generation is collected every 10,000 net allocations instead of 700: a
     request allocates thousands of containers (a `completion` answer alone decodes into
     800 dicts), nearly all freed by reference counting, and every 700 a collection
-    walked them. 2-7% less CPU per pair for the batching backends (docs/benchmarks.md)."""
+    walked them. 2-7% less CPU per pair for the batching backends (docs/performance-history.md)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
