@@ -12,8 +12,8 @@ without an accepted token, 429 when the server is busy, 413 for a body over
 """
 
 
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -216,7 +216,7 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
               responses={401: {"model": m.Error}, 422: {"model": m.Error},
                          429: {"model": m.Error}})
     async def tei_rerank(body: m.TeiRerankRequest, request: Request) -> list[m.TeiResult]:
-        query = RerankQuery(request_id=uuid.uuid4().hex, query=body.query,
+        query = RerankQuery(request_id=os.urandom(16).hex(), query=body.query,
                             candidates=tuple(Candidate(id=str(i), text=t, index=i,
                                                        retrieval_rank=i + 1)
                                              for i, t in enumerate(body.texts)),
@@ -316,7 +316,7 @@ def _cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
             title=obj.title if obj is not None else None,
             retrieval_score=obj.retrieval_score if obj is not None else None))
     return RerankQuery(
-        request_id=body.request_id or uuid.uuid4().hex, query=body.query,
+        request_id=body.request_id or os.urandom(16).hex(), query=body.query,
         candidates=tuple(candidates), top_k=body.top_n or 0, instruction=body.instruction,
         blend=BlendStrategy(body.blend_strategy) if body.blend_strategy else None,
         max_candidates=body.max_candidates,
