@@ -75,6 +75,34 @@ async def test_rerank_cohere_shape_splits_batches_and_sends_the_key(
     assert all(c.headers["authorization"] == "Bearer sk-test" for c in calls)
 
 
+def odd_entries(method: str, path: str, body: Any, headers: Mapping[str, str],
+                ) -> tuple[int, Any]:
+    """`cohere`'s server with one bad entry per kind of fault: an index as text, a score
+    as a bool, a score as text, an index past the batch, and one good entry."""
+    if method == "GET":
+        return cohere(method, path, body, headers)
+    return 200, {"results": [{"index": "0", "relevance_score": 0.9},
+                             {"index": 1, "relevance_score": True},
+                             {"index": 2, "relevance_score": "0.7"},
+                             {"index": 9, "relevance_score": 0.8},
+                             {"index": 3, "relevance_score": 0.6},
+                             "not an entry"]}
+
+
+async def test_rerank_bad_entries_fail_only_their_own_pairs(
+        backend: Callable[..., Any]) -> None:
+    """An entry that is not a number at a valid index fails its pair alone (a typed
+    decoder that rejected the whole answer would fail all four); the others are scored."""
+    _fake, client = await backend(odd_entries, backend="rerank")
+    answer = await client.rerank("q", DOCS[:4], always_score=True,
+                                 blend_strategy="rerank_only")
+    by_id = {r.id: r.reranker_score for r in answer.results}
+    assert answer.summary.scored == 1 and answer.summary.failed == 3
+    assert by_id["3"] == pytest.approx(0.6)
+    assert all(by_id[i] is None for i in ("0", "1", "2"))
+    assert answer.summary.degraded_code == "partial"
+
+
 async def test_rerank_http_error_degrades(backend: Callable[..., Any]) -> None:
     def limited(method: str, path: str, body: Any, headers: Mapping[str, str],
                 ) -> tuple[int, Any]:
