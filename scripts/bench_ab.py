@@ -1,7 +1,7 @@
 """CPU per pair of two rerank-server versions, measured side by side.
 
 Usage: python scripts/bench_ab.py OLD_TREE [--kinds chat,rerank] [--sizes 10,40,100]
-                                  [--requests 200] [--block 25]
+                                  [--requests 200] [--block 25] [--instructions]
 
 Shared VMs change speed by 20-50% within an hour, so two `rerank-server bench` runs taken
 apart cannot be compared. This starts both versions at once against one instant fake
@@ -12,6 +12,13 @@ from `/proc/PID/task/*/schedstat` (nanoseconds, every thread of the server).
 
 Absolute figures run higher than `rerank-server bench`'s: two servers take turns, so
 each starts its blocks with cold caches. Compare the two columns, not across runs.
+
+`--instructions` counts instead of timing: each version runs under valgrind's callgrind
+(`apt-get install valgrind`), one after the other, and the instructions its process
+executes over `--requests` requests (every thread, after a warm-up) are divided by them.
+The machine's speed does not enter the count, so a change of a few percent that timing
+cannot tell from noise shows; it says nothing of cache misses or system calls, which the
+timing mode sees. Each cell takes a minute or two (the server runs 20-50x slower).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,14 +83,67 @@ async def compare(trees: dict[str, Path], kind: str, size: int, requests: int,
             stop(proc)
 
 
+WARM_UP = 20  # requests before counting: connections, caches, the first-call paths
+
+
+def _callgrind(pid: int, *command: str) -> None:
+    subprocess.run(["callgrind_control", *command, str(pid)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _counted(dump: Path) -> int:
+    """The instructions in a callgrind dump (its `totals:` line)."""
+    for line in dump.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{dump} has no totals line")
+
+
+async def _instructions_of(tree: Path, kind: str, size: int, requests: int,
+                           url: str) -> float:
+    """Instructions per request of the server in `tree`, counted by callgrind."""
+    with tempfile.TemporaryDirectory() as out:
+        dump = Path(out) / "callgrind.out"
+        prefix = ["valgrind", "--quiet", "--tool=callgrind", "--instr-atstart=no",
+                  f"--callgrind-out-file={dump}"]
+        port, proc = start_server(backend_args(kind, url), {"PYTHONPATH": str(tree)},
+                                  cwd=tree, prefix=prefix, start_timeout_s=300)
+        try:
+            docs = passages(size)
+            async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
+                for i in range(WARM_UP):
+                    await client.rerank(f"warm {i}", docs)
+                _callgrind(proc.pid, "--instr=on")
+                for i in range(requests):
+                    await client.rerank(f"q {i}", docs)
+                _callgrind(proc.pid, "--instr=off")
+                _callgrind(proc.pid, "--dump")
+            return _counted(dump.with_name(dump.name + ".1")) / requests
+        finally:
+            stop(proc)
+
+
+async def count(trees: dict[str, Path], kind: str, size: int, requests: int,
+                url: str) -> str:
+    counted = {name: await _instructions_of(tree, kind, size, requests, url)
+               for name, tree in trees.items()}
+    cells = [f"{counted[n] / 1e6:6.3f} M/request, {counted[n] / size / 1e3:6.1f} k/pair"
+             for n in ("old", "new")]
+    return f"| {kind} | {size} | {cells[0]} | {cells[1]} | " \
+           f"{counted['new'] / counted['old'] - 1:+.1%} |"
+
+
 async def main(args: argparse.Namespace, old_tree: Path) -> None:
     trees = {"old": old_tree, "new": ROOT}
-    print("| kind | candidates | old | new | CPU change |\n|---|---|---|---|---|")
+    measure = "instructions" if args.instructions else "CPU"
+    print(f"| kind | candidates | old | new | {measure} change |\n|---|---|---|---|---|")
     with fake_backend() as url:
         for size in (int(s) for s in args.sizes.split(",")):
             for kind in args.kinds.split(","):
-                print(await compare(trees, kind, size, args.requests, args.block, url),
-                      flush=True)
+                cell = await count(trees, kind, size, args.requests, url) \
+                    if args.instructions else \
+                    await compare(trees, kind, size, args.requests, args.block, url)
+                print(cell, flush=True)
 
 
 if __name__ == "__main__":
@@ -92,6 +153,8 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="10,40,100")
     parser.add_argument("--requests", type=int, default=200, help="per version and cell")
     parser.add_argument("--block", type=int, default=25, help="requests per turn")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under callgrind instead of timing CPU")
     if sys.platform != "linux" or not os.path.exists("/proc/self/task"):
         sys.exit("needs Linux /proc")
     arguments = parser.parse_args()

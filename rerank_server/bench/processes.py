@@ -91,18 +91,20 @@ def bare_grpc() -> Iterator[tuple[int, int]]:
 
 
 def start_server(args: Sequence[str], env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None) -> tuple[int, subprocess.Popen[bytes]]:
+                 cwd: Path | None = None, prefix: Sequence[str] = (),
+                 start_timeout_s: float = 30) -> tuple[int, subprocess.Popen[bytes]]:
     """A rerank-server started with `args` (cache and metrics off unless `args` say
     otherwise), listening: its gRPC port and process. `env` adds variables; `cwd` is where
-    `python -m rerank_server` finds the package first (another checkout, for A/B runs)."""
+    `python -m rerank_server` finds the package first (another checkout, for A/B runs);
+    `prefix` runs it under another program (valgrind, for instruction counts)."""
     port = free_port()
     environ = {**os.environ, "RERANK_PORT": str(port), "RERANK_CACHE_ENTRIES": "0",
                "RERANK_HTTP_PORT": "0", "RERANK_METRICS": "0", "RERANK_PROBE": "0",
                "RERANK_LOG_LEVEL": "warning", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server", *args], env=environ,
-                            stdout=subprocess.DEVNULL, cwd=cwd)
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "rerank_server", *args],
+                            env=environ, stdout=subprocess.DEVNULL, cwd=cwd)
     try:
-        _wait_port(port, proc)
+        _wait_port(port, proc, start_timeout_s)
     except BaseException:
         stop(proc)
         raise
