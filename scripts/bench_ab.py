@@ -2,6 +2,7 @@
 
 Usage: python scripts/bench_ab.py OLD_TREE [--kinds chat,rerank] [--sizes 10,40,100]
                                   [--requests 200] [--block 25] [--instructions]
+                                  [--cache]
 
 Shared VMs change speed by 20-50% within an hour, so two `rerank-server bench` runs taken
 apart cannot be compared. This starts both versions at once against one instant fake
@@ -48,12 +49,12 @@ def cpu_ns(pid: int) -> int:
 
 
 async def compare(trees: dict[str, Path], kind: str, size: int, requests: int,
-                  block: int, url: str) -> str:
+                  block: int, url: str, env: dict[str, str]) -> str:
     servers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
     try:
         for name, tree in trees.items():
             servers[name] = start_server(backend_args(kind, url),
-                                         {"PYTHONPATH": str(tree)}, cwd=tree)
+                                         {"PYTHONPATH": str(tree), **env}, cwd=tree)
         docs = passages(size)
         clients = {name: AsyncRerankClient(f"127.0.0.1:{port}")
                    for name, (port, _) in servers.items()}
@@ -100,13 +101,13 @@ def _counted(dump: Path) -> int:
 
 
 async def _instructions_of(tree: Path, kind: str, size: int, requests: int,
-                           url: str) -> float:
+                           url: str, env: dict[str, str]) -> float:
     """Instructions per request of the server in `tree`, counted by callgrind."""
     with tempfile.TemporaryDirectory() as out:
         dump = Path(out) / "callgrind.out"
         prefix = ["valgrind", "--quiet", "--tool=callgrind", "--instr-atstart=no",
                   f"--callgrind-out-file={dump}"]
-        port, proc = start_server(backend_args(kind, url), {"PYTHONPATH": str(tree)},
+        port, proc = start_server(backend_args(kind, url), {"PYTHONPATH": str(tree), **env},
                                   cwd=tree, prefix=prefix, start_timeout_s=300)
         try:
             docs = passages(size)
@@ -124,8 +125,8 @@ async def _instructions_of(tree: Path, kind: str, size: int, requests: int,
 
 
 async def count(trees: dict[str, Path], kind: str, size: int, requests: int,
-                url: str) -> str:
-    counted = {name: await _instructions_of(tree, kind, size, requests, url)
+                url: str, env: dict[str, str]) -> str:
+    counted = {name: await _instructions_of(tree, kind, size, requests, url, env)
                for name, tree in trees.items()}
     cells = [f"{counted[n] / 1e6:6.3f} M/request, {counted[n] / size / 1e3:6.1f} k/pair"
              for n in ("old", "new")]
@@ -135,14 +136,17 @@ async def count(trees: dict[str, Path], kind: str, size: int, requests: int,
 
 async def main(args: argparse.Namespace, old_tree: Path) -> None:
     trees = {"old": old_tree, "new": ROOT}
+    # With the cache, every request is still a miss (each has its own query): what a
+    # server deployed with the default cache pays to look pairs up and store them.
+    env = {"RERANK_CACHE_ENTRIES": "50000"} if args.cache else {}
     measure = "instructions" if args.instructions else "CPU"
     print(f"| kind | candidates | old | new | {measure} change |\n|---|---|---|---|---|")
     with fake_backend() as url:
         for size in (int(s) for s in args.sizes.split(",")):
             for kind in args.kinds.split(","):
-                cell = await count(trees, kind, size, args.requests, url) \
+                cell = await count(trees, kind, size, args.requests, url, env) \
                     if args.instructions else \
-                    await compare(trees, kind, size, args.requests, args.block, url)
+                    await compare(trees, kind, size, args.requests, args.block, url, env)
                 print(cell, flush=True)
 
 
@@ -153,6 +157,8 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="10,40,100")
     parser.add_argument("--requests", type=int, default=200, help="per version and cell")
     parser.add_argument("--block", type=int, default=25, help="requests per turn")
+    parser.add_argument("--cache", action="store_true",
+                        help="score cache on (the default deployment's), every request a miss")
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under callgrind instead of timing CPU")
     if sys.platform != "linux" or not os.path.exists("/proc/self/task"):

@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
+from typing import cast
 
 from opentelemetry import trace
 
@@ -88,22 +89,18 @@ class Reranker:
         The pipeline is consumed to its end, not left after the summary: a generator left
         suspended is closed only when the event loop gets to its finalizer (a task per
         request), and until then `active` still counts the request."""
-        results: list[RankedCandidate] = []
-        summary: RerankSummary | None = None
         # `_run` itself rather than `run`, which wraps it only to count `active`: a
         # second generator would be resumed once more per result.
         self.active += 1
         try:
-            async for item in self._run(query, deadline_remaining_s, request_span):
-                if isinstance(item, RerankSummary):
-                    summary = item
-                else:
-                    results.append(item)
+            items = [item async for item in self._run(query, deadline_remaining_s,
+                                                       request_span)]
         finally:
             self.active -= 1
-        if summary is None:
+        summary = items.pop() if items else None
+        if not isinstance(summary, RerankSummary):
             raise RuntimeError("pipeline ended without a summary")
-        return results, summary
+        return cast(list[RankedCandidate], items), summary
 
     async def _run(self, query: RerankQuery, deadline_remaining_s: float | None,
                    request_span: trace.Span | None,
@@ -148,7 +145,8 @@ class Reranker:
 
         # Pairs the cache knows are resolved before anything is sent.
         scope = Scope(self.scorer.kind, self.scorer.model, request.instruction, request.query)
-        hits = await self.cache.lookup(scope, documents, bypass=request.bypass_cache)
+        looked_up = await self.cache.lookup(scope, documents, bypass=request.bypass_cache)
+        hits = looked_up.hits
         ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
         emitter.mark_cached(scored_set[i].index for i in hits)
         outcome.cached = len(hits)
@@ -156,7 +154,7 @@ class Reranker:
             yield item
 
         pending = [i for i in range(len(documents)) if i not in hits]
-        fresh: dict[str, float] = {}  # document text -> score, for the cache
+        fresh: dict[int, float] = {}  # position in `documents` -> score, for the cache
         scoring_started = time.perf_counter()
         budget = budget_s(request.timeout_s, deadline_remaining_s, self._loop_lag(),
                           self.active)
@@ -175,7 +173,7 @@ class Reranker:
                     i = pending[pair.pair]
                     resolved.append((scored_set[i].index, pair.score))
                     if pair.failure is None and pair.score is not None:
-                        fresh[documents[i]] = pair.score
+                        fresh[i] = pair.score
                         outcome.scored += 1
                     else:
                         kind = pair.failure or Failure.MALFORMED
@@ -188,8 +186,8 @@ class Reranker:
         outcome.scored += len(hits)
         # Keyed by the model known now: a backend that names its model only in its answers
         # (llama-server without --model) would otherwise store under "".
-        self.cache.store(Scope(self.scorer.kind, self.scorer.model, request.instruction,
-                               request.query), fresh)
+        self.cache.store(looked_up, Scope(self.scorer.kind, self.scorer.model,
+                                          request.instruction, request.query), fresh)
 
         # Results whose place was certain were blended and sent during scoring already.
         with telemetry.step("rerank.blend") as span:

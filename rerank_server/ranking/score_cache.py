@@ -11,9 +11,9 @@ digests: the cache holds no text, in memory or on disk.
 
 Only successful scores are stored; a failed pair is tried again next time.
 
-The pipeline uses `lookup` and `store`, which key a request's documents and count hits,
-misses and bypasses in the `rerank_server_cache_lookups` metric; `get_many`/`put_many`
-work on ready keys.
+The pipeline uses `lookup` and `store`, which key a request's documents (once: `store`
+reuses `lookup`'s keys) and count hits, misses and bypasses in the
+`rerank_server_cache_lookups` metric; `get_many`/`put_many` work on ready keys.
 """
 
 from __future__ import annotations
@@ -31,14 +31,19 @@ from pathlib import Path
 from ..observability.metrics import CACHE_RESULT, Metrics
 
 
-def cache_key(backend: str, model: str, instruction: str, query: str, document: str) -> bytes:
-    digest = hashlib.sha256()
-    for part in (backend, model, instruction, query, document):
+def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashlib._Hash:
+    """`digest` (a new SHA-256 by default) updated with `parts`, each length-prefixed so
+    ("ab", "c") and ("a", "bc") differ."""
+    digest = digest or hashlib.sha256()
+    for part in parts:
         data = part.encode()
-        # Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
         digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)
-    return digest.digest()
+    return digest
+
+
+def cache_key(backend: str, model: str, instruction: str, query: str, document: str) -> bytes:
+    return _hashing((backend, model, instruction, query, document)).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,30 @@ class Scope:
 
     def key(self, document: str) -> bytes:
         return cache_key(self.backend, self.model, self.instruction, self.query, document)
+
+    def keys(self, documents: Iterable[str]) -> list[bytes]:
+        """`key` of each document: the four shared parts are hashed once and the digest
+        copied for each document (the same keys in half the time for 40 passages)."""
+        shared = _hashing((self.backend, self.model, self.instruction, self.query))
+        keys = []
+        for document in documents:
+            data = document.encode()
+            digest = shared.copy()
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+            keys.append(digest.digest())
+        return keys
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What `ScoreCache.lookup` found for a request's documents, and their keys (None
+    when the cache is off), which `store` reuses."""
+
+    scope: Scope
+    documents: Sequence[str]
+    keys: list[bytes] | None
+    hits: dict[int, float]
 
 
 class ScoreCache:
@@ -76,23 +105,35 @@ class ScoreCache:
         return len(self._memory)
 
     async def lookup(self, scope: Scope, documents: Sequence[str], *, bypass: bool = False,
-                     ) -> dict[int, float]:
-        """Cached scores by position in `documents`; none when bypassed or disabled."""
+                     ) -> Lookup:
+        """Cached scores by position in `documents` (none when bypassed or disabled), and
+        the documents' keys for `store`."""
         if not self.enabled or not documents:
-            return {}
+            return Lookup(scope, documents, None, {})
+        keys = scope.keys(documents)
         if bypass:
             self._lookups.add(len(documents), {CACHE_RESULT: "bypass"})
-            return {}
-        keys = [scope.key(doc) for doc in documents]
+            return Lookup(scope, documents, keys, {})
         found = await self.get_many(keys)
         self._lookups.add(len(found), {CACHE_RESULT: "hit"})
         self._lookups.add(len(keys) - len(found), {CACHE_RESULT: "miss"})
-        return {i: found[key] for i, key in enumerate(keys) if key in found}
+        return Lookup(scope, documents, keys,
+                      {i: found[key] for i, key in enumerate(keys) if key in found})
 
-    def store(self, scope: Scope, scores: Mapping[str, float]) -> None:
-        """Remember `scores` by document text under `scope`."""
-        if self.enabled and scores:
-            self.put_many({scope.key(doc): score for doc, score in scores.items()})
+    def store(self, looked_up: Lookup, scope: Scope, scores: Mapping[int, float]) -> None:
+        """Remember `scores`, by position in the looked-up documents, under `scope`: with
+        the lookup's keys when the scope is the same (keying is a SHA-256 of each text,
+        as much CPU as the rest of a batched request's ranking), else keyed anew (the
+        model may have become known from the answers since)."""
+        if not self.enabled or not scores:
+            return
+        if looked_up.keys is not None and scope == looked_up.scope:
+            keys = looked_up.keys
+            self.put_many({keys[i]: score for i, score in scores.items()})
+        else:
+            documents = looked_up.documents
+            self.put_many(dict(zip(scope.keys(documents[i] for i in scores),
+                                   scores.values(), strict=True)))
 
     async def get_many(self, keys: Iterable[bytes]) -> dict[bytes, float]:
         """The cached scores among `keys` that have not expired."""

@@ -88,9 +88,11 @@ class _Inbox(Wakeup):
         self.items: list[PairOutcome] = []
 
     def put(self, outcome: PairOutcome) -> None:
-        """The scorer's `emit`."""
+        """The scorer's `emit` (`wake` inline: a batch emits a pair at a time)."""
         self.items.append(outcome)
-        self.wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def take(self) -> list[PairOutcome]:
         items, self.items = self.items, []

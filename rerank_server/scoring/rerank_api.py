@@ -26,6 +26,8 @@ from .batching import score_in_batches, to_unit
 from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
+_NUMBER = (float, int)
+
 
 class RerankApiScorer(PooledScorer):
     kind = BackendKind.RERANK
@@ -52,20 +54,22 @@ class RerankApiScorer(PooledScorer):
     def parse(self, body: Any, count: int) -> dict[int, float]:
         if self._format is RerankFormat.TEI:
             entries, key = body, "score"
+        elif isinstance(body, dict):
+            entries, key = body.get("results"), "relevance_score"
+            self.note_model(body.get("model"))
         else:
-            entries = body.get("results") if isinstance(body, dict) else None
-            key = "relevance_score"
-            if isinstance(body, dict):
-                self.note_model(body.get("model"))
+            entries = None
         if not isinstance(entries, list):
             raise MalformedResponse("rerank answer has no result list")
         scores: dict[int, float] = {}
+        # An entry that is not an object, or lacks a whole index in range or a number,
+        # fails its own pair only. Exact types, as JSON decodes them: a bool (an int to
+        # isinstance) is neither an index nor a score.
         for entry in entries:
-            index = entry.get("index") if isinstance(entry, dict) else None
-            value = entry.get(key) if isinstance(entry, dict) else None
-            if isinstance(index, int) and 0 <= index < count and \
-                    isinstance(value, int | float) and not isinstance(value, bool):
-                scores[index] = float(value)
+            if type(entry) is dict:
+                index, value = entry.get("index"), entry.get(key)
+                if type(index) is int and 0 <= index < count and type(value) in _NUMBER:
+                    scores[index] = float(value)
         return to_unit(scores)
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rerank_client import AsyncRerankClient
 
-from rerank_server.ranking.score_cache import ScoreCache, cache_key
+from rerank_server.ranking.score_cache import Scope, ScoreCache, cache_key
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 
@@ -108,3 +108,30 @@ async def test_memory_is_bounded_least_recently_used_first() -> None:
 
 def test_keys_do_not_collide_across_field_boundaries() -> None:
     assert cache_key("chat", "m", "i", "ab", "c") != cache_key("chat", "m", "i", "a", "bc")
+
+
+def test_a_requests_keys_are_each_documents_own_key() -> None:
+    """`Scope.keys` hashes the shared parts once: the keys must be `cache_key`'s, so a
+    cache on disk written before keeps its hits."""
+    scope = Scope("chat", "model", "instruction", "query")
+    documents = ["", "a", "ab", "naïve café ☕", "x" * 5000]
+    assert scope.keys(documents) == [cache_key("chat", "model", "instruction", "query", d)
+                                     for d in documents]
+    assert scope.keys(["ab"]) != Scope("chat", "model", "instruction", "querya").keys(["b"])
+
+
+async def test_scores_are_stored_under_the_scope_known_when_they_arrive() -> None:
+    """The model can become known from the answers (llama-server without --model): the
+    pairs looked up under no model are stored under the one named since, keyed anew, not
+    under the lookup's keys."""
+    cache = ScoreCache(max_entries=100, ttl_s=60)
+    before, after = Scope("chat", "", "i", "q"), Scope("chat", "m", "i", "q")
+    looked_up = await cache.lookup(before, DOCS)
+    assert looked_up.hits == {}
+    cache.store(looked_up, after, {0: 0.25, 2: 0.75})
+    assert (await cache.lookup(after, DOCS)).hits == {0: 0.25, 2: 0.75}
+    assert (await cache.lookup(before, DOCS)).hits == {}
+    # Unchanged scope: the lookup's own keys.
+    again = await cache.lookup(after, DOCS)
+    cache.store(again, after, {1: 0.5})
+    assert (await cache.lookup(after, DOCS)).hits == {0: 0.25, 1: 0.5, 2: 0.75}
