@@ -161,8 +161,14 @@ class ScoreCache:
         if not scores:
             return
         now = self._clock()
-        for key, score in scores.items():
-            self._remember(key, score, now)
+        if self.max_entries > 0:
+            # `_remember` inline, the bound enforced once: this runs for every pair scored.
+            memory, pop = self._memory, self._memory.pop
+            for key, score in scores.items():
+                pop(key, None)  # a key stored again moves to the most recent end
+                memory[key] = (score, now)
+            for _ in range(len(memory) - self.max_entries):
+                memory.popitem(last=False)
         if self._disk is not None:
             write = asyncio.ensure_future(asyncio.to_thread(self._disk.put_many, dict(scores),
                                                             now))
