@@ -21,6 +21,7 @@ from .http import BackendCallError, done_with_calls, let_go, own_calls
 log = structlog.get_logger(__name__)
 
 SliceCall = Callable[[int, Sequence[str]], Awaitable[Mapping[int, float | None]]]
+_new = tuple.__new__
 
 
 async def score_in_batches(documents: Sequence[str], max_batch: int, call: SliceCall,
@@ -40,7 +41,9 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
             if score is None:
                 emit(PairOutcome.failed(i, Failure.MALFORMED, missing))
             else:
-                emit(PairOutcome(i, score))
+                # `PairOutcome(i, score)` without the named tuple's Python-level `__new__`
+                # (every field given: `tuple.__new__` fills no default).
+                emit(_new(PairOutcome, (i, score, None, "")))
 
     starts = range(0, len(documents), max_batch)
     if len(starts) == 1:  # one slice, the common case: no task group to run it in
