@@ -26,8 +26,6 @@ from .batching import score_in_batches, to_unit
 from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
-_NUMBER = (float, int)
-
 
 class RerankApiScorer(PooledScorer):
     kind = BackendKind.RERANK
@@ -68,7 +66,8 @@ class RerankApiScorer(PooledScorer):
         for entry in entries:
             if type(entry) is dict:
                 index, value = entry.get("index"), entry.get(key)
-                if type(index) is int and 0 <= index < count and type(value) in _NUMBER:
+                if type(index) is int and 0 <= index < count and \
+                        (type(value) is float or type(value) is int):
                     scores[index] = float(value)
         return to_unit(scores)
 
