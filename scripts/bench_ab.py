@@ -88,8 +88,13 @@ WARM_UP = 20  # requests before counting: connections, caches, the first-call pa
 
 
 def _callgrind(pid: int, *command: str) -> None:
-    subprocess.run(["callgrind_control", *command, str(pid)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # callgrind_control exits 0 even when it finds no such process under callgrind (a
+    # Python launched through a wrapper script that execs: valgrind does not follow it).
+    done = subprocess.run(["callgrind_control", *command, str(pid)], check=True,
+                          capture_output=True, text=True)
+    if "not detected" in done.stdout + done.stderr:
+        raise RuntimeError(f"callgrind is not running process {pid}: is {sys.executable} "
+                           "a wrapper script rather than the interpreter itself?")
 
 
 def _counted(dump: Path) -> int:

@@ -77,11 +77,12 @@ async def test_rerank_cohere_shape_splits_batches_and_sends_the_key(
 
 def odd_entries(method: str, path: str, body: Any, headers: Mapping[str, str],
                 ) -> tuple[int, Any]:
-    """`cohere`'s server with one bad entry per kind of fault: an index as text, a score
-    as a bool, a score as text, an index past the batch, and one good entry."""
+    """`cohere`'s server with one bad entry per kind of fault: an index as text or as a
+    bool, a score as a bool or as text, an index past the batch, and one good entry."""
     if method == "GET":
         return cohere(method, path, body, headers)
     return 200, {"results": [{"index": "0", "relevance_score": 0.9},
+                             {"index": True, "relevance_score": 0.9},  # not index 1
                              {"index": 1, "relevance_score": True},
                              {"index": 2, "relevance_score": "0.7"},
                              {"index": 9, "relevance_score": 0.8},

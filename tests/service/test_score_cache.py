@@ -135,3 +135,27 @@ async def test_scores_are_stored_under_the_scope_known_when_they_arrive() -> Non
     again = await cache.lookup(after, DOCS)
     cache.store(again, after, {1: 0.5})
     assert (await cache.lookup(after, DOCS)).hits == {0: 0.25, 1: 0.5, 2: 0.75}
+
+
+async def test_one_store_larger_than_the_bound_keeps_its_newest() -> None:
+    """`put_many` enforces the bound once per call: a batch over it keeps its last
+    entries, and a key stored again moves to the most recent end."""
+    cache = ScoreCache(max_entries=3, ttl_s=60)
+    keys = [cache_key("chat", "m", "i", "q", str(n)) for n in range(10)]
+    cache.put_many({key: n / 10 for n, key in enumerate(keys)})
+    assert len(cache) == 3
+    assert await cache.get_many(keys) == {keys[7]: 0.7, keys[8]: 0.8, keys[9]: 0.9}
+    cache.put_many({keys[7]: 0.75, keys[0]: 0.0})  # 7 again: newest with 0; 8 goes
+    assert await cache.get_many(keys) == {keys[9]: 0.9, keys[7]: 0.75, keys[0]: 0.0}
+
+
+async def test_a_disk_only_cache_stores_and_finds(tmp_path: Path) -> None:
+    """No memory entries (`--cache-entries 0`) with `--cache-path`: scores go to the disk
+    and come back from it."""
+    cache = ScoreCache(max_entries=0, ttl_s=60, path=tmp_path / "scores.sqlite")
+    scope = Scope("chat", "m", "i", "q")
+    cache.store(await cache.lookup(scope, DOCS), scope, {1: 0.5})
+    await cache.flush()
+    assert len(cache) == 0
+    assert (await cache.lookup(scope, DOCS)).hits == {1: 0.5}
+    await cache.aclose()
