@@ -157,7 +157,7 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         stack.push_async_callback(asyncio.to_thread, telemetry.shutdown)
         managed = None
         if settings.managed:
-            settings, managed = await start_managed(settings, telemetry.metrics)
+            settings, managed = await start_managed(settings, telemetry.metrics.llama_restarts)
             stack.push_async_callback(managed.stop)
         cache = await asyncio.to_thread(_open_cache, settings, telemetry)  # may open SQLite
         stack.push_async_callback(cache.aclose)

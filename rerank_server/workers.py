@@ -45,8 +45,9 @@ from .errors import BindError, ConfigError
 from .loops import loop_factory
 from .managed.llama_server import start_managed
 from .observability import logs
+from .observability.instruments import Adder
 from .observability.telemetry import metrics_endpoint
-from .observability.worker_metrics import merged_app
+from .observability.worker_metrics import SupervisorMetrics, merged_app
 from .server import RunningServer, serve, stop_signals
 from .settings import Settings, host_port
 
@@ -109,15 +110,16 @@ async def _supervise(settings: Settings, count: int) -> None:
         http_port = settings.http_port and _reserve(
             reserved, settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
         settings = dataclasses.replace(settings, port=port, http_port=http_port)
+        own = SupervisorMetrics()
         async with contextlib.AsyncExitStack() as stack:
             if settings.managed:
-                settings, managed = await start_managed(settings)
+                settings, managed = await start_managed(settings, own.llama_restarts)
                 stack.push_async_callback(managed.stop)
-            workers = _Workers(settings, shares)
+            workers = _Workers(settings, shares, own.worker_restarts)
             stack.push_async_callback(workers.stop)
             metrics_port = None
             if settings.metrics:
-                metrics = metrics_endpoint(settings, merged_app(workers.metrics_ports))
+                metrics = metrics_endpoint(settings, merged_app(workers.metrics_ports, own))
                 stack.callback(metrics.server_close)
                 stack.callback(metrics.shutdown)
                 metrics_port = metrics.server_port
@@ -166,7 +168,8 @@ class _Worker:
 class _Workers:
     """The worker processes: started, watched and restarted, stopped."""
 
-    def __init__(self, settings: Settings, shares: list[int]) -> None:
+    def __init__(self, settings: Settings, shares: list[int], restarts: Adder) -> None:
+        self._restarts = restarts
         self._settings = [
             dataclasses.replace(settings, workers=1, concurrency=share, managed=False,
                                 metrics_host="127.0.0.1", metrics_port=0)
@@ -228,6 +231,7 @@ class _Workers:
                     w.conn.close()
                     await asyncio.sleep(RESTART_DELAY_S)
                     self._workers[i] = self._spawn(w.index)
+                    self._restarts.add(1)
                 elif not w.ready:
                     error = self._poll(w)
                     if error is not None:  # a replacement that cannot start: try again

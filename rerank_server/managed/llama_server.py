@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import structlog
 
-from ..observability.metrics import Metrics
+from ..observability.instruments import Adder
 from ..settings import Settings
 from . import assets
 
@@ -55,7 +55,7 @@ class ManagedLlamaServer:
 
     def __init__(self, binary: Path, model: Path, *, slots: int, ctx_per_slot: int,
                  extra_args: Sequence[str] = (), log_path: Path | None = None,
-                 ready_timeout_s: float = 120.0, metrics: Metrics | None = None) -> None:
+                 ready_timeout_s: float = 120.0, restart_counter: Adder | None = None) -> None:
         self.binary = binary
         self.model = model
         self.port = free_port()
@@ -65,7 +65,7 @@ class ManagedLlamaServer:
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0
-        self._metrics = metrics or Metrics.noop()
+        self._restart_counter = restart_counter  # `rerank.llama_server.restarts`
         self._proc: asyncio.subprocess.Process | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
@@ -133,7 +133,8 @@ class ManagedLlamaServer:
             if self._stopping:
                 return
             self.restarts += 1
-            self._metrics.llama_restarts.add(1)
+            if self._restart_counter is not None:
+                self._restart_counter.add(1)
             await self._launch()
             if await self.wait_ready(self.ready_timeout_s):
                 log.info("llama_server_ready", pid=self.pid, restarts=self.restarts)
@@ -168,9 +169,10 @@ def default_log_path(cache_dir: Path) -> Path:
     return path
 
 
-async def start_managed(settings: Settings, metrics: Metrics | None = None,
+async def start_managed(settings: Settings, restart_counter: Adder | None = None,
                         ) -> tuple[Settings, ManagedLlamaServer]:
-    """Prepare assets, start llama-server, and return the settings pointed at it."""
+    """Prepare assets, start llama-server, and return the settings pointed at it;
+    `restart_counter` counts its restarts."""
     cache = settings.cache_dir
     binary, model = await asyncio.to_thread(
         _resolve_assets, cache, settings.llama_server, settings.model_path)
@@ -178,7 +180,7 @@ async def start_managed(settings: Settings, metrics: Metrics | None = None,
         binary, model, slots=settings.llama_slots or settings.concurrency,
         ctx_per_slot=settings.llama_ctx_per_slot, extra_args=split_args(settings.llama_args),
         log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s,
-        metrics=metrics)
+        restart_counter=restart_counter)
     await managed.start()
     changes: dict[str, object] = {"backend_url": managed.url}
     if not settings.model_path and settings.assistant_prefill:

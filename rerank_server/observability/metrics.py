@@ -73,6 +73,11 @@ class Instance:
 
 INSTANCE_KEYS = (BACKEND, SERVER_ADDRESS, SERVER_PORT)
 
+# Counted by the process that runs llama-server: the server, or with `--workers` the
+# supervisor (`worker_metrics.SupervisorMetrics`), under the same name either way.
+LLAMA_RESTARTS = ("rerank.llama_server.restarts", "{restart}",
+                  "Restarts of the managed llama-server after it exited.")
+
 
 class CallDurations:
     """`http.client.request.duration`: one sample per backend call, 40 per `chat` request.
@@ -201,9 +206,7 @@ class Metrics:
         self.backend_up = make.gauge(
             "rerank.backend.up", "1",
             "1 while the backend's /health answers 200, else 0.", keys=INSTANCE_KEYS)
-        self.llama_restarts = make.counter(
-            "rerank.llama_server.restarts", "{restart}",
-            "Restarts of the managed llama-server after it exited.")
+        self.llama_restarts = make.counter(*LLAMA_RESTARTS)
 
     def watch_active(self, owner: object,
                      source: Callable[[], tuple[int, dict[str, str | int]]] | None) -> None:

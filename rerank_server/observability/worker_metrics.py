@@ -6,6 +6,11 @@ each sample labelled with its `worker` (Prometheus rejects a family declared twi
 the texts cannot simply be joined). Counters and histograms sum across workers with
 `sum without (worker) (...)`; a worker that does not answer is left out of that scrape
 and shows as `rerank_worker_up{worker="N"} 0`.
+
+What only the supervisor sees is counted in its own registry (`SupervisorMetrics`) and
+served beside the workers' series without a `worker` label: restarts of the managed
+llama-server, which it runs, under the same name as a single process serves them, and
+restarts of workers that died.
 """
 
 from __future__ import annotations
@@ -15,35 +20,62 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
+from opentelemetry.metrics import NoOpMeterProvider
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Metric, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from .instruments import SCOPE_NAME, Adder, Instruments
+from .metrics import LLAMA_RESTARTS
 
 WORKER = "worker"
 SCRAPE_TIMEOUT_S = 2.0
 
 
-def merge(texts: Mapping[str, str | None]) -> bytes:
-    """Prometheus texts by worker label (None: did not answer) as one exposition."""
+class SupervisorMetrics:
+    """The supervisor's own series: `rerank.llama_server.restarts` (managed mode) and
+    `rerank.worker.restarts`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        make = Instruments(NoOpMeterProvider().get_meter(SCOPE_NAME), self.registry)
+        self.llama_restarts: Adder = make.counter(*LLAMA_RESTARTS)
+        self.worker_restarts: Adder = make.counter(
+            "rerank.worker.restarts", "{restart}",
+            "Worker processes (--workers) started again after one exited.")
+        # Shown at 0 from the start, so that `increase()` sees the first restart.
+        self.llama_restarts.add(0)
+        self.worker_restarts.add(0)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def merge(texts: Mapping[str, str | None], own: str = "") -> bytes:
+    """Prometheus texts by worker label (None: did not answer) as one exposition, with
+    the samples of `own` (the supervisor's) unlabelled."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(texts))
+    registry.register(_Merged(texts, own))
     return generate_latest(registry)
 
 
 class _Merged(Collector):
-    def __init__(self, texts: Mapping[str, str | None]) -> None:
+    def __init__(self, texts: Mapping[str, str | None], own: str) -> None:
         self._texts = texts
+        self._own = own
 
     def collect(self) -> Iterable[Metric]:
         families: dict[str, Metric] = {}
-        for worker, text in self._texts.items():
+        sources = [(None, self._own), *self._texts.items()]
+        for worker, text in sources:
             for family in text_string_to_metric_families(text or ""):
                 merged = families.get(family.name)
                 if merged is None:
                     merged = families[family.name] = Metric(
                         family.name, family.documentation, family.type, family.unit)
-                merged.samples.extend(s._replace(labels={**s.labels, WORKER: worker})
-                                      for s in family.samples)
+                merged.samples.extend(
+                    family.samples if worker is None else
+                    (s._replace(labels={**s.labels, WORKER: worker}) for s in family.samples))
         up = Metric("rerank_worker_up", "Whether the worker answered this scrape.", "gauge")
         for worker, text in self._texts.items():
             up.add_sample("rerank_worker_up", {WORKER: worker}, float(text is not None))
@@ -61,14 +93,15 @@ def scrape(port: int) -> str | None:
         return None
 
 
-def merged_app(ports: Callable[[], Mapping[str, int]]) -> WSGIApplication:
-    """A WSGI app answering with every worker's metrics; `ports` gives the live workers'
-    endpoints (worker label -> port) at the time of the scrape."""
+def merged_app(ports: Callable[[], Mapping[str, int]],
+               own: SupervisorMetrics | None = None) -> WSGIApplication:
+    """A WSGI app answering with every worker's metrics and `own`'s; `ports` gives the
+    live workers' endpoints (worker label -> port) at the time of the scrape."""
     def serve(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
         live = dict(ports())
         with ThreadPoolExecutor(max_workers=max(len(live), 1)) as pool:
             texts = dict(zip(live, pool.map(scrape, live.values()), strict=True))
-        body = merge(texts)
+        body = merge(texts, own.text() if own is not None else "")
         start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST),
                                   ("Content-Length", str(len(body)))])
         return [body]

@@ -32,7 +32,7 @@ class RealLlama:
     process: subprocess.Popen[bytes]
 
 
-def _assets() -> tuple[Path, Path]:
+def assets_or_fail() -> tuple[Path, Path]:
     cache = settings.load([]).cache_dir  # honours RERANK_CACHE_DIR, as `make assets` does
     explicit = os.environ.get("RERANK_LLAMA_SERVER")
     try:
@@ -46,7 +46,7 @@ def _assets() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def real_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
-    binary, model = _assets()
+    binary, model = assets_or_fail()
     yield from _serve(binary, model, tmp_path_factory,
                       ["-np", str(SLOTS), "-c", str(SLOTS * 2048)])
 
@@ -54,7 +54,7 @@ def real_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
 @pytest.fixture(scope="session")
 def real_embedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     """llama-server serving MiniLM-L6 on /v1/embeddings (mean pooling, as trained)."""
-    binary, _ = _assets()
+    binary, _ = assets_or_fail()
     model = assets.embedding_model_path(settings.load([]).cache_dir)
     if not model.exists():
         pytest.fail(f"real-backend assets missing: {model}; run `make assets`",
@@ -67,7 +67,7 @@ def real_embedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLla
 @pytest.fixture(scope="session")
 def real_rank_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     """llama-server --rerank serving MiniLM-L6 with an untrained rank head (/v1/rerank)."""
-    binary, _ = _assets()
+    binary, _ = assets_or_fail()
     model = assets.rank_head_model_path(settings.load([]).cache_dir)
     if not model.exists():
         pytest.fail(f"real-backend assets missing: {model}; run `make test-assets`",

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,81 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from rerank_client import AsyncRerankClient
 
 from rerank_server.errors import ConfigError
-from rerank_server.managed.llama_server import free_port
 from rerank_server.settings import Settings
 from rerank_server.workers import concurrency_shares, worker_count
 from tests.fakes.llama import FakeLlamaServer
-from tests.server_process import stop_process
+from tests.server_process import supervised
 from tests.waiting import eventually
 
 DOCS = ["alpha one", "beta two", "gamma three", "delta four"]
-
-
-class Supervised:
-    """A `rerank-server --workers N` process whose JSON log lines are collected."""
-
-    def __init__(self, proc: subprocess.Popen[str], port: int, http_port: int,
-                 metrics_port: int) -> None:
-        self.proc = proc
-        self.port, self.http_port, self.metrics_port = port, http_port, metrics_port
-        self.events: list[dict[str, Any]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                try:
-                    self.events.append(json.loads(line))
-                except ValueError as exc:  # lines of two workers ran into each other
-                    raise AssertionError(f"not one JSON object: {line!r}") from exc
-
-    def close(self) -> None:
-        self._reader.join(10)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-
-    def logged(self, event: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") == event]
-
-    def workers(self) -> list[int]:
-        """PIDs of the worker processes now (the supervisor's children but the
-        multiprocessing resource tracker)."""
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError):
-                # pid (comm) state ppid ...: comm may hold spaces, so split after it.
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                cmdline = (stat.parent / "cmdline").read_bytes()
-                if int(fields[1]) == self.proc.pid and b"spawn_main" in cmdline:
-                    pids.append(int(stat.parent.name))
-        return pids
-
-
-@contextlib.asynccontextmanager
-async def supervised(backend_url: str, workers: int = 2, **env: str,
-                     ) -> AsyncIterator[Supervised]:
-    port, http_port, metrics_port = free_port(), free_port(), free_port()
-    full = {**os.environ, "RERANK_PORT": str(port), "RERANK_HTTP_PORT": str(http_port),
-            "RERANK_METRICS_PORT": str(metrics_port), "RERANK_BACKEND_URL": backend_url,
-            "RERANK_WORKERS": str(workers), "RERANK_PROBE": "0", "RERANK_LOG_FORMAT": "json",
-            "RERANK_LOG_LEVEL": "info", **env}
-    # Popen returns at once; the test awaits everything that waits on the process.
-    # A session of its own, as in a terminal: the test can signal the whole group.
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=full,  # noqa: ASYNC220
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    server = Supervised(proc, port, http_port, metrics_port)
-    try:
-        started = await eventually(lambda: any("workers" in e for e in server.logged("serving"))
-                                   or proc.poll() is not None, 60)
-        assert started, server.events
-        assert proc.poll() is None, server.events
-        yield server
-    finally:
-        await stop_process(proc, 20)
-        server.close()
 
 
 async def _rerank_on_new_connections(port: int, count: int) -> list[Any]:
@@ -218,7 +148,17 @@ async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> No
         assert await eventually(lambda: sum(e.get("event") == "serving" and "worker" in e
                                             for e in server.events) == 3, 30)
         answers = await _rerank_on_new_connections(server.port, 16)
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"http://127.0.0.1:{server.metrics_port}/metrics")).text
     assert all(a.reranked for a in answers)
+    # Counted by the supervisor, so without a worker label.
+    assert supervisor_samples(metrics, "rerank_worker_restarts_total") == [1.0]
+
+
+def supervisor_samples(text: str, name: str) -> list[float]:
+    """The values of the samples called `name` that carry no `worker` label."""
+    return [s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name and "worker" not in s.labels]
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
