@@ -110,7 +110,7 @@ async def _supervise(settings: Settings, count: int) -> None:
         http_port = settings.http_port and _reserve(
             reserved, settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
         settings = dataclasses.replace(settings, port=port, http_port=http_port)
-        own = SupervisorMetrics()
+        own = SupervisorMetrics(managed=settings.managed)
         async with contextlib.AsyncExitStack() as stack:
             if settings.managed:
                 settings, managed = await start_managed(settings, own.llama_restarts)
@@ -239,6 +239,7 @@ class _Workers:
                         w.conn.close()
                         await asyncio.sleep(RESTART_DELAY_S)
                         self._workers[i] = self._spawn(w.index)
+                        self._restarts.add(1)  # a crash loop counts every try
 
     async def stop(self) -> None:
         """SIGTERM to every worker (each drains within the grace period), then wait; kill

@@ -10,6 +10,7 @@ retrieval order with `reranked = False` and the reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
@@ -74,12 +75,16 @@ class Reranker:
         its scoring is traced there instead of in a `rerank.score` span."""
         self.active += 1
         try:
-            async for released in self._run(query, deadline_remaining_s, request_span):
-                if isinstance(released, RerankSummary):
-                    yield released
-                else:
-                    for item in released:
-                        yield item
+            # Closed with this generator (a stream cancelled or left early), not later by
+            # the loop's finalizer in a task of its own.
+            async with contextlib.aclosing(self._run(query, deadline_remaining_s,
+                                                     request_span)) as pipeline:
+                async for released in pipeline:
+                    if isinstance(released, RerankSummary):
+                        yield released
+                    else:
+                        for item in released:
+                            yield item
         finally:
             self.active -= 1
 

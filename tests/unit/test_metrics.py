@@ -17,13 +17,17 @@ from rerank_server.domain import (
     ThresholdReport,
 )
 from rerank_server.observability.metrics import (
+    BACKEND,
     CACHE_RESULT,
+    REASON,
+    RERANKED,
     RPC_METHOD,
     RPC_STATUS,
     RPC_SYSTEM_NAME,
     Instance,
     Metrics,
 )
+from rerank_server.observability.worker_metrics import SupervisorMetrics, merge
 
 CHAT = Instance("chat", "127.0.0.1", 8080)
 OTHER = Instance("chat", "10.0.0.2", 8081)
@@ -146,3 +150,32 @@ def test_an_undeclared_attribute_is_refused_even_after_a_declared_one() -> None:
     metrics.rpc_active.add(1, {RPC_METHOD: "m"})
     with pytest.raises(ValueError, match=r"rerank\.backend"):
         metrics.rpc_active.add(1, {RPC_METHOD: "m", "rerank.backend": "chat"})
+
+
+def test_merged_metrics_hold_the_supervisors_series_unlabelled_beside_the_workers() -> None:
+    """`--workers`' one /metrics: each family declared once, the workers' samples labelled
+    `worker`, the supervisor's own (restart counters, from 0) without that label, and a
+    worker that did not answer shown as down."""
+    registry = CollectorRegistry(auto_describe=True)
+    worker = Metrics(MeterProvider(), prometheus=registry)
+    worker.requests.add(2, {RERANKED: True, REASON: "none", BACKEND: "chat"})
+    own = SupervisorMetrics(managed=True)
+    own.worker_restarts.add(1)
+    text = merge({"0": generate_latest(registry).decode(), "1": None}, own.text()).decode()
+
+    assert text.count("# TYPE rerank_llama_server_restarts_total counter") == 1
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    restarts = {(s.name, s.labels.get("worker")): s.value for s in samples
+                if "restarts" in s.name}
+    assert restarts == {("rerank_llama_server_restarts_total", None): 0.0,
+                        ("rerank_worker_restarts_total", None): 1.0}
+    assert [(s.labels["worker"], s.value) for s in samples
+            if s.name == "rerank_requests_total"] == [("0", 2.0)]
+    assert {s.labels["worker"]: s.value for s in samples
+            if s.name == "rerank_worker_up"} == {"0": 1.0, "1": 0.0}
+
+
+def test_without_managed_mode_the_supervisor_shows_no_llama_server_restarts() -> None:
+    text = SupervisorMetrics(managed=False).text()
+    assert [s.name for f in text_string_to_metric_families(text) for s in f.samples] == \
+        ["rerank_worker_restarts_total"]
