@@ -18,7 +18,9 @@ ratios beside times (these machines are noisy). Scenarios:
   metrics+traces+calls (a span per backend call), round-robin against the fake backend.
 - model: the same passages scored against llama-server directly (concurrent chat calls
   at the slot count, the best direct strategy) and through rerank-server (chat backend,
-  same concurrency); through/direct is our efficiency.
+  same concurrency); through/direct is our efficiency. With `--clients 1,4,16`, also
+  pairs/s with that many clients at once for `--seconds` each, directly (one limit of
+  the slot count for all of them) and through.
 - throughput: 1, 4, 16 and 64 concurrent clients (each on its own connection) against
   the fake backend, with 1 and N `--workers` (`--workers 1,2`): requests/s,
   pairs/s, p50/p99, errors.
@@ -198,9 +200,11 @@ async def _overhead_cell(client: AsyncRerankClient, bare_server: tuple[AsyncRera
 
 
 async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
-                       docs: Sequence[str], slots: int = SLOTS) -> None:
-    """The best direct strategy: every pair at once, `slots` in flight."""
-    limit = asyncio.Semaphore(slots)
+                       docs: Sequence[str], slots: int = SLOTS,
+                       shared: asyncio.Semaphore | None = None) -> None:
+    """The best direct strategy: every pair at once, `slots` in flight (or `shared`'s,
+    a limit several direct clients hold together, as rerank-server's requests do)."""
+    limit = shared or asyncio.Semaphore(slots)
 
     async def one(doc: str) -> None:
         body = {"messages": [
@@ -214,9 +218,10 @@ async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
 
 
 async def _direct_batches(http: httpx.AsyncClient, url: str, path: str,
-                          bodies: Sequence[dict[str, Any]], slots: int) -> None:
+                          bodies: Sequence[dict[str, Any]], slots: int,
+                          shared: asyncio.Semaphore | None = None) -> None:
     """Batched backends, directly: every batch at once, `slots` in flight."""
-    limit = asyncio.Semaphore(slots)
+    limit = shared or asyncio.Semaphore(slots)
 
     async def one(body: dict[str, Any]) -> None:
         async with limit:
@@ -225,11 +230,13 @@ async def _direct_batches(http: httpx.AsyncClient, url: str, path: str,
     await asyncio.gather(*(one(b) for b in bodies))
 
 
-def direct_call(kind: str, slots: int, batch: int) -> Callable[
+def direct_call(kind: str, slots: int, batch: int,
+                shared: asyncio.Semaphore | None = None) -> Callable[
         [httpx.AsyncClient, str, str, Sequence[str]], Awaitable[None]]:
-    """The best direct client for a backend kind: what rerank-server is compared with."""
+    """The best direct client for a backend kind: what rerank-server is compared with.
+    `shared`: one limit of `slots` for every request made through it."""
     if kind == "chat":
-        return partial(_direct_chat, slots=slots)
+        return partial(_direct_chat, slots=slots, shared=shared)
 
     async def batched(http: httpx.AsyncClient, url: str, query: str,
                       docs: Sequence[str]) -> None:
@@ -237,10 +244,10 @@ def direct_call(kind: str, slots: int, batch: int) -> Callable[
         bodies: list[dict[str, Any]]
         if kind == "embedding":  # the query once, then the documents in batches
             bodies = [{"input": [query]}, *({"input": c} for c in chunks)]
-            await _direct_batches(http, url, "/v1/embeddings", bodies, slots)
+            await _direct_batches(http, url, "/v1/embeddings", bodies, slots, shared)
         else:
             bodies = [{"query": query, "documents": c} for c in chunks]
-            await _direct_batches(http, url, "/v1/rerank", bodies, slots)
+            await _direct_batches(http, url, "/v1/rerank", bodies, slots, shared)
     return batched
 
 
@@ -248,8 +255,11 @@ DIRECT_KINDS = ("chat", "embedding", "rerank")
 
 
 async def model(url: str, rounds: int, count: int, kind: str = "chat",
-                slots: int = SLOTS) -> dict[str, Any]:
-    """The same passages scored directly and through rerank-server, alternating."""
+                slots: int = SLOTS, clients: Sequence[int] = (),
+                seconds: float = 5.0) -> dict[str, Any]:
+    """The same passages scored directly and through rerank-server, alternating; then,
+    for each count in `clients`, that many clients sending requests back to back for
+    `seconds`, directly and through, in pairs/s (`_load`)."""
     docs = passages(count, seed=11)
     times: dict[str, list[float]] = {"direct": [], "through": []}
     batch = 32
@@ -272,13 +282,51 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
                         t = await _timed(partial(client.rerank, query, docs))
                     if r:  # round 0 warms up
                         times[path].append(t)
+            load = {str(n): await _load(n, seconds, port, url, kind, slots, batch, docs)
+                    for n in clients}
     direct_s, through_s = (statistics.median(times["direct"]),
                            statistics.median(times["through"]))
     return {"backend": kind, "passages": len(docs), "slots": slots, "rounds": rounds,
             "direct_ms": round(direct_s * 1000), "through_ms": round(through_s * 1000),
             "through_over_direct": round(through_s / direct_s, 3),
             "direct_pairs_per_s": round(len(docs) / direct_s, 1),
-            "through_pairs_per_s": round(len(docs) / through_s, 1)}
+            "through_pairs_per_s": round(len(docs) / through_s, 1),
+            "load": load}
+
+
+async def _load(clients: int, seconds: float, port: int, url: str, kind: str, slots: int,
+                batch: int, docs: Sequence[str]) -> dict[str, float]:
+    """Pairs/s with `clients` sending requests back to back: directly (every client's
+    pairs at once, one limit of `slots` for them all, as rerank-server's `--concurrency`
+    is) and through rerank-server (a connection per client). A request still running
+    when the time is up counts when it ends, over the time it took."""
+    async def rate(one: Callable[[int, int], Awaitable[Any]]) -> float:
+        done = 0
+        started = time.perf_counter()
+        stop_at = started + seconds
+
+        async def loop(n: int) -> None:
+            nonlocal done
+            i = 0
+            while time.perf_counter() < stop_at:
+                await one(n, i)
+                done += 1
+                i += 1
+        await asyncio.gather(*(loop(n) for n in range(clients)))
+        return done * len(docs) / (time.perf_counter() - started)
+
+    direct = direct_call(kind, slots, batch, shared=asyncio.Semaphore(slots))
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=120))
+        connections = [await stack.enter_async_context(
+            AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True))
+            for _ in range(clients)]
+        direct_rate = await rate(lambda n, i: direct(http, url, f"load {n} {i} direct", docs))
+        through_rate = await rate(lambda n, i: connections[n].rerank(f"load {n} {i}", docs,
+                                                                     timeout=120))
+    return {"direct_pairs_per_s": round(direct_rate, 1),
+            "through_pairs_per_s": round(through_rate, 1),
+            "through_over_direct": round(through_rate / direct_rate, 3)}
 
 
 async def throughput(seconds: float, workers: Sequence[int] = (1,)) -> dict[str, Any]:
@@ -531,6 +579,12 @@ def markdown(report: dict[str, Any]) -> str:
                   f"({m['direct_pairs_per_s']} pairs/s), through rerank-server "
                   f"{m['through_ms']} ms ({m['through_pairs_per_s']} pairs/s), ratio "
                   f"{m['through_over_direct']}.", ""]
+        if m.get("load"):
+            lines += ["| clients | direct pairs/s | through pairs/s | through / direct |",
+                      "|---|---|---|---|"]
+            lines += [f"| {n} | {r['direct_pairs_per_s']} | {r['through_pairs_per_s']} | "
+                      f"{r['through_over_direct']} |" for n, r in m["load"].items()]
+            lines.append("")
     if "throughput" in report:
         lines += ["#### Throughput (instant fake backend, 20 candidates)", "",
                   "| workers | clients | requests/s | pairs/s | p50 ms | p99 ms | errors |",
@@ -644,8 +698,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         with contextlib.nullcontext(args.backend_url) if external \
                 else llama_server(SLOTS) as llama:
             if "model" in chosen:
-                report["model"] = await model(llama, args.rounds, args.passages,
-                                              args.backend, slots)
+                report["model"] = await model(
+                    llama, args.rounds, args.passages, args.backend, slots,
+                    [int(n) for n in args.clients.split(",") if n], args.seconds)
             if "streaming" in chosen:
                 report["streaming"] = await streaming(
                     llama, args.rounds, args.stream_latency_ms,
@@ -673,11 +728,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=100,
                         help="overhead: requests per backend and size (telemetry: 10x)")
     parser.add_argument("--seconds", type=float, default=5.0,
-                        help="throughput: seconds per concurrency level")
+                        help="throughput and model --clients: seconds per level")
     parser.add_argument("--workers", default=",".join(map(str, sorted({1, os.cpu_count() or 1}))),
                         help="throughput: the --workers settings to compare")
     parser.add_argument("--rounds", type=int, default=5,
                         help="llama-server scenarios: measured rounds (plus one warm-up)")
+    parser.add_argument("--clients", default="",
+                        help="model scenario: also pairs/s with these many clients at "
+                             "once, each for --seconds, directly and through (e.g. 1,4,16)")
     parser.add_argument("--passages", type=int, default=20,
                         help="llama-server scenarios: passages per request")
     parser.add_argument("--grid", default=",".join(f"{np}:{ub}" for np, ub in GRID),

@@ -147,3 +147,23 @@ async def test_the_fake_records_scoring_calls_and_replay_sends_them_at_the_concu
     # Four 40 ms calls, two at a time: two rounds (80 ms), neither all at once (40 ms)
     # nor one by one (160 ms).
     assert 0.08 <= elapsed < 0.16
+
+
+def test_model_load_compares_pairs_per_second_under_one_limit(tmp_path: Path) -> None:
+    """`--clients`: pairs/s with several clients at once, directly and through. Against a
+    backend taking 20 ms a call with 2 slots, neither side can pass 2 / 20 ms = 100 pairs
+    a second: the direct clients share one limit of the slot count, as rerank-server's
+    requests share `--concurrency` (three direct clients with a limit each would reach
+    three times that)."""
+    with fake_backend(latency_ms=20) as url:
+        code = main(["--scenarios", "model", "--rounds", "1", "--passages", "6",
+                     "--backend-url", url, "--backend", "chat", "--slots", "2",
+                     "--clients", "1,3", "--seconds", "1.5", "--out", str(tmp_path)])
+    assert code == 0
+    load = json.loads((tmp_path / "bench.json").read_text())["model"]["load"]
+    assert set(load) == {"1", "3"}
+    for cell in load.values():
+        assert 20 < cell["direct_pairs_per_s"] <= 110
+        assert 20 < cell["through_pairs_per_s"] <= 110
+        assert 0.4 < cell["through_over_direct"] < 2.5
+    assert "| 3 |" in (tmp_path / "bench.md").read_text()
