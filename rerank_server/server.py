@@ -158,7 +158,6 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         managed = None
         if settings.managed:
             settings, managed = await start_managed(settings, telemetry.metrics.llama_restarts)
-            telemetry.metrics.llama_restarts.add(0)  # shown from the start, as with workers
             stack.push_async_callback(managed.stop)
         cache = await asyncio.to_thread(_open_cache, settings, telemetry)  # may open SQLite
         stack.push_async_callback(cache.aclose)

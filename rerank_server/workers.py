@@ -110,7 +110,7 @@ async def _supervise(settings: Settings, count: int) -> None:
         http_port = settings.http_port and _reserve(
             reserved, settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
         settings = dataclasses.replace(settings, port=port, http_port=http_port)
-        own = SupervisorMetrics(managed=settings.managed)
+        own = SupervisorMetrics()
         async with contextlib.AsyncExitStack() as stack:
             if settings.managed:
                 settings, managed = await start_managed(settings, own.llama_restarts)
@@ -228,18 +228,20 @@ class _Workers:
                 if w.ready and not w.process.is_alive() and not stop_requested.is_set():
                     log.warning("worker_exited", worker=w.index, status=w.process.exitcode,
                                 restarting_in_s=RESTART_DELAY_S)
-                    w.conn.close()
-                    await asyncio.sleep(RESTART_DELAY_S)
-                    self._workers[i] = self._spawn(w.index)
-                    self._restarts.add(1)
+                    await self._respawn(i)
                 elif not w.ready:
                     error = self._poll(w)
                     if error is not None:  # a replacement that cannot start: try again
                         log.warning("worker_restart_failed", worker=w.index, error=str(error))
-                        w.conn.close()
-                        await asyncio.sleep(RESTART_DELAY_S)
-                        self._workers[i] = self._spawn(w.index)
-                        self._restarts.add(1)  # a crash loop counts every try
+                        await self._respawn(i)
+
+    async def _respawn(self, i: int) -> None:
+        """Worker `i` again, after the delay; counted, every try of a crash loop too."""
+        old = self._workers[i]
+        old.conn.close()
+        await asyncio.sleep(RESTART_DELAY_S)
+        self._workers[i] = self._spawn(old.index)
+        self._restarts.add(1)
 
     async def stop(self) -> None:
         """SIGTERM to every worker (each drains within the grace period), then wait; kill

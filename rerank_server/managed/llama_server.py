@@ -66,6 +66,8 @@ class ManagedLlamaServer:
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0
         self._restart_counter = restart_counter  # `rerank.llama_server.restarts`
+        if restart_counter is not None:
+            restart_counter.add(0)  # shown from the start, so `increase()` sees the first
         self._proc: asyncio.subprocess.Process | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False

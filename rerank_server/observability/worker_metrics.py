@@ -37,17 +37,15 @@ class SupervisorMetrics:
     `rerank.worker.restarts`. Served on the merged Prometheus endpoint only: with OTLP
     metrics on, the workers push their own series and these two do not leave."""
 
-    def __init__(self, managed: bool) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         make = Instruments(NoOpMeterProvider().get_meter(SCOPE_NAME), self.registry)
         self.llama_restarts: Adder = make.counter(*LLAMA_RESTARTS)
         self.worker_restarts: Adder = make.counter(
             "rerank.worker.restarts", "{restart}",
             "Worker processes (--workers) started again after one exited.")
-        # Shown at 0 from the start, so that `increase()` sees the first restart; the
-        # llama-server's only where there is one.
-        if managed:
-            self.llama_restarts.add(0)
+        # Shown at 0 from the start, so that `increase()` sees the first restart (the
+        # llama-server's is, by the managed llama-server, where there is one).
         self.worker_restarts.add(0)
 
     def text(self) -> str:

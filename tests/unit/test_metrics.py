@@ -3,6 +3,8 @@ straight into the Prometheus registry (`observability/instruments.py`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
@@ -16,6 +18,7 @@ from rerank_server.domain import (
     RerankSummary,
     ThresholdReport,
 )
+from rerank_server.managed.llama_server import ManagedLlamaServer
 from rerank_server.observability.metrics import (
     BACKEND,
     CACHE_RESULT,
@@ -159,7 +162,9 @@ def test_merged_metrics_hold_the_supervisors_series_unlabelled_beside_the_worker
     registry = CollectorRegistry(auto_describe=True)
     worker = Metrics(MeterProvider(), prometheus=registry)
     worker.requests.add(2, {RERANKED: True, REASON: "none", BACKEND: "chat"})
-    own = SupervisorMetrics(managed=True)
+    own = SupervisorMetrics()
+    ManagedLlamaServer(Path("llama-server"), Path("model.gguf"), slots=1, ctx_per_slot=512,
+                       restart_counter=own.llama_restarts)  # as in managed mode: shown at 0
     own.worker_restarts.add(1)
     text = merge({"0": generate_latest(registry).decode(), "1": None}, own.text()).decode()
 
@@ -176,6 +181,6 @@ def test_merged_metrics_hold_the_supervisors_series_unlabelled_beside_the_worker
 
 
 def test_without_managed_mode_the_supervisor_shows_no_llama_server_restarts() -> None:
-    text = SupervisorMetrics(managed=False).text()
+    text = SupervisorMetrics().text()
     assert [s.name for f in text_string_to_metric_families(text) for s in f.samples] == \
         ["rerank_worker_restarts_total"]
