@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from .. import __version__
 from ..errors import BindError
 from ..settings import Settings, host_port
+from .lean_spans import lean_tracer
 from .metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -143,18 +144,15 @@ class Telemetry:
                           prometheus=None if otlp_metrics else registry)
 
         tracer_provider = None
+        tracer: trace.Tracer = trace.NoOpTracer()
         if span_processor is not None or _otlp_wanted("TRACES", endpoint, environ):
             tracer_provider = TracerProvider(resource=resource)
-            if span_processor is not None:
-                tracer_provider.add_span_processor(span_processor)
-            else:
+            if span_processor is None:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                     OTLPSpanExporter,
                 )
-                tracer_provider.add_span_processor(
-                    BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint or None)))
-        tracer = (tracer_provider.get_tracer("rerank_server", __version__)
-                  if tracer_provider is not None else trace.NoOpTracer())
+                span_processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint or None))
+            tracer = lean_tracer(tracer_provider, span_processor, "rerank_server", __version__)
 
         telemetry = cls(metrics, tracer, tracer_provider, meter_provider,
                         trace_steps=settings.trace_steps)
