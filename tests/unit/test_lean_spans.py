@@ -134,6 +134,14 @@ def test_non_default_span_limits_keep_the_sdk(monkeypatch: pytest.MonkeyPatch) -
     assert span.dropped_attributes == 1
 
 
+def test_a_disabled_sdk_records_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    tracer, exporter = _tracer()
+    assert isinstance(tracer, trace.NoOpTracer)
+    tracer.start_span("s").end()
+    assert exporter.get_finished_spans() == ()
+
+
 def test_current_span_records_an_escaping_exception() -> None:
     tracer, exporter = _tracer()
     with pytest.raises(RuntimeError), tracer.start_as_current_span("step") as span:
