@@ -17,12 +17,18 @@ A `LeanSpan` keeps what a span means and drops that generality:
   str, bool, int or float is stored as it is; only other values go through it), the
   sampler's result objects when the sampler is the default one (the same decision, made
   inline), the per-span lock (a span here lives on one event loop), and the SDK's own
-  span metrics (recorded only with a meter provider given to the tracer provider, which
-  ours never is).
+  span metrics (recorded only with a meter provider given to the tracer provider, or
+  with `OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED` into the global one, which the server
+  never installs).
 
 `lean_tracer` falls back to the SDK's tracer when the span limits are not the defaults
 (`OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`, `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`, ...), since a
-lean span does not truncate, and when the SDK is disabled (`OTEL_SDK_DISABLED`).
+lean span does not truncate (the defaults, 128 attributes, events and links, are far
+above the dozen attributes a span of ours carries), and when the SDK is disabled
+(`OTEL_SDK_DISABLED`). Its one span processor is the one `Telemetry` gives the provider;
+a processor added to the provider later would not see lean spans, and nothing adds one.
+The resource is the provider's when the tracer is made (workers are spawned, not forked,
+so no process inherits another's).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from time import time_ns
+from types import MappingProxyType, TracebackType
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
@@ -71,16 +78,26 @@ def _attributes(into: dict[str, types.AttributeValue],
     return into
 
 
+def _is_valid_link(context: trace.SpanContext, attributes: types.Attributes) -> bool:
+    """The SDK's rule: a link needs a valid context, or attributes or a trace state."""
+    return bool(context and (context.is_valid or attributes or context.trace_state))
+
+
+def _link(context: trace.SpanContext, attributes: types.Attributes) -> trace.Link:
+    return trace.Link(context, _attributes({}, attributes))
+
+
 class LeanSpan(trace.Span):
     """A recording span of this server's: see the module's docstring."""
 
     __slots__ = ("_attributes", "_context", "_end", "_events", "_kind", "_links", "_name",
-                 "_parent", "_start", "_status", "_tracer")
+                 "_on_exception", "_parent", "_start", "_status", "_tracer")
 
     def __init__(self, tracer: LeanTracer, name: str, context: trace.SpanContext,
                  parent: trace.SpanContext | None, kind: trace.SpanKind,
                  attributes: dict[str, types.AttributeValue],
-                 links: Sequence[trace.Link], start: int) -> None:
+                 links: Sequence[trace.Link], start: int,
+                 on_exception: tuple[bool, bool] = (True, True)) -> None:
         self._tracer = tracer
         self._name = name
         self._context = context
@@ -88,10 +105,26 @@ class LeanSpan(trace.Span):
         self._kind = kind
         self._attributes = attributes
         self._events: list[Event] = []
-        self._links = list(links)
+        self._links = [_link(link.context, link.attributes) for link in links
+                       if _is_valid_link(link.context, link.attributes)]
         self._status = trace.Status(trace.StatusCode.UNSET)
         self._start = start
         self._end: int | None = None
+        self._on_exception = on_exception  # (record it, set status ERROR), as `start_span`
+
+    # What the SDK's span lets a processor's `on_start` read.
+    name = property(lambda self: self._name)
+    context = property(lambda self: self._context)
+    parent = property(lambda self: self._parent)
+    kind = property(lambda self: self._kind)
+    start_time = property(lambda self: self._start)
+    end_time = property(lambda self: self._end)
+    status = property(lambda self: self._status)
+    attributes = property(lambda self: MappingProxyType(self._attributes))
+    events = property(lambda self: tuple(self._events))
+    links = property(lambda self: tuple(self._links))
+    resource = property(lambda self: self._tracer.resource)
+    instrumentation_scope = property(lambda self: self._tracer.scope)
 
     def get_span_context(self) -> trace.SpanContext:
         return self._context
@@ -115,8 +148,8 @@ class LeanSpan(trace.Span):
 
     def add_link(self, context: trace.SpanContext,
                  attributes: types.Attributes = None) -> None:
-        if self._end is None and context.is_valid:
-            self._links.append(trace.Link(context, _attributes({}, attributes)))
+        if self._end is None and _is_valid_link(context, attributes):
+            self._links.append(_link(context, attributes))
 
     def update_name(self, name: str) -> None:
         if self._end is None:
@@ -142,6 +175,17 @@ class LeanSpan(trace.Span):
             "exception.escaped": str(escaped),
         }
         self.add_event("exception", _attributes(event, attributes), timestamp)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """`with tracer.start_span(...)`: an escaping exception recorded, as the SDK's."""
+        if error is not None and self._end is None:
+            record, set_status = self._on_exception
+            if record:
+                self.record_exception(error, escaped=True)
+            if set_status:
+                self.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
+        self.end()
 
     def end(self, end_time: int | None = None) -> None:
         if self._end is not None:
@@ -207,7 +251,8 @@ class LeanTracer(trace.Tracer):
         if not sampled:
             return trace.NonRecordingSpan(span_context)
         span = LeanSpan(self, name, span_context, parent, kind, span_attributes, links,
-                        start_time if start_time is not None else time_ns())
+                        start_time if start_time is not None else time_ns(),
+                        (record_exception, set_status_on_exception))
         self.processor.on_start(span, parent_context=context)  # type: ignore[arg-type]
         return span
 
@@ -219,7 +264,8 @@ class LeanTracer(trace.Tracer):
                               start_time: int | None = None, record_exception: bool = True,
                               set_status_on_exception: bool = True,
                               end_on_exit: bool = True) -> Iterator[trace.Span]:
-        span = self.start_span(name, context, kind, attributes, links, start_time)
+        span = self.start_span(name, context, kind, attributes, links, start_time,
+                               record_exception, set_status_on_exception)
         with trace.use_span(span, end_on_exit=end_on_exit, record_exception=record_exception,
                             set_status_on_exception=set_status_on_exception) as current:
             yield current

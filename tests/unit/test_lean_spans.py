@@ -9,7 +9,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Span, TracerProvider
 from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -88,10 +88,11 @@ def test_a_lean_span_exports_what_the_sdk_span_exports() -> None:
     _story(sdk)
     (ours,), (theirs,) = lean_spans.get_finished_spans(), sdk_spans.get_finished_spans()
     assert _fields(ours) == _fields(theirs)
-    assert dict(ours.attributes or {}) == {
+    # The plain values as they were set (the others as the installed SDK stores them,
+    # which has changed between its releases: compared above).
+    assert dict(ours.attributes or {}).items() >= {
         "rpc.system": "grpc", "rerank.pairs": 40, "rerank.scored": 39, "rerank.ratio": 0.5,
-        "rerank.ok": True, "rerank.ids": (1, 2), "rerank.none": None,
-        "rerank.mixed": (1, "a")}
+        "rerank.ok": True, "rerank.ids": (1, 2)}.items()
     assert ours.start_time is not None and ours.end_time is not None
     assert ours.start_time <= ours.end_time
     # ... and it leaves the process as OTLP, as the batch processor's exporter sends it.
@@ -157,3 +158,54 @@ def test_current_span_records_an_escaping_exception() -> None:
     assert step.events[0].attributes is not None
     assert step.events[0].attributes["exception.type"] == "RuntimeError"
 
+
+
+class _Reading(SimpleSpanProcessor):
+    """A processor that reads the span it is handed at the start, as the SDK allows."""
+
+    def __init__(self, exporter: InMemorySpanExporter) -> None:
+        super().__init__(exporter)
+        self.started: list[tuple[str, dict[str, object], trace.SpanKind]] = []
+
+    def on_start(self, span: Span, parent_context: otel_context.Context | None = None) -> None:
+        self.started.append((span.name, dict(span.attributes or {}), span.kind))
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "sdk"])
+def test_a_processor_reads_the_span_at_its_start(lean: bool) -> None:
+    exporter = InMemorySpanExporter()
+    processor = _Reading(exporter)
+    provider = TracerProvider(id_generator=_Counting())
+    if lean:
+        tracer = lean_tracer(provider, processor, "rerank_server", "1.0")
+    else:
+        provider.add_span_processor(processor)
+        tracer = provider.get_tracer("rerank_server", "1.0")
+    tracer.start_span("s", kind=trace.SpanKind.SERVER, attributes={"a": 1}).end()
+    assert processor.started == [("s", {"a": 1}, trace.SpanKind.SERVER)]
+
+
+def _links_and_escape(tracer: trace.Tracer) -> None:
+    valid = trace.SpanContext(TRACE_ID, 0xABC, is_remote=True)
+    links = [trace.Link(valid, {"k": 1}), trace.Link(trace.INVALID_SPAN_CONTEXT)]
+    with pytest.raises(KeyError), tracer.start_span("s", links=links) as span:
+        span.add_link(trace.INVALID_SPAN_CONTEXT, {"why": "attributes keep it"})
+        span.add_link(trace.INVALID_SPAN_CONTEXT)  # dropped
+        raise KeyError("gone")
+
+
+def test_links_and_an_exception_leaving_the_span_as_the_sdk_records_them() -> None:
+    """`with tracer.start_span(...)`: the exception is recorded and the status set."""
+    lean, lean_spans = _tracer()
+    sdk, sdk_spans = _tracer(lean=False)
+    _links_and_escape(lean)
+    _links_and_escape(sdk)
+    (ours,), (theirs,) = lean_spans.get_finished_spans(), sdk_spans.get_finished_spans()
+    mine, other = _fields(ours), _fields(theirs)
+    assert mine[:5] + mine[6:] == other[:5] + other[6:]
+    assert [e[:2] for e in mine[5]] == [e[:2] for e in other[5]]  # all but the time
+    assert [(link.context, dict(link.attributes or {})) for link in ours.links] == [
+        (link.context, dict(link.attributes or {})) for link in theirs.links]
+    assert len(ours.links) == 2
+    assert ours.status.status_code is trace.StatusCode.ERROR
+    assert [e.name for e in ours.events] == ["exception"]
