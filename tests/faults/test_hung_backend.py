@@ -31,6 +31,7 @@ async def backend_status(server: RunningServer) -> int:
     return int(reply.status)
 
 
+@pytest.mark.usefixtures("frozen_heap")  # it times answers to a quarter of a second
 async def test_hung_backend_is_ejected_then_recovers_within_5_s(
         start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
     server = await start_server(concurrency=2, health_interval_s=0.5)
