@@ -36,16 +36,10 @@ from pathlib import Path
 
 from rerank_client import AsyncRerankClient
 
-from rerank_server.bench.processes import fake_backend, start_server, stop
+from rerank_server.bench.processes import cpu_ns, fake_backend, start_server, stop
 from rerank_server.bench.run import backend_args, passages
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every live thread of `pid`, in nanoseconds."""
-    return sum(int((task / "schedstat").read_text().split()[0])
-               for task in Path(f"/proc/{pid}/task").iterdir())
 
 
 async def compare(trees: dict[str, Path], kind: str, size: int, requests: int,

@@ -30,6 +30,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time of every live thread of `pid` so far, in nanoseconds (schedstat: finer
+    than `cpu_seconds`'s clock ticks of 10 ms)."""
+    return sum(int((task / "schedstat").read_text().split()[0])
+               for task in Path(f"/proc/{pid}/task").iterdir())
+
+
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -26,12 +26,39 @@ from ..settings import Settings, host_port
 log = structlog.get_logger(__name__)
 
 RELOAD_EVERY_S = 5.0
+TICKS_PER_S = 10  # uvicorn's on_tick does its once-a-second work when counter % 10 == 0
 
 
 class _EmbeddedServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._exit = asyncio.Event()
+        super().__init__(config)
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit.set()
+        else:
+            self._exit.clear()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # signals belong to rerank-server, which stops this server itself
+
+    async def main_loop(self) -> None:
+        # uvicorn's own loop wakes every 0.1 s to look at `should_exit`; its tick's work
+        # (the Date header) is once a second. An idle sidecar should not wake ten times a
+        # second for that: tick each second and stop as soon as `should_exit` is set.
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + TICKS_PER_S) % 864000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._exit.wait()
 
 
 class HttpEdge:

@@ -35,7 +35,7 @@ import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -112,6 +112,9 @@ class BackendPool:
             endpoint.http.on_outcome = functools.partial(self._outcome, endpoint)
         self._turn = itertools.count()
         self.polls_to_down = 2
+        # Set when an instance is ejected or restored, so the monitor can sleep until
+        # something changes instead of looking a few times a second.
+        self.changed = asyncio.Event()
 
     # --- calls
 
@@ -222,6 +225,7 @@ class BackendPool:
         endpoint.ejections_in_row += 1
         endpoint.ejections += 1
         endpoint.ejected_until = self._clock() + backoff
+        self.changed.set()
         self._metrics.backend_ejections.add(1, endpoint.http.instance.attributes)
         log.warning("backend_ejected", instance=endpoint.name, backend=self.kind,
                     reason=reason, backoff_s=backoff)
@@ -231,6 +235,14 @@ class BackendPool:
         now = self._clock()
         return [e for e in self.endpoints
                 if e.ejected_until is not None and now >= e.ejected_until]
+
+    def next_probe_in(self, skip: Collection[str] = ()) -> float | None:
+        """Seconds until the first back-off ends among ejected instances not named in
+        `skip` (0 if one is over; None if none is ejected)."""
+        now = self._clock()
+        waits = [e.ejected_until - now for e in self.endpoints
+                 if e.ejected_until is not None and e.name not in skip]
+        return max(0.0, min(waits)) if waits else None
 
     def note_poll(self, endpoint: Endpoint, ok: bool) -> bool:
         """Record a health poll; whether the instance counts as up.
@@ -252,6 +264,7 @@ class BackendPool:
     def restore(self, endpoint: Endpoint) -> None:
         endpoint.ejected_until = None
         endpoint.failures_in_row = 0
+        self.changed.set()
         log.info("backend_restored", instance=endpoint.name, backend=self.kind)
 
     def extend(self, endpoint: Endpoint) -> None:

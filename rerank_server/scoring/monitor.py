@@ -10,17 +10,20 @@ listens (the gRPC edge turns it into health service names, `api/grpc_server.py`)
   one. A model that cannot tell them apart, or gives degenerate scores (a GGUF without its
   classification head gives values like 1e-28), is down here and logged as a warning.
 
-Between polls the monitor ticks every `TICK_S`: it reports at once when the pool loses or
-regains its last available instance (an ejection after failed calls, say), and probes
-each ejected instance whose back-off is over with one real scoring call pinned to it
-(`BackendPool.pinned`): an answer returns it to the pool, no answer ejects it again for
-longer. A backend that answers `/health` but hangs on scoring therefore stays out until
-it scores again. State changes are logged once per change, not per poll.
+Between polls the monitor sleeps until the pool changes (an instance ejected after failed
+calls, or restored) or an ejected instance's back-off ends, not on a timer: an idle
+server should not wake for nothing. It then reports at once when the pool loses or
+regains its last available instance, and probes each ejected instance whose back-off is
+over with one real scoring call pinned to it (`BackendPool.pinned`): an answer returns it
+to the pool, no answer ejects it again for longer. A backend that answers `/health` but
+hangs on scoring therefore stays out until it scores again. State changes are logged
+once per change, not per poll.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -37,7 +40,6 @@ PROBE_RELEVANT = "Paris is the capital and most populous city of France."
 PROBE_IRRELEVANT = ("Photosynthesis lets green plants turn sunlight, water and carbon dioxide "
                     "into sugar.")
 MIN_SEPARATION = 0.05
-TICK_S = 0.25
 INSTANCE_PROBE_TIMEOUT_S = 5.0
 DEGENERATE_BELOW = 1e-6
 
@@ -140,7 +142,21 @@ class BackendMonitor:
                     await self.tick()
             except Exception:  # a bug here must not end health reporting for good
                 log.exception("backend_monitor_error")
-            await asyncio.sleep(min(TICK_S, self._interval_s))
+            await self._until_due(next_poll)
+
+    async def _until_due(self, next_poll: float) -> None:
+        """Sleep until the next poll, the next back-off's end among instances not being
+        probed (a probe's end restores or ejects again, which changes the pool), or a
+        change in the pool, whichever is first."""
+        loop = asyncio.get_running_loop()
+        wake = next_poll
+        probe_in = self._pool.next_probe_in(skip=self._probes.keys())
+        if probe_in is not None:
+            wake = min(wake, loop.time() + probe_in)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(wake):
+                await self._pool.changed.wait()
+        self._pool.changed.clear()
 
     async def check(self) -> None:
         """Poll every instance's `/health`, then `tick`, and wait for what a backend that
