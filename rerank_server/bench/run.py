@@ -199,56 +199,81 @@ async def _overhead_cell(client: AsyncRerankClient, bare_server: tuple[AsyncRera
             "latencies_ms": [round(x * 1000, 3) for x in through]}
 
 
+async def _answered(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> bool:
+    """One direct call: whether the backend answered it with a 2xx."""
+    try:
+        return (await http.post(url, json=body)).is_success
+    except httpx.HTTPError:
+        return False
+
+
 async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
                        docs: Sequence[str], slots: int = SLOTS,
-                       shared: asyncio.Semaphore | None = None) -> None:
+                       shared: asyncio.Semaphore | None = None) -> int:
     """The best direct strategy: every pair at once, `slots` in flight (or `shared`'s,
-    a limit several direct clients hold together, as rerank-server's requests do)."""
+    a limit several direct clients hold together, as rerank-server's requests do).
+    Returns how many pairs the backend did not answer."""
     limit = shared or asyncio.Semaphore(slots)
 
-    async def one(doc: str) -> None:
+    async def one(doc: str) -> bool:
         body = {"messages": [
             {"role": "system", "content": prompt.SYSTEM_PROMPT},
             {"role": "user", "content": prompt.user_message(DEFAULT_INSTRUCTION, query, doc)}],
             "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
         async with limit:
-            (await http.post(url + "/v1/chat/completions", json=body)).raise_for_status()
+            return await _answered(http, url + "/v1/chat/completions", body)
 
-    await asyncio.gather(*(one(d) for d in docs))
+    return sum(not ok for ok in await asyncio.gather(*(one(d) for d in docs)))
 
 
 async def _direct_batches(http: httpx.AsyncClient, url: str, path: str,
-                          bodies: Sequence[dict[str, Any]], slots: int,
-                          shared: asyncio.Semaphore | None = None) -> None:
-    """Batched backends, directly: every batch at once, `slots` in flight."""
+                          bodies: Sequence[dict[str, Any]], pairs: Sequence[int], slots: int,
+                          shared: asyncio.Semaphore | None = None) -> int:
+    """Batched backends, directly: every batch at once, `slots` in flight. `pairs`: how
+    many pairs each body's failure loses. Returns how many the backend did not answer."""
     limit = shared or asyncio.Semaphore(slots)
 
-    async def one(body: dict[str, Any]) -> None:
+    async def one(body: dict[str, Any]) -> bool:
         async with limit:
-            (await http.post(url + path, json=body)).raise_for_status()
+            return await _answered(http, url + path, body)
 
-    await asyncio.gather(*(one(b) for b in bodies))
+    answered = await asyncio.gather(*(one(b) for b in bodies))
+    return sum(n for ok, n in zip(answered, pairs, strict=True) if not ok)
 
 
 def direct_call(kind: str, slots: int, batch: int,
                 shared: asyncio.Semaphore | None = None) -> Callable[
-        [httpx.AsyncClient, str, str, Sequence[str]], Awaitable[None]]:
+        [httpx.AsyncClient, str, str, Sequence[str]], Awaitable[int]]:
     """The best direct client for a backend kind: what rerank-server is compared with.
-    `shared`: one limit of `slots` for every request made through it."""
+    `shared`: one limit of `slots` for every request made through it. The call returns
+    how many of its pairs the backend did not answer (a failed batch loses all of its
+    pairs; a failed query embedding, every pair)."""
     if kind == "chat":
         return partial(_direct_chat, slots=slots, shared=shared)
 
     async def batched(http: httpx.AsyncClient, url: str, query: str,
-                      docs: Sequence[str]) -> None:
+                      docs: Sequence[str]) -> int:
         chunks = [list(docs[i:i + batch]) for i in range(0, len(docs), batch)]
-        bodies: list[dict[str, Any]]
         if kind == "embedding":  # the query once, then the documents in batches
-            bodies = [{"input": [query]}, *({"input": c} for c in chunks)]
-            await _direct_batches(http, url, "/v1/embeddings", bodies, slots, shared)
-        else:
-            bodies = [{"query": query, "documents": c} for c in chunks]
-            await _direct_batches(http, url, "/v1/rerank", bodies, slots, shared)
+            failed = await _direct_batches(
+                http, url, "/v1/embeddings", [{"input": [query]}, *({"input": c} for c in chunks)],
+                [len(docs), *(len(c) for c in chunks)], slots, shared)
+            return min(failed, len(docs))
+        return await _direct_batches(
+            http, url, "/v1/rerank", [{"query": query, "documents": c} for c in chunks],
+            [len(c) for c in chunks], slots, shared)
     return batched
+
+
+async def _through(client: AsyncRerankClient, query: str, docs: Sequence[str]) -> int:
+    """One request through rerank-server: how many of its pairs were not scored. A
+    degraded answer comes back fast and in retrieval order, so timing it as if scored
+    would flatter rerank-server; the scenarios count such pairs and say so."""
+    try:
+        answer = await client.rerank(query, docs, timeout=120)
+    except RerankError:
+        return len(docs)
+    return len(docs) - answer.summary.scored
 
 
 DIRECT_KINDS = ("chat", "embedding", "rerank")
@@ -262,6 +287,7 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
     `seconds`, directly and through, in pairs/s (`_load`)."""
     docs = passages(count, seed=11)
     times: dict[str, list[float]] = {"direct": [], "through": []}
+    lost = {"direct": 0, "through": 0}  # pairs not scored, over the measured rounds
     batch = 32
     direct = direct_call(kind, slots, batch)
     args = ["--backend", kind, "--backend-url", url, "--concurrency", str(slots),
@@ -276,12 +302,14 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
                 order = ("direct", "through") if r % 2 == 0 else ("through", "direct")
                 for path in order:
                     query = f"round {r} {path} which passage is about river energy"
+                    started = time.perf_counter()
                     if path == "direct":
-                        t = await _timed(partial(direct, http, url, query, docs))
+                        missed = await direct(http, url, query, docs)
                     else:
-                        t = await _timed(partial(client.rerank, query, docs))
+                        missed = await _through(client, query, docs)
                     if r:  # round 0 warms up
-                        times[path].append(t)
+                        times[path].append(time.perf_counter() - started)
+                        lost[path] += missed
             load = {str(n): await _load(n, seconds, port, url, kind, slots, batch, docs)
                     for n in clients}
     direct_s, through_s = (statistics.median(times["direct"]),
@@ -291,29 +319,33 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
             "through_over_direct": round(through_s / direct_s, 3),
             "direct_pairs_per_s": round(len(docs) / direct_s, 1),
             "through_pairs_per_s": round(len(docs) / through_s, 1),
+            "direct_failed_pairs": lost["direct"], "through_unscored_pairs": lost["through"],
             "load": load}
 
 
 async def _load(clients: int, seconds: float, port: int, url: str, kind: str, slots: int,
-                batch: int, docs: Sequence[str]) -> dict[str, float]:
+                batch: int, docs: Sequence[str]) -> dict[str, float | int | None]:
     """Pairs/s with `clients` sending requests back to back: directly (every client's
     pairs at once, one limit of `slots` for them all, as rerank-server's `--concurrency`
     is) and through rerank-server (a connection per client). A request still running
-    when the time is up counts when it ends, over the time it took."""
-    async def rate(one: Callable[[int, int], Awaitable[Any]]) -> float:
-        done = 0
+    when the time is up counts when it ends, over the time it took. Only pairs scored
+    count; those that were not (a failed call, a degraded answer) are reported beside
+    the rates, and a failed request does not stop the run."""
+    async def rate(one: Callable[[int, int], Awaitable[int]]) -> tuple[float, int]:
+        done = missed = 0
         started = time.perf_counter()
         stop_at = started + seconds
 
         async def loop(n: int) -> None:
-            nonlocal done
+            nonlocal done, missed
             i = 0
             while time.perf_counter() < stop_at:
-                await one(n, i)
-                done += 1
+                lost = await one(n, i)
+                done += len(docs) - lost
+                missed += lost
                 i += 1
         await asyncio.gather(*(loop(n) for n in range(clients)))
-        return done * len(docs) / (time.perf_counter() - started)
+        return done / (time.perf_counter() - started), missed
 
     direct = direct_call(kind, slots, batch, shared=asyncio.Semaphore(slots))
     async with contextlib.AsyncExitStack() as stack:
@@ -321,12 +353,15 @@ async def _load(clients: int, seconds: float, port: int, url: str, kind: str, sl
         connections = [await stack.enter_async_context(
             AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True))
             for _ in range(clients)]
-        direct_rate = await rate(lambda n, i: direct(http, url, f"load {n} {i} direct", docs))
-        through_rate = await rate(lambda n, i: connections[n].rerank(f"load {n} {i}", docs,
-                                                                     timeout=120))
+        direct_rate, direct_lost = await rate(
+            lambda n, i: direct(http, url, f"load {n} {i} direct", docs))
+        through_rate, through_lost = await rate(
+            lambda n, i: _through(connections[n], f"load {n} {i}", docs))
     return {"direct_pairs_per_s": round(direct_rate, 1),
             "through_pairs_per_s": round(through_rate, 1),
-            "through_over_direct": round(through_rate / direct_rate, 3)}
+            "through_over_direct": round(through_rate / direct_rate, 3) if direct_rate
+            else None,
+            "direct_failed_pairs": direct_lost, "through_unscored_pairs": through_lost}
 
 
 async def throughput(seconds: float, workers: Sequence[int] = (1,)) -> dict[str, Any]:
@@ -579,11 +614,18 @@ def markdown(report: dict[str, Any]) -> str:
                   f"({m['direct_pairs_per_s']} pairs/s), through rerank-server "
                   f"{m['through_ms']} ms ({m['through_pairs_per_s']} pairs/s), ratio "
                   f"{m['through_over_direct']}.", ""]
+        if m["direct_failed_pairs"] or m["through_unscored_pairs"]:
+            lines += [f"**Not comparable:** over the measured rounds the backend did not "
+                      f"answer {m['direct_failed_pairs']} pairs called directly, and "
+                      f"{m['through_unscored_pairs']} pairs through rerank-server were not "
+                      f"scored (a degraded answer is fast and in retrieval order).", ""]
         if m.get("load"):
-            lines += ["| clients | direct pairs/s | through pairs/s | through / direct |",
-                      "|---|---|---|---|"]
+            lines += ["| clients | direct pairs/s | through pairs/s | through / direct "
+                      "| pairs failed directly | pairs unscored through |",
+                      "|---|---|---|---|---|---|"]
             lines += [f"| {n} | {r['direct_pairs_per_s']} | {r['through_pairs_per_s']} | "
-                      f"{r['through_over_direct']} |" for n, r in m["load"].items()]
+                      f"{r['through_over_direct']} | {r['direct_failed_pairs']} | "
+                      f"{r['through_unscored_pairs']} |" for n, r in m["load"].items()]
             lines.append("")
     if "throughput" in report:
         lines += ["#### Throughput (instant fake backend, 20 candidates)", "",

@@ -14,6 +14,7 @@ from rerank_server.bench import replay
 from rerank_server.bench.processes import fake_backend
 from rerank_server.bench.run import KINDS, main
 from rerank_server.bench.run import passages as make_passages
+from tests.fakes.llama import FakeLlamaServer
 
 
 def test_passages_are_deterministic_and_sized() -> None:
@@ -167,3 +168,29 @@ def test_model_load_compares_pairs_per_second_under_one_limit(tmp_path: Path) ->
         assert 20 < cell["through_pairs_per_s"] <= 110
         assert 0.4 < cell["through_over_direct"] < 2.5
     assert "| 3 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_pairs_not_scored_are_counted_not_timed_as_answers(tmp_path: Path) -> None:
+    """A degraded answer through rerank-server is fast and in retrieval order: timed as if
+    scored it would flatter rerank-server. Against a backend that fails every call on one
+    of the six passages, both sides count that pair as lost in every request, the load's
+    rates count only scored pairs, a failed direct call does not stop the run, and the
+    report says the figures are not comparable."""
+    fake = FakeLlamaServer(failing_markers=("Winter",)).start()  # in passage 4 alone
+    try:
+        code = main(["--scenarios", "model", "--rounds", "2", "--passages", "6",
+                     "--backend-url", fake.url, "--backend", "chat", "--slots", "2",
+                     "--clients", "1", "--seconds", "1", "--out", str(tmp_path)])
+    finally:
+        fake.stop()
+    assert code == 0
+    model = json.loads((tmp_path / "bench.json").read_text())["model"]
+    assert (model["direct_failed_pairs"], model["through_unscored_pairs"]) == (2, 2)
+    load = model["load"]["1"]
+    assert load["direct_failed_pairs"] >= 1 and load["through_unscored_pairs"] >= 1
+    # Each request lost one pair, so it scored five: over a run of at least 1 s the rate
+    # is at most five pairs a second per request made (six if lost pairs counted).
+    for rate, lost in ((load["direct_pairs_per_s"], load["direct_failed_pairs"]),
+                       (load["through_pairs_per_s"], load["through_unscored_pairs"])):
+        assert 0 < rate <= 5 * lost + 0.1
+    assert "**Not comparable:**" in (tmp_path / "bench.md").read_text()
