@@ -5,11 +5,12 @@ time budget keeps back a reserve for blending and sending its answer; `LoopLag.r
 lets that reserve grow with the lag, so an admitted request is still answered before its
 deadline when the loop is slow.
 
-Sampling costs a wake-up of the loop every `INTERVAL_S`, which an idle sidecar should not
-pay for nothing (it was two thirds of an idle server's wake-ups). So the sampler runs
-while the lag is being read: after `WINDOW` samples that no request read (about 2 s), it
-forgets them and sleeps until the next read. The first request after such a pause sees a
-lag of 0, which is what a loop with nothing to do has; samples resume at once.
+Sampling costs a wake-up of the loop each time, which an idle sidecar should not pay 20
+times a second (it was two thirds of an idle server's wake-ups). So the sampler takes a
+sample every `INTERVAL_S` while requests read the lag, and every `IDLE_INTERVAL_S` once
+none has for `WINDOW_S`. It does not stop: the loop can fall behind while this server
+has nothing to do (a llama-server on the same cores working for someone else, a
+neighbour on the node), and the first request after a pause must see that.
 """
 
 from __future__ import annotations
@@ -17,34 +18,32 @@ from __future__ import annotations
 import asyncio
 import collections
 
-INTERVAL_S = 0.05
-WINDOW = 40  # samples: the largest lag of about the last 2 s
+INTERVAL_S = 0.05       # while requests come in
+IDLE_INTERVAL_S = 0.5   # after WINDOW_S without one: still four samples in the window
+WINDOW_S = 2.0          # the lag reported is the largest of this recent span
 
 
 class LoopLag:
-    """Samples the loop's lag every `INTERVAL_S` while started and read."""
+    """Samples the loop's lag while started: often while read, rarely while not."""
 
     def __init__(self) -> None:
-        self._samples: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self._unread = 0  # samples taken since the last read
-        self._read = asyncio.Event()
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._read_at = float("-inf")  # loop time of the last read
         self._task: asyncio.Task[None] | None = None
 
     @property
     def recent_s(self) -> float:
-        """The largest lag seen recently (0 before the first sample and after a pause)."""
-        self._unread = 0
-        if not self._read.is_set():
-            self._read.set()
-        return max(self._samples, default=0.0)
+        """The largest lag sampled in the last `WINDOW_S` (0 before the first sample)."""
+        self._read_at = now = asyncio.get_running_loop().time()
+        self._forget_before(now - WINDOW_S)
+        return max((lag for _, lag in self._samples), default=0.0)
 
     @property
-    def sampling(self) -> bool:
-        """Whether the sampler is awake (False while it sleeps for want of readers)."""
-        return self._read.is_set()
+    def idle(self) -> bool:
+        """Whether the sampler is at its idle rate (no read for `WINDOW_S`)."""
+        return asyncio.get_running_loop().time() - self._read_at > WINDOW_S
 
     def start(self) -> None:
-        self._read.set()
         self._task = asyncio.create_task(self._sample())
 
     async def stop(self) -> None:
@@ -52,15 +51,16 @@ class LoopLag:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    def _forget_before(self, cutoff: float) -> None:
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.popleft()
+
     async def _sample(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if self._unread >= WINDOW:
-                self._samples.clear()
-                self._read.clear()
-                await self._read.wait()
-                self._unread = 0
-            due = loop.time() + INTERVAL_S
-            await asyncio.sleep(INTERVAL_S)
-            self._samples.append(max(0.0, loop.time() - due))
-            self._unread += 1
+            interval = IDLE_INTERVAL_S if self.idle else INTERVAL_S
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            now = loop.time()
+            self._samples.append((now, max(0.0, now - due)))
+            self._forget_before(now - WINDOW_S)

@@ -41,6 +41,7 @@ PROBE_IRRELEVANT = ("Photosynthesis lets green plants turn sunlight, water and c
                     "into sugar.")
 MIN_SEPARATION = 0.05
 INSTANCE_PROBE_TIMEOUT_S = 5.0
+MIN_WAIT_S = 0.05  # the monitor's shortest sleep between looks at the pool
 DEGENERATE_BELOW = 1e-6
 
 BACKEND = ""
@@ -153,6 +154,11 @@ class BackendMonitor:
         probe_in = self._pool.next_probe_in(skip=self._probes.keys())
         if probe_in is not None:
             wake = min(wake, loop.time() + probe_in)
+        # Not sooner than MIN_WAIT_S: the pool's clock and uvloop's cached, millisecond
+        # loop time disagree by a hair (a wake-up a hair early would find nothing due
+        # and go round again), and a back-off or poll interval set near zero must not
+        # make probes and polls run back to back.
+        wake = max(wake, loop.time() + MIN_WAIT_S)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(wake):
                 await self._pool.changed.wait()
@@ -225,6 +231,9 @@ class BackendMonitor:
             pass
         finally:
             self._probes.pop(endpoint.name, None)
+            # Wake the monitor whatever happened: it skipped this instance's back-off
+            # while the probe ran (a probe that raised neither restores nor ejects).
+            self._pool.changed.set()
         # A malformed answer is still an answer: the instance is alive and scoring.
         if any(o.failure in (None, Failure.MALFORMED) for o in outcomes):
             self._pool.restore(endpoint)

@@ -63,7 +63,7 @@ async def test_hung_backend_is_ejected_then_recovers_within_5_s(
     print(f"hung: {len(answers)} answers, first waits {waited} s, last 10 max "
           f"{max(durations[-10:]) * 1000:.0f} ms, backend max in flight "
           f"{fake_llama.max_in_flight}, reranked again {back_s:.1f} s after the fix")
-    # The health name follows within a monitor tick (0.25 s).
+    # The health name follows at once: the restore wakes the monitor.
     serving = health_pb2.HealthCheckResponse.SERVING
 
     async def is_serving() -> bool:

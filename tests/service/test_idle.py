@@ -35,22 +35,22 @@ async def test_an_idle_server_wakes_its_loop_rarely(start_server: StartServer) -
     # poll (every 5 s by default, a handful of waits each) is put out of the window.
     server = await start_server(health_interval_s=60.0)
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
-        # A request reads the loop's lag: its sampler is awake now.
+        # A request reads the loop's lag: its sampler runs at the busy rate now.
         assert (await client.rerank("pets", DOCS, blend_strategy="rerank_only")).reranked
     loop = asyncio.get_running_loop()
     selector = _CountingSelector(loop._selector)  # type: ignore[attr-defined]
     loop._selector = selector  # type: ignore[attr-defined]
     try:
-        await asyncio.sleep(2.5)  # the lag sampler stops after ~2 s without a reader
+        await asyncio.sleep(2.5)  # the lag sampler slows down 2 s after the last read
         before = selector.selects
         await asyncio.sleep(3.0)
         woke = selector.selects - before
     finally:
         loop._selector = selector._inner  # type: ignore[attr-defined]
     # Before: the lag sampler (20 a second), uvicorn's tick (10) and the monitor's (4):
-    # 159 waits in 3 s (each timer's wake-up is two). Now: uvicorn's tick once a second,
-    # about 5.
-    assert woke <= 10, f"the idle loop waited {woke} times in 3 s"
-    # A request after the pause is served as before, and wakes the sampler again.
+    # 159 waits in 3 s (each timer's wake-up is two). Now: the idle lag sampler twice a
+    # second and uvicorn's tick once, 12-14.
+    assert woke <= 25, f"the idle loop waited {woke} times in 3 s"
+    # A request after the pause is served as before.
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         assert (await client.rerank("pets", DOCS, blend_strategy="rerank_only")).reranked

@@ -1,4 +1,5 @@
-"""The loop-lag sampler: it measures a blocked loop, and sleeps while nobody reads it."""
+"""The loop-lag sampler: it measures a blocked loop, slows down while nobody reads it,
+and still sees a loop that fell behind before the first read after a pause."""
 
 from __future__ import annotations
 
@@ -19,26 +20,50 @@ def _block_the_loop(seconds: float) -> None:
 @pytest.fixture(autouse=True)
 def fast_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loop_lag, "INTERVAL_S", 0.01)
-    monkeypatch.setattr(loop_lag, "WINDOW", 5)
+    monkeypatch.setattr(loop_lag, "IDLE_INTERVAL_S", 0.04)
+    monkeypatch.setattr(loop_lag, "WINDOW_S", 0.2)
 
 
-async def test_a_blocked_loop_shows_as_lag_and_an_unread_sampler_sleeps() -> None:
+async def test_a_blocked_loop_shows_as_lag_for_the_window() -> None:
     lag = LoopLag()
     lag.start()
     try:
-        await asyncio.sleep(0.015)  # the first sample's timer is armed
-        _block_the_loop(0.1)  # the loop cannot run the timer for 100 ms
+        assert lag.recent_s == 0.0  # nothing sampled yet
+        await asyncio.sleep(0.015)  # a sample's timer is armed
+        _block_the_loop(0.1)  # the loop cannot run it for 100 ms
         await asyncio.sleep(0.001)
         assert lag.recent_s >= 0.05
-        # Five samples with no read in between: the sampler forgets them and sleeps.
-        await asyncio.sleep(0.2)
-        assert not lag.sampling
-        assert lag.recent_s == 0.0  # a loop with nothing to do has no lag
-        # That read woke it: samples resume, and a new block is seen again.
-        assert lag.sampling
-        await asyncio.sleep(0.015)
+        await asyncio.sleep(0.3)  # longer than the window: the late sample is forgotten
+        assert lag.recent_s < 0.05
+    finally:
+        await lag.stop()
+
+
+async def test_unread_it_samples_rarely_and_still_sees_a_late_loop() -> None:
+    lag = LoopLag()
+    lag.start()
+    try:
+        lag.recent_s  # noqa: B018  a read: the sampler runs at its busy rate
+        assert not lag.idle
+        await asyncio.sleep(0.3)  # no read for longer than the window
+        assert lag.idle
+        # The loop falls behind while nothing reads the lag (a neighbour on the cores):
+        # the first read after the pause sees it.
+        await asyncio.sleep(0.01)
         _block_the_loop(0.1)
         await asyncio.sleep(0.001)
         assert lag.recent_s >= 0.05
+        assert not lag.idle  # that read put it back to its busy rate
     finally:
         await lag.stop()
+
+
+async def test_the_idle_rate_is_the_idle_interval() -> None:
+    lag = LoopLag()
+    lag.start()
+    try:
+        await asyncio.sleep(0.5)  # never read: idle from the start
+        taken = len(lag._samples)  # samples of the last window (0.2 s)
+    finally:
+        await lag.stop()
+    assert taken <= 0.2 / 0.04 + 1  # not 0.2 / 0.01 = 20
