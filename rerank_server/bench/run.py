@@ -614,11 +614,14 @@ def markdown(report: dict[str, Any]) -> str:
                   f"({m['direct_pairs_per_s']} pairs/s), through rerank-server "
                   f"{m['through_ms']} ms ({m['through_pairs_per_s']} pairs/s), ratio "
                   f"{m['through_over_direct']}.", ""]
-        if m["direct_failed_pairs"] or m["through_unscored_pairs"]:
-            lines += [f"**Not comparable:** over the measured rounds the backend did not "
-                      f"answer {m['direct_failed_pairs']} pairs called directly, and "
-                      f"{m['through_unscored_pairs']} pairs through rerank-server were not "
-                      f"scored (a degraded answer is fast and in retrieval order).", ""]
+        rows = [m, *m.get("load", {}).values()]
+        lost = [sum(r[key] for r in rows)
+                for key in ("direct_failed_pairs", "through_unscored_pairs")]
+        if any(lost):
+            lines += [f"**Not comparable:** the backend did not answer {lost[0]} pairs "
+                      f"called directly, and {lost[1]} pairs through rerank-server were not "
+                      f"scored (a degraded answer is fast and in retrieval order), over the "
+                      f"measured rounds and the load together.", ""]
         if m.get("load"):
             lines += ["| clients | direct pairs/s | through pairs/s | through / direct "
                       "| pairs failed directly | pairs unscored through |",
