@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One step of the GPU measurement, on the `device` machine (docs/benchmarks.md, "For the
+# session that is lent a GPU"); `scripts/gpu_pack.py` prepared what the calls carry.
+#
+#   bash scripts/gpu_run.sh build       carry .gpu/a: CUDA build of the pinned llama-server
+#   bash scripts/gpu_run.sh chat        carry .gpu/b: SmolLM2 chat, direct and through
+#   bash scripts/gpu_run.sh embedding   carry .gpu/c: MiniLM embeddings, direct and through
+#
+# The steps share .gpu/work (never carried, so kept while the machine stays warm: issue
+# the calls back to back). Results go to $OUT/<step>/ (bench.json, bench.md) with logs.
+# Here, for a dry run on the CPU: GPU=0 PYTHON=.venv/bin/python SITE=0 bash scripts/gpu_run.sh STEP
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+step=${1:?build, chat or embedding}
+OUT=${OUT:-/tmp/gpu-out}
+PY=${PYTHON:-python3}
+GPU=${GPU:-1}
+W=.gpu/work
+PORT=18080
+mkdir -p "$W" "$OUT/$step"
+
+python_path() {
+  if [ "${SITE:-1}" = 1 ] && [ ! -e "$W/site/.done" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$W/site" .gpu/b/whl/*.whl
+    touch "$W/site/.done"
+  fi
+  export PYTHONPATH="$PWD/$W/site:$PWD:$PWD/clients/python"
+}
+
+serve() {  # MODEL ARGS...: llama-server on $PORT, waited for
+  local model=$1; shift
+  "$W/build/bin/llama-server" -m "$model" --host 127.0.0.1 --port "$PORT" -ngl 99 "$@" \
+    > "$OUT/$step/llama-server.log" 2>&1 &
+  LLAMA=$!
+  trap 'kill $LLAMA 2>/dev/null || true' EXIT
+  "$PY" - "$PORT" <<'EOF'
+import sys, time, urllib.request
+for _ in range(240):
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).status == 200:
+            sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(0.5)
+sys.exit("llama-server did not answer /health within 120 s")
+EOF
+}
+
+bench() {  # KIND: the issue's table, one 40-candidate request and 1/4/16 clients
+  "$PY" -m rerank_server bench --scenarios model --backend-url "http://127.0.0.1:$PORT" \
+    --backend "$1" --slots 32 --passages 40 --rounds 5 --clients 1,4,16 --seconds 5 \
+    --out "$OUT/$step"
+}
+
+case $step in
+  build)
+    (nvidia-smi || true) > "$OUT/$step/nvidia-smi.txt" 2>&1
+    nproc > "$OUT/$step/cores.txt"
+    # Unpacked once: a build call that ran out of time is run again and resumes.
+    if [ ! -e "$W/src/llama.cpp/CMakeLists.txt" ]; then
+      rm -rf "$W/src" && mkdir -p "$W/src" && tar -xJf .gpu/a/llama-src.tar.xz -C "$W/src"
+    fi
+    cuda=()
+    # H100 and H200 are sm_90: one architecture builds in a fraction of the time of all.
+    [ "$GPU" = 1 ] && cuda=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}")
+    start=$(date +%s)
+    cmake -S "$W/src/llama.cpp" -B "$W/build" -DCMAKE_BUILD_TYPE=Release \
+      -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      -DGGML_NATIVE=OFF "${cuda[@]}" > "$OUT/$step/cmake.log" 2>&1
+    cmake --build "$W/build" --target llama-server -j "$(nproc)" >> "$OUT/$step/cmake.log" 2>&1
+    echo "built in $(( $(date +%s) - start )) s"
+    "$W/build/bin/llama-server" --version 2>&1 | tee "$OUT/$step/version.txt"
+    cp .gpu/a/smollm2.part1 "$W/"  # the next call carries the second half
+    ;;
+  chat)
+    python_path
+    cat "$W/smollm2.part1" .gpu/b/smollm2.part2 > "$W/smollm2.gguf"
+    (cd "$W" && sha256sum -c ../b/smollm2.sha256)
+    serve "$W/smollm2.gguf" -np 32 -c 65536
+    bench chat
+    ;;
+  embedding)
+    python_path
+    serve .gpu/c/minilm.gguf --embedding --pooling mean -np 32 -c 16384 -b 512 -ub 512
+    bench embedding
+    ;;
+  *)
+    echo "unknown step $step: build, chat or embedding" >&2
+    exit 2
+    ;;
+esac
