@@ -7,8 +7,9 @@ A session lent a GPU has 15 minutes of device time, and each call carries at mos
 there is nothing to find out there:
 
 - `.gpu/a`: the pinned llama.cpp source without its docs, tests, vocabularies and
-  examples (xz, about 8 MB; the managed build here uses the whole sdist), and the first
-  half of the stand-in chat model (SmolLM2-135M Q4_1, 98 MB: no call carries it whole).
+  examples (xz, about 8 MB; the managed build here uses the whole sdist) with the managed
+  build's CMake flags, and the first half of the stand-in chat model (SmolLM2-135M Q4_1,
+  98 MB: no call carries it whole).
 - `.gpu/b`: the model's second half with its sha256, and cp312 wheels of the Python
   packages the device image lacks or holds in other versions, at the versions installed
   here (the versions the tests ran with).
@@ -63,6 +64,8 @@ def pack_source(cache: Path, target: Path) -> None:
     print(f"packing {source} without {', '.join(SOURCE_LEFT_OUT)}", flush=True)
     with tarfile.open(target, "w:xz") as tar:
         tar.add(source, arcname="llama.cpp", filter=keep)
+    # The managed build's own CMake flags, so the two builds cannot drift apart.
+    target.with_name("cmake-flags.txt").write_text("\n".join(assets.CMAKE_FLAGS) + "\n")
 
 
 def split_model(model: Path, first: Path, second: Path) -> None:

@@ -64,11 +64,10 @@ case $step in
     cuda=()
     # H100 and H200 are sm_90: one architecture builds in a fraction of the time of all.
     [ "$GPU" = 1 ] && cuda=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}")
+    mapfile -t flags < .gpu/a/cmake-flags.txt  # the managed build's (assets.CMAKE_FLAGS)
     start=$(date +%s)
-    cmake -S "$W/src/llama.cpp" -B "$W/build" -DCMAKE_BUILD_TYPE=Release \
-      -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-      -DGGML_NATIVE=OFF "${cuda[@]}" > "$OUT/$step/cmake.log" 2>&1
+    cmake -S "$W/src/llama.cpp" -B "$W/build" "${flags[@]}" -DGGML_NATIVE=OFF "${cuda[@]}" \
+      > "$OUT/$step/cmake.log" 2>&1
     cmake --build "$W/build" --target llama-server -j "$(nproc)" >> "$OUT/$step/cmake.log" 2>&1
     echo "built in $(( $(date +%s) - start )) s"
     "$W/build/bin/llama-server" --version 2>&1 | tee "$OUT/$step/version.txt"
