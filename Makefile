@@ -10,10 +10,13 @@ ARGS   ?=
 
 .PHONY: install assets test-assets run test lint proto docs check clean
 
+# PYTHONWARNINGS: setuptools tells every editable install of a flat layout, at length,
+# that folders named like the package may shadow it (none do here): noise to a newcomer.
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e clients/python -e '.[dev]'
+	PYTHONWARNINGS='ignore:Editable installation' \
+		$(BIN)/python -m pip install --quiet -e clients/python -e '.[dev]'
 	touch $@
 
 install: $(STAMP)

