@@ -12,12 +12,21 @@ timer per request.
 
 - Connections are kept alive per host and port and reused most recent first; one the
   server closed while idle is dropped as soon as the event loop sees the close, so no
-  readability check is needed before reuse. A request on a reused connection that the
-  server closed before sending any byte is retried once on a fresh connection (the
-  keep-alive race); anything else is not retried here.
+  readability check is needed before reuse, and one idle for `MAX_IDLE_S` is not reused,
+  so that a request rarely meets a server closing it on its keep-alive timeout (5 s in
+  cpp-httplib, which llama-server uses, and in uvicorn). A request on a reused connection
+  that the server closed before sending any byte is retried once, on a new connection,
+  within what is left of its read timeout (the keep-alive race). The server may have read
+  it before closing, so it can see the request twice: the scoring calls this transport
+  carries have no side effects. Anything else is not retried here.
+- Answers are read strictly (RFC 9112): one `Content-Length` value, no transfer coding
+  but `chunked`, chunk sizes in plain hex that match their data, size and trailer lines
+  no longer than a head; a close-delimited body ended by a reset is an error, not the
+  body. A folded header line is joined to the one before.
 - Timeouts (httpx's `Timeout`, per request): `connect` bounds the connection, `read` the
-  whole response; they raise httpx's `ConnectTimeout` and `ReadTimeout`. A refused or
-  reset connection is `ConnectError` / `ReadError`, a malformed answer
+  whole response (not each read, as in httpx's own transport); they raise httpx's
+  `ConnectTimeout` and `ReadTimeout`. A refused or reset connection is `ConnectError` /
+  `ReadError`, a malformed answer
   `RemoteProtocolError`: the same classes httpx's own transport raises, so failure
   handling above (`http.py`) is unchanged.
 - A request cancelled mid-flight closes its connection (its answer would arrive on it).
@@ -45,9 +54,13 @@ import httpx
 
 from .wakeup import Wakeup
 
-MAX_HEAD_BYTES = 64 * 1024  # status line and headers
+MAX_HEAD_BYTES = 64 * 1024  # status line and headers; also a chunk-size or trailer line
+# Under the servers' keep-alive timeouts (5 s), so an idle connection is given up before
+# they close it rather than just as a request goes out on it.
+MAX_IDLE_S = 4.0
 MAX_BODY_BYTES = 256 * 1024 * 1024  # an embeddings answer for a large batch is a few MB
 _NO_BODY = frozenset({204, 304})
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class _Connection(asyncio.Protocol):
@@ -60,6 +73,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.error: BaseException | None = None
         self.wakeup = Wakeup()
+        self.idle_since = 0.0  # event-loop time it was put back in the idle pool
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
@@ -123,7 +137,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
         timeout: dict[str, float | None] = request.extensions.get("timeout", {})
         url = request.url
         body = await request.aread()
-        answer = await self.send(url.host, url.port or 80, request_head(request) + b"\r\n" + body,
+        head = request_head(request)
+        if "transfer-encoding" in request.headers:  # a streamed body, read whole: framed by
+            head = request_head(request, omit=b"transfer-encoding") \
+                + b"Content-Length: %d\r\n" % len(body)  # length, not chunks
+        answer = await self.send(url.host, url.port or 80, head + b"\r\n" + body,
                                  timeout.get("connect"), timeout.get("read"),
                                  head_only=request.method == "HEAD", request=request)
         return httpx.Response(answer.status, headers=answer.headers, content=answer.body,
@@ -137,27 +155,32 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if self._closed:
             raise httpx.ConnectError("the transport is closed", request=request)
         key = (host, port)
-        for attempt in (0, 1):
-            connection, reused = await self._connection(key, connect_s, request)
-            try:
-                return await self._exchange(key, connection, reused, data, head_only,
-                                            request, read_s)
-            except _Unanswered:
-                if attempt:
-                    raise httpx.RemoteProtocolError(
-                        "server disconnected without sending a response",
-                        request=request) from None
-        raise AssertionError("unreachable")
+        loop = asyncio.get_running_loop()
+        connection, reused = await self._connection(key, connect_s, request, loop)
+        sent = loop.time()
+        try:
+            return await self._exchange(key, connection, reused, data, head_only, request,
+                                        read_s)
+        except _Unanswered:
+            pass
+        # The keep-alive race: once more, on a new connection, in the time that is left.
+        left = None if read_s is None else read_s - (loop.time() - sent)
+        if left is not None and left <= 0:
+            raise httpx.ReadTimeout("no complete answer within the read timeout",
+                                    request=request)
+        connection, _ = await self._connection(key, connect_s, request, loop, fresh=True)
+        return await self._exchange(key, connection, False, data, head_only, request, left)
 
     async def _connection(self, key: tuple[str, int], connect_s: float | None,
-                          request: httpx.Request | None) -> tuple[_Connection, bool]:
+                          request: httpx.Request | None, loop: asyncio.AbstractEventLoop,
+                          fresh: bool = False) -> tuple[_Connection, bool]:
         idle = self._idle[key]
-        while idle:
+        while idle and not fresh:
             connection = idle.pop()
-            if not connection.closed and not connection.buffer:
+            if not connection.closed and not connection.buffer \
+                    and loop.time() - connection.idle_since < MAX_IDLE_S:
                 return connection, True
-            connection.close()  # closed, or holding bytes nobody asked for
-        loop = asyncio.get_running_loop()
+            connection.close()  # closed, idle too long, or holding bytes nobody asked for
         try:
             async with asyncio.timeout(connect_s):
                 _, connection = await loop.create_connection(_Connection, key[0], key[1])
@@ -195,6 +218,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         idle = self._idle[key]
         if keep_alive and not connection.closed and not connection.buffer \
                 and not self._closed and len(idle) < self._max_idle:
+            connection.idle_since = asyncio.get_running_loop().time()
             idle.append(connection)
         else:
             connection.close()
@@ -232,8 +256,12 @@ async def _read_head(connection: _Connection, reused: bool, request: httpx.Reque
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
         raise httpx.RemoteProtocolError("malformed status line", request=request)
-    headers = []
+    headers: list[tuple[bytes, bytes]] = []
     for line in lines[1:]:
+        if line[:1] in (b" ", b"\t") and headers:  # obs-fold: continues the last value
+            name, value = headers[-1]
+            headers[-1] = (name, value + b" " + line.strip())
+            continue
         name, sep, value = line.partition(b":")
         if not sep:
             raise httpx.RemoteProtocolError("malformed header line", request=request)
@@ -258,17 +286,23 @@ def _disconnected(connection: _Connection, reused: bool, request: httpx.Request 
 
 async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]],
                      request: httpx.Request | None) -> bytes:
-    if b"chunked" in _header(headers, b"transfer-encoding").lower():
+    coding = _header(headers, b"transfer-encoding")
+    if coding:
+        # Only plain chunked: a coding before it (`gzip, chunked`) would reach the caller
+        # still applied; model servers send none.
+        if coding.strip().lower() != b"chunked":
+            raise httpx.RemoteProtocolError("unsupported Transfer-Encoding", request=request)
         return await _read_chunked(connection, request)
-    length = _header(headers, b"content-length")
-    if length:
-        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-            raise httpx.RemoteProtocolError("bad Content-Length", request=request)
-        return await _read_exactly(connection, int(length), request)
+    length = _content_length(headers, request)
+    if length is not None:
+        return await _read_exactly(connection, length, request)
     while not connection.closed:  # no length: the body ends with the connection
         if len(connection.buffer) > MAX_BODY_BYTES:
             raise httpx.RemoteProtocolError("response body too large", request=request)
         await connection.more()
+    if isinstance(connection.error, OSError):  # a reset, not the end of the body
+        raise httpx.ReadError(str(connection.error) or type(connection.error).__name__,
+                              request=request)
     content = bytes(connection.buffer)
     connection.buffer.clear()
     return content
@@ -289,32 +323,52 @@ async def _read_exactly(connection: _Connection, n: int, request: httpx.Request 
 async def _read_chunked(connection: _Connection, request: httpx.Request | None) -> bytes:
     parts: list[bytes] = []
     total = 0
-    buffer = connection.buffer
     while True:
-        while (end := buffer.find(b"\r\n")) < 0:
-            if connection.closed:
-                _disconnected(connection, False, request)
-            await connection.more()
-        size_field = bytes(buffer[:end]).split(b";", 1)[0].strip()
-        del buffer[:end + 2]
-        try:
-            size = int(size_field, 16)
-        except ValueError:
-            raise httpx.RemoteProtocolError("malformed chunk size", request=request) from None
+        size_field = (await _read_line(connection, request)).split(b";", 1)[0].strip()
+        if not size_field or size_field.strip(_HEX_DIGITS):  # int() would take -3, 0x5, 1_0
+            raise httpx.RemoteProtocolError("malformed chunk size", request=request)
+        size = int(size_field, 16)
         total += size
         if total > MAX_BODY_BYTES:
             raise httpx.RemoteProtocolError("response body too large", request=request)
         if size == 0:
-            while True:  # trailer lines (rare), then the empty line that ends the body
-                while (end := buffer.find(b"\r\n")) < 0:
-                    if connection.closed:
-                        _disconnected(connection, False, request)
-                    await connection.more()
-                del buffer[:end + 2]
-                if end == 0:
-                    return b"".join(parts)
+            # Trailer lines (rare), then the empty line that ends the body.
+            while await _read_line(connection, request):
+                pass
+            return b"".join(parts)
         chunk = await _read_exactly(connection, size + 2, request)
+        if chunk[-2:] != b"\r\n":  # the size and the data disagree
+            raise httpx.RemoteProtocolError("malformed chunk", request=request)
         parts.append(chunk[:-2])
+
+
+async def _read_line(connection: _Connection, request: httpx.Request | None) -> bytes:
+    """One CRLF-ended line of a chunked body (a size, or a trailer), without the CRLF."""
+    buffer = connection.buffer
+    while (end := buffer.find(b"\r\n")) < 0:
+        if len(buffer) > MAX_HEAD_BYTES:
+            raise httpx.RemoteProtocolError("chunk-size or trailer line too long",
+                                            request=request)
+        if connection.closed:
+            _disconnected(connection, False, request)
+        await connection.more()
+    line = bytes(buffer[:end])
+    del buffer[:end + 2]
+    return line
+
+
+def _content_length(headers: list[tuple[bytes, bytes]], request: httpx.Request | None,
+                    ) -> int | None:
+    """The body's length, None when no header gives it; one value however many times
+    it is sent (`5, 5` too), or the answer is malformed."""
+    values = {v.strip() for key, value in headers if key.lower() == b"content-length"
+              for v in value.split(b",")}
+    if not values:
+        return None
+    value = values.pop()
+    if values or not value.isdigit() or int(value) > MAX_BODY_BYTES:
+        raise httpx.RemoteProtocolError("bad Content-Length", request=request)
+    return int(value)
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 
+from rerank_server.scoring import transport as lean
 from rerank_server.scoring.base import Failure
 from rerank_server.scoring.http import BackendCallError, HttpBackend
 from rerank_server.scoring.transport import LeanTransport, wanted
@@ -25,6 +28,7 @@ class RawServer:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.connections = 0
+        self.bodies: list[bytes] = []  # every request body, in the order read
         self.hung_up = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
@@ -43,7 +47,7 @@ class RawServer:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
+                self.bodies.append(await reader.readexactly(length))
                 await self.handler(reader, writer, n)
                 n += 1
                 if writer.is_closing():
@@ -143,10 +147,90 @@ async def test_a_reused_connection_closed_before_answering_is_retried_once(
         assert (await client.post(url, json={})).json() == {"ok": True}
 
 
+async def test_the_retry_goes_out_on_a_new_connection() -> None:
+    """With two idle connections that the server hangs up on, the retry does not take
+    the second one (it would fail the same way): it opens a new one."""
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            w.close()
+            return
+        await asyncio.sleep(0.05)  # both first requests in flight at once: two connections
+        w.write(_answer(b'{"ok": true}'))
+
+    server = RawServer(answer)
+    url = await server.start()
+    async with httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client:
+        await asyncio.gather(client.post(url, json={}), client.post(url, json={}))
+        assert server.connections == 2
+        assert (await client.post(url, json={"third": 1})).json() == {"ok": True}
+    await server.stop()
+    assert server.connections == 3
+    assert server.bodies.count(b'{"third":1}') == 2  # read, hung up on, sent again
+
+
+async def test_the_retry_has_only_what_is_left_of_the_read_timeout() -> None:
+    """A server that holds the request, then hangs up: the retry does not start the read
+    timeout again, so the call ends within it."""
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        if n == 1 or server.connections > 1:
+            await asyncio.sleep(0.6)
+        if n == 1:
+            w.close()
+            return
+        w.write(_answer(b'{"ok": true}'))
+
+    server = RawServer(answer)
+    url = await server.start()
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(transport=LeanTransport(),
+                                 timeout=httpx.Timeout(5, read=1.0)) as client:
+        await client.post(url, json={})
+        started = loop.time()
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(url, json={})  # 0.6 s, hung up on; 0.6 s more on a new one
+        assert loop.time() - started < 1.5
+    await server.stop()
+
+
+async def test_a_connection_idle_too_long_is_not_reused(
+        raw: Callable[[Handler], Awaitable[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given up before the server's keep-alive timeout could close it under a request."""
+    monkeypatch.setattr(lean, "MAX_IDLE_S", 0.2)
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(_answer(b'{"ok": true}'))
+
+    server = RawServer(answer)
+    url = await server.start()
+    async with httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client:
+        await client.post(url, json={})
+        await client.post(url, json={})
+        assert server.connections == 1
+        await asyncio.sleep(0.3)
+        await client.post(url, json={})
+    await server.stop()
+    assert server.connections == 2
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
 @pytest.mark.parametrize("reply,error", [
     (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"half", httpx.RemoteProtocolError),
     (b"garbage\r\n\r\n", httpx.RemoteProtocolError),
     (b"", httpx.RemoteProtocolError),  # a fresh connection closed without a byte
+    # Two lengths: which one frames the body is anyone's guess (RFC 9112 6.3).
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\nhello",
+     httpx.RemoteProtocolError),
+    # A coding under the chunks would reach the caller still applied.
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+     httpx.RemoteProtocolError),
+    # Chunk sizes int() would take: a negative one undercounts the body's size.
+    (CHUNKED + b"5\r\nhello\r\n-0\r\n\r\n", httpx.RemoteProtocolError),
+    (CHUNKED + b"0x5\r\nhello\r\n0\r\n\r\n", httpx.RemoteProtocolError),
+    (CHUNKED + b"1_0\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n", httpx.RemoteProtocolError),
+    # A size one short of the data: not "hell".
+    (CHUNKED + b"4\r\nhello\r\n0\r\n\r\n", httpx.RemoteProtocolError),
 ])
 async def test_broken_answers_are_transport_errors(
         raw: Callable[[Handler], Awaitable[str]], reply: bytes,
@@ -158,6 +242,62 @@ async def test_broken_answers_are_transport_errors(
 
     with pytest.raises(error):
         await _post(await raw(answer))
+
+
+async def test_a_chunk_size_line_is_not_buffered_without_bound(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    """A size line that never ends fails once it is longer than a head may be, not
+    when the read timeout runs out."""
+    async def endless(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(CHUNKED + b"f" * (lean.MAX_HEAD_BYTES + 1024))
+        await asyncio.sleep(30)
+
+    with pytest.raises(httpx.RemoteProtocolError, match="too long"):
+        await _post(await raw(endless), timeout=10)
+
+
+async def test_a_body_ended_by_a_reset_is_not_taken_whole(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    """A close-delimited body ends with the connection, but not with a reset."""
+    async def reset(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{\"scores\": [0.1, 0.")
+        await w.drain()
+        await asyncio.sleep(0.1)
+        # Linger 0: the close sends RST, as a server's crash or a middlebox can.
+        w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                              struct.pack("ii", 1, 0))
+        w.transport.abort()
+
+    with pytest.raises(httpx.ReadError):
+        await _post(await raw(reset))
+
+
+async def test_a_folded_header_is_read_as_one_value(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    async def folded(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nX-Note: one\r\n \ttwo\r\nContent-Length: 2\r\n\r\n{}")
+
+    response = await _post(await raw(folded))
+    assert response.headers["x-note"] == "one two" and response.json() == {}
+
+
+async def test_a_streamed_request_body_is_sent_with_its_length() -> None:
+    """httpx marks a body from an iterator `Transfer-Encoding: chunked`; the transport
+    reads it whole, so it must say how long it is instead of claiming chunks."""
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(_answer(b"{}"))
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b'{"a": '
+        yield b"1}"
+
+    server = RawServer(answer)
+    url = await server.start()
+    async with httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client:
+        assert (await client.post(url, content=parts())).json() == {}
+        assert (await client.post(url, json={})).json() == {}  # the connection still in step
+    await server.stop()
+    assert server.bodies == [b'{"a": 1}', b"{}"] and server.connections == 1
 
 
 async def test_read_timeout_and_refused_connection() -> None:
