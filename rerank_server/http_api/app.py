@@ -12,6 +12,7 @@ without an accepted token, 429 when the server is busy, 413 for a body over
 """
 
 
+import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
@@ -31,6 +33,7 @@ from ..observability.logs import rpc_answered, rpc_failed
 from ..observability.server_spans import close_server_span, open_server_span
 from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
+from ..ranking.validation import check_candidate_count
 from ..security.tokens import TokenSet
 from . import models as m
 
@@ -50,19 +53,29 @@ class HttpError(Exception):
 # nothing about the deployment (docs/security.md).
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 RERANK_PATHS = frozenset({"/v1/rerank", "/v2/rerank", "/rerank"})
+# A rerank body not in by then is refused (408): a client that sends slowly, or stops,
+# holds its bytes (counted against --max-inflight-bytes) and a connection no longer.
+BODY_TIMEOUT_S = 30.0
 
 
 class _Gate:
-    """ASGI middleware: the token and the concurrency cap are checked from the headers,
-    before any byte of the body is read (FastAPI reads and parses the body before a
-    route's dependencies run). The body's size is FastAPI's `max_body_size`, checked as
-    the body arrives (413), so no body over `--max-message-bytes` is ever held."""
+    """ASGI middleware for the rerank routes: the token and the concurrency cap are
+    checked from the headers, before any byte of the body is read. Then the body is read
+    here, whole, before FastAPI sees it: each chunk is counted against
+    `--max-inflight-bytes` as it arrives (429 when the server has no room), the total
+    against `--max-message-bytes` (413), and the whole within `BODY_TIMEOUT_S` (408). A
+    request holds one of `max_active` places only once its body is in, so clients that
+    send slowly or not at all cannot fill them, and the bytes they hold are in the
+    budget."""
 
     def __init__(self, app: ASGIApp, *, tokens: TokenSet, max_active: int,
+                 inflight: InflightBytes, max_body_bytes: int,
                  tracer: trace.Tracer | None = None) -> None:
         self._app = app
         self._tokens = tokens
         self._max_active = max_active
+        self._inflight = inflight
+        self._max_body = max_body_bytes
         self._tracer = tracer  # None: tracing off
         self.active = 0
 
@@ -111,16 +124,86 @@ class _Gate:
         if path not in RERANK_PATHS:
             await self._app(scope, receive, send)
             return
-        if self.active >= self._max_active:
-            await _refuse(send, 429, f"server busy: {self.active} rerank requests in "
-                                     "progress (max_concurrent_rpcs); retry with backoff",
-                          {"Retry-After": "1"})
+        if await self._busy(send):
             return
-        self.active += 1
+        body = await self._read_body(headers, receive, send)
+        if body is None:
+            return  # answered already
         try:
-            await self._app(scope, receive, send)
+            if await self._busy(send):  # others came in while this body arrived
+                return
+            self.active += 1
+            try:
+                await self._app(scope, _replay(body, receive), send)
+            finally:
+                self.active -= 1
         finally:
-            self.active -= 1
+            self._inflight.give_back(len(body))
+
+    async def _busy(self, send: Send) -> bool:
+        if self.active < self._max_active:
+            return False
+        await _refuse(send, 429, f"server busy: {self.active} rerank requests in "
+                                 "progress (max_concurrent_rpcs); retry with backoff",
+                      {"Retry-After": "1"})
+        return True
+
+    async def _read_body(self, headers: Headers, receive: Receive, send: Send,
+                         ) -> bytes | None:
+        """The whole body, its bytes taken from the in-flight budget; None when the
+        request was answered instead (or the client left)."""
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_body:
+            await _refuse(send, 413, f"body of {declared} bytes exceeds the limit of "
+                                     f"{self._max_body} (max_message_bytes)", _CLOSE)
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self._inflight.give_back(size)
+                        return None
+                    chunk: bytes = message.get("body", b"")
+                    if size + len(chunk) > self._max_body:
+                        self._inflight.give_back(size)
+                        await _refuse(send, 413, "body exceeds the limit of "
+                                                 f"{self._max_body} bytes (max_message_bytes)",
+                                      _CLOSE)
+                        return None
+                    self._inflight.take(len(chunk), own=size)
+                    size += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            self._inflight.give_back(size)
+            await _refuse(send, 408, f"the body did not arrive within {BODY_TIMEOUT_S:.0f} s",
+                          _CLOSE)
+        except Overloaded as exc:
+            self._inflight.give_back(size)
+            await _refuse(send, 429, str(exc), {"Retry-After": "1", **_CLOSE})
+        return None
+
+
+# After a refusal mid-body the rest of it would still be read and thrown away: hang up.
+_CLOSE = {"Connection": "close"}
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` for the app: the body already read, then the client's own messages (a
+    disconnect)."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
 
 
 async def _refuse(send: Send, status: int, message: str,
@@ -144,7 +227,8 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
         max_body_size=max_body_bytes)  # bodies without Content-Length, checked as read
     telemetry = reranker.telemetry
-    app.add_middleware(_Gate, tokens=tokens, max_active=max_active,
+    app.add_middleware(_Gate, tokens=tokens, max_active=max_active, inflight=inflight,
+                       max_body_bytes=max_body_bytes,
                        tracer=telemetry.tracer if telemetry.tracing else None)
 
     @app.exception_handler(Exception)
@@ -157,28 +241,32 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     async def http_error(_request: Request, exc: HttpError) -> JSONResponse:
         return JSONResponse({"message": exc.message}, exc.status, headers=exc.headers)
 
+    @app.exception_handler(HTTPException)
+    async def framework_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own (404, 405, a body FastAPI cannot decode): the same JSON shape.
+        return JSONResponse({"message": exc.detail}, exc.status_code, headers=exc.headers)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
-        return JSONResponse({"message": f"{_field(first.get('loc', ()))}: {first['msg']}"},
-                            422)
+        return JSONResponse({"message": _validation_message(exc.errors())}, 422)
 
-    async def run(rpc: str, request: Request, query: RerankQuery, field: str,
+    def check_count(field: str, count: int) -> None:
+        """The candidate cap, before any candidate is built."""
+        try:
+            check_candidate_count("candidates", count, reranker.rules)
+        except InvalidRequest as exc:
+            raise HttpError(422, _as_written(exc, field)) from None
+
+    async def run(rpc: str, query: RerankQuery, field: str,
                   ) -> tuple[list[RankedCandidate], RerankSummary]:
-        """The pipeline's answer, within the server-wide byte budget."""
+        """The pipeline's answer (the body's bytes are in the server-wide budget: `_Gate`)."""
         started = time.perf_counter()
-        body = await request.body()  # already read: FastAPI parsed it
         try:
             _check_unicode(query, field)
-            inflight.take(len(body))
-            try:
-                results, summary = await reranker.answer(query, None,
-                                                         telemetry.request_span())
-                rpc_answered(rpc, summary, len(results))
-                reranker.telemetry.metrics.record_rerank(summary)
-                return results, summary
-            finally:
-                inflight.give_back(len(body))
+            results, summary = await reranker.answer(query, None, telemetry.request_span())
+            rpc_answered(rpc, summary, len(results))
+            reranker.telemetry.metrics.record_rerank(summary)
+            return results, summary
         except InvalidRequest as exc:
             rpc_failed(rpc, query.request_id, started, "422", exc, internal=False)
             raise HttpError(422, _as_written(exc, field)) from None
@@ -187,11 +275,10 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
             raise HttpError(429, str(exc), {"Retry-After": "1"}) from None
 
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
-        async def rerank(body: m.CohereRerankRequest,
-                         request: Request) -> m.CohereRerankResponse:
+        async def rerank(body: m.CohereRerankRequest) -> m.CohereRerankResponse:
+            check_count("documents", len(body.documents))
             query = _cohere_query(body)
-            results, summary = await run(f"POST /v{version}/rerank", request, query,
-                                         "documents")
+            results, summary = await run(f"POST /v{version}/rerank", query, "documents")
             texts = _texts(body) if body.return_documents else None
             return m.CohereRerankResponse(
                 id=summary.request_id,
@@ -215,14 +302,15 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
               tags=["rerank"], summary="Rerank, text-embeddings-inference shape",
               responses={401: {"model": m.Error}, 422: {"model": m.Error},
                          429: {"model": m.Error}})
-    async def tei_rerank(body: m.TeiRerankRequest, request: Request) -> list[m.TeiResult]:
+    async def tei_rerank(body: m.TeiRerankRequest) -> list[m.TeiResult]:
+        check_count("texts", len(body.texts))
         query = RerankQuery(request_id=os.urandom(16).hex(), query=body.query,
                             candidates=tuple(Candidate(id=str(i), text=t, index=i,
                                                        retrieval_rank=i + 1)
                                              for i, t in enumerate(body.texts)),
                             # Raw scores are asked for: score even if the blend ignores them.
                             always_score=body.raw_scores)
-        results, _summary = await run("POST /rerank", request, query, "texts")
+        results, _summary = await run("POST /rerank", query, "texts")
         return [m.TeiResult(
             index=r.candidate.index,
             score=(r.reranker_score if body.raw_scores and r.reranker_score is not None
@@ -260,20 +348,46 @@ def _as_written(exc: InvalidRequest, documents: str) -> str:
 
 def _check_unicode(query: RerankQuery, documents: str) -> None:
     """JSON can carry lone surrogates ("\\ud800"), which no UTF-8 encoder takes: refuse them
-    here, naming the field, rather than fail later (protobuf already guarantees UTF-8)."""
-    def check(field: str, value: str | None) -> None:
-        if value and not value.isascii():
-            try:
-                value.encode()
-            except UnicodeEncodeError:
-                raise InvalidRequest(field, "is not valid Unicode (a lone surrogate)") \
-                    from None
+    here, naming the field, rather than fail later (protobuf already guarantees UTF-8).
+    The request id too: it is echoed in the answer, whose encoding would fail (a 500)."""
+    def bad(value: str | None) -> bool:
+        if not value or value.isascii():
+            return False
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return True
+        return False
 
-    check("query", query.query)
-    check("instruction", query.instruction)
-    for c in query.candidates:
+    def refuse(field: str) -> None:
+        raise InvalidRequest(field, "is not valid Unicode (a lone surrogate)")
+
+    for field, value in (("query", query.query), ("instruction", query.instruction),
+                         ("request_id", query.request_id)):
+        if bad(value):
+            refuse(field)
+    for c in query.candidates:  # a field's name is spelled out only for the one that fails
         for name, value in (("id", c.id), ("text", c.text), ("title", c.title)):
-            check(f"candidates[{c.index}].{name}", value)
+            if bad(value):
+                refuse(f"candidates[{c.index}].{name}")
+
+
+def _validation_message(errors: Sequence[Any]) -> str:
+    """The first of pydantic's errors, as `field: problem`. A document is `str |
+    Document`: for an object, the `Document` branch's error says what is wrong with it
+    (the `str` branch's would only say it is not a string)."""
+    if not errors:
+        return "body: invalid"
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if loc[-1:] == ("str",) and isinstance(first.get("input"), dict):
+        first = next((e for e in errors if "Document" in e.get("loc", ())), first)
+        loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "")
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"body: not valid JSON{at}" + (f" ({reason})" if reason else "")
+    return f"{_field(loc)}: {first['msg']}"
 
 
 def _field(loc: Sequence[Any]) -> str:

@@ -53,7 +53,9 @@ class CohereRerankRequest(Extras):
     top_n: int | None = Field(None, ge=0, description="Results to return; default all.")
     return_documents: bool = Field(False, description="Include each document's text.")
     rank_fields: list[str] | None = Field(
-        None, description="v1: the fields of object documents to read, as `field: value`.")
+        None, max_length=64,  # read for every document: a long list is work per document
+        description="v1: the fields of object documents to read, as `field: value` "
+                    "(at most 64).")
     max_tokens_per_doc: int | None = Field(
         None, ge=1, description="Most tokens of each document the model reads.")
     max_chunks_per_doc: int | None = Field(None, description="v1: accepted and ignored.")

@@ -70,6 +70,30 @@ def _json_line(event: Any, **options: Any) -> str:
         return json.dumps(event, **options)
 
 
+class _LibraryRecords(logging.Handler):
+    """What libraries log through the standard library at WARNING and above (uvicorn's
+    "Invalid HTTP request received.", "Exception in ASGI application"), as our lines:
+    without it Python's last-resort handler prints them as plain text, tracebacks with
+    their messages, into a JSON log. An exception keeps its type and frames, not its
+    message, which may quote the request (as `rpc_failed` does)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields: dict[str, Any] = {"logger": record.name, "message": record.getMessage()}
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None:
+            fields["error"] = type(error).__name__
+            fields["stack"] = "".join(traceback.format_list(
+                traceback.extract_tb(error.__traceback__)))
+        structlog.get_logger("library").log(record.levelno, "library_log", **fields)
+
+
+def _take_library_records() -> None:
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _LibraryRecords)]:
+        root.removeHandler(handler)  # configured again (tests, workers): one handler
+    root.addHandler(_LibraryRecords(logging.WARNING))
+
+
 def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
               stream: TextIO | io.TextIOBase | None = None,
               extra: Mapping[str, Any] | None = None) -> None:
@@ -106,6 +130,7 @@ def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
         logger_factory=lambda *_args: _LineWriter(explicit),
         cache_logger_on_first_use=False,
     )
+    _take_library_records()
 
 
 def rpc_answered(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> None:

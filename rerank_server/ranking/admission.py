@@ -23,8 +23,10 @@ class InflightBytes:
         self.limit = limit
         self.used = 0
 
-    def take(self, size: int) -> None:
-        if self.used + size > self.limit and self.used > 0:
+    def take(self, size: int, own: int = 0) -> None:
+        """Count `size` more bytes; `own` of those in flight are the same request's
+        (taken as its body arrived), so a request alone may still exceed the budget."""
+        if self.used + size > self.limit and self.used > own:
             raise Overloaded(f"server busy: {self.used // 1024} KiB of requests in progress "
                              f"(max_inflight_bytes {self.limit // 1024} KiB); retry with "
                              "backoff")

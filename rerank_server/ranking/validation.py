@@ -109,11 +109,17 @@ class _MetadataBudget:
                                  f"limit of {r.max_metadata_request_chars} characters in all")
 
 
+def check_candidate_count(where: str, count: int, rules: RequestRules) -> None:
+    """The cap on candidates, which an edge may apply before building any (a JSON body
+    of millions of empty documents is cheap to send and dear to convert)."""
+    if count > rules.max_request_candidates:
+        raise InvalidRequest(where, f"{count} candidates exceeds the "
+                                    f"limit of {rules.max_request_candidates}")
+
+
 def _validate_candidates(where: str, candidates: Sequence[Candidate],
                          rules: RequestRules, metadata: _MetadataBudget) -> None:
-    if len(candidates) > rules.max_request_candidates:
-        raise InvalidRequest(where, f"{len(candidates)} candidates exceeds the "
-                                    f"limit of {rules.max_request_candidates}")
+    check_candidate_count(where, len(candidates), rules)
     max_id, max_text = rules.max_id_chars, rules.max_document_chars
     seen: dict[str, int] = {}
     # Every candidate of every request passes here: the checks are inline and a field's

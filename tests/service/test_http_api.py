@@ -14,6 +14,7 @@ import httpx
 import pytest
 from cohere.core.api_error import ApiError
 
+from rerank_server.http_api import app as http_app
 from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
@@ -172,3 +173,103 @@ async def test_http_errors_name_the_field_as_the_client_wrote_it(
             "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     assert reply.status_code == 422
     assert reply.json()["message"].startswith(message), reply.json()
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    # Echoed as the answer's `id`: a lone surrogate there made the answer fail (a 500).
+    ('{"query": "q", "request_id": "\\ud800", "documents": ["a", "b", "c"]}',
+     "request_id: is not valid Unicode"),
+    # Refused by count before any candidate is built.
+    ('{"query": "q", "documents": [' + ", ".join(['""'] * 5000) + "]}",
+     "documents: 5000 candidates exceeds the limit of 100"),
+    ('{"query": "q", "documents": [{"text": "a"}], "rank_fields": ['
+     + ", ".join(['"f"'] * 65) + "]}", "rank_fields: List should have at most 64 items"),
+    # An object document's own problem, not "should be a string".
+    ('{"query": "q", "documents": [{"text": 5}]}',
+     "documents[0].text: Input should be a valid string"),
+    ('{"query": "q", "documents": [{"text": "a", "retrieval_rank": 0}]}',
+     "documents[0].retrieval_rank: Input should be greater than or equal to 1"),
+    ('{"query": "q", "documents": [', "body: not valid JSON at character"),
+])
+async def test_bad_bodies_get_a_422_that_says_what_is_wrong(
+        http_server: RunningServer, body: str, message: str) -> None:
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/v1/rerank", content=body, headers={
+            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        texts = await http.post("/rerank", content='{"query": "q", "texts": ['
+                                + ", ".join(['"t"'] * 101) + "]}",
+                                headers={"Authorization": f"Bearer {TOKEN}",
+                                         "Content-Type": "application/json"})
+    assert reply.status_code == 422
+    assert reply.json()["message"].startswith(message), reply.json()
+    assert texts.status_code == 422
+    assert texts.json()["message"] == "texts: 101 candidates exceeds the limit of 100"
+
+
+async def test_framework_errors_have_the_same_json_shape(http_server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        missing = await http.get("/nowhere", headers={"Authorization": f"Bearer {TOKEN}"})
+        wrong_method = await http.get("/v1/rerank",
+                                      headers={"Authorization": f"Bearer {TOKEN}"})
+    assert missing.status_code == 404 and missing.json() == {"message": "Not Found"}
+    assert wrong_method.status_code == 405
+    assert wrong_method.json() == {"message": "Method Not Allowed"}
+
+
+async def _stalled(port: int, sent: int, length: int) -> asyncio.StreamWriter:
+    """A client that sends the head of a rerank request and `sent` of its `length` body
+    bytes, then nothing: the connection stays open."""
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                 b"Content-Length: %d\r\n\r\n" % length + b"x" * sent)
+    await writer.drain()
+    return writer
+
+
+async def test_clients_that_stop_sending_hold_no_place(start_server: StartServer) -> None:
+    """A place among --max-concurrent-rpcs is taken once the body is in: two clients that
+    never finish theirs do not make the server busy for everyone else."""
+    server = await start_server(http_port=free_port(), auth_tokens=TOKEN,
+                                max_concurrent_rpcs=2)
+    stalled = [await _stalled(server.http_port, 10, 1000) for _ in range(3)]
+    await asyncio.sleep(0.2)  # their heads are read, their bodies wait
+    async with httpx.AsyncClient(base_url=base_url(server)) as http:
+        reply = await http.post("/v1/rerank", json={"query": "q", "documents": DOCS},
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+    for writer in stalled:
+        writer.close()
+    assert reply.status_code == 200, reply.json()
+
+
+async def test_body_bytes_count_against_the_budget_as_they_arrive(
+        start_server: StartServer) -> None:
+    """Bytes of a body still arriving are in --max-inflight-bytes, so clients cannot hold
+    memory outside it by sending slowly."""
+    server = await start_server(http_port=free_port(), auth_tokens=TOKEN,
+                                max_inflight_bytes=64 * 1024)
+    stalled = await _stalled(server.http_port, 60 * 1024, 100 * 1024)
+    await asyncio.sleep(0.2)
+    async with httpx.AsyncClient(base_url=base_url(server)) as http:
+        refused = await http.post("/v1/rerank", headers={"Authorization": f"Bearer {TOKEN}"},
+                                  json={"query": "q", "documents": ["x" * 5000] * 3})
+        stalled.close()
+        await asyncio.sleep(0.2)  # its bytes are given back when it goes
+        taken = await http.post("/v1/rerank", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json={"query": "q", "documents": ["x" * 5000] * 3})
+    assert refused.status_code == 429 and "max_inflight_bytes" in refused.json()["message"]
+    assert taken.status_code == 200
+
+
+async def test_a_body_that_never_arrives_is_refused_in_time(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_app, "BODY_TIMEOUT_S", 0.5)
+    server = await start_server(http_port=free_port(), auth_tokens=TOKEN)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    writer.write(b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                 b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n{")
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)  # to the end: the server hangs up
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b'"message":"the body did not arrive within' in answer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 
 import structlog
 
@@ -28,3 +29,31 @@ def test_json_lines_are_compact_and_survive_what_orjson_refuses() -> None:
     assert json.loads(plain)["event"] == "plain"
     assert json.loads(odd)["big"] == 2**70 and json.loads(odd)["model"].endswith(".gguf")
     assert json.loads(obj)["value"].startswith("<object object at")
+
+
+def test_library_warnings_become_json_lines_without_exception_messages() -> None:
+    """uvicorn logs through the standard library; its lines join ours, and an exception's
+    message (which may quote a request) stays out, as in our own error lines."""
+    stream = io.StringIO()
+    before, root = structlog.get_config(), logging.getLogger()
+    handlers = list(root.handlers)
+    logs.configure("info", LogFormat.JSON, stream=stream)
+    logs.configure("info", LogFormat.JSON, stream=stream)  # again: still one handler
+    try:
+        library = logging.getLogger("uvicorn.error")
+        library.warning("Invalid HTTP request received.")
+        text = "secret document text"  # the frames show the raising line, not this one
+        try:
+            raise UnicodeEncodeError("utf-8", text, 0, 1, "surrogate")
+        except UnicodeEncodeError:
+            library.exception("Exception in ASGI application")
+        library.info("below the level: not written")
+    finally:
+        structlog.configure(**before)
+        root.handlers[:] = handlers
+    warning, failure = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert warning["event"] == "library_log" and warning["level"] == "warning"
+    assert warning["logger"] == "uvicorn.error"
+    assert warning["message"] == "Invalid HTTP request received."
+    assert failure["error"] == "UnicodeEncodeError" and "test_logs.py" in failure["stack"]
+    assert "secret" not in stream.getvalue()
