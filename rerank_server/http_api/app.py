@@ -124,13 +124,13 @@ class _Gate:
         if path not in RERANK_PATHS:
             await self._app(scope, receive, send)
             return
-        if await self._busy(send):
+        if await self._busy(scope, send):
             return
-        body = await self._read_body(headers, receive, send)
+        body = await self._read_body(scope, headers, receive, send)
         if body is None:
             return  # answered already
         try:
-            if await self._busy(send):  # others came in while this body arrived
+            if await self._busy(scope, send):  # others came in while this body arrived
                 return
             self.active += 1
             try:
@@ -140,22 +140,22 @@ class _Gate:
         finally:
             self._inflight.give_back(len(body))
 
-    async def _busy(self, send: Send) -> bool:
+    async def _busy(self, scope: Scope, send: Send) -> bool:
         if self.active < self._max_active:
             return False
-        await _refuse(send, 429, f"server busy: {self.active} rerank requests in "
-                                 "progress (max_concurrent_rpcs); retry with backoff",
-                      {"Retry-After": "1"})
+        await self._refuse(scope, send, 429, f"server busy: {self.active} rerank requests "
+                           "in progress (max_concurrent_rpcs); retry with backoff",
+                           {"Retry-After": "1"})
         return True
 
-    async def _read_body(self, headers: Headers, receive: Receive, send: Send,
-                         ) -> bytes | None:
+    async def _read_body(self, scope: Scope, headers: Headers, receive: Receive,
+                         send: Send) -> bytes | None:
         """The whole body, its bytes taken from the in-flight budget; None when the
         request was answered instead (or the client left)."""
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_body:
-            await _refuse(send, 413, f"body of {declared} bytes exceeds the limit of "
-                                     f"{self._max_body} (max_message_bytes)", _CLOSE)
+            await self._refuse(scope, send, 413, f"body of {declared} bytes exceeds the "
+                               f"limit of {self._max_body} (max_message_bytes)", _CLOSE)
             return None
         chunks: list[bytes] = []
         size = 0
@@ -169,9 +169,9 @@ class _Gate:
                     chunk: bytes = message.get("body", b"")
                     if size + len(chunk) > self._max_body:
                         self._inflight.give_back(size)
-                        await _refuse(send, 413, "body exceeds the limit of "
-                                                 f"{self._max_body} bytes (max_message_bytes)",
-                                      _CLOSE)
+                        await self._refuse(scope, send, 413, "body exceeds the limit of "
+                                           f"{self._max_body} bytes (max_message_bytes)",
+                                           _CLOSE)
                         return None
                     self._inflight.take(len(chunk), own=size)
                     size += len(chunk)
@@ -180,16 +180,30 @@ class _Gate:
                         return b"".join(chunks)
         except TimeoutError:
             self._inflight.give_back(size)
-            await _refuse(send, 408, f"the body did not arrive within {BODY_TIMEOUT_S:.0f} s",
-                          _CLOSE)
+            await self._refuse(scope, send, 408, "the body did not arrive within "
+                               f"{BODY_TIMEOUT_S:.0f} s", _CLOSE)
         except Overloaded as exc:
             self._inflight.give_back(size)
-            await _refuse(send, 429, str(exc), {"Retry-After": "1", **_CLOSE})
+            await self._refuse(scope, send, 429, str(exc), {"Retry-After": "1", **_CLOSE})
+        except BaseException:  # cancelled (shutdown), or the connection failed
+            self._inflight.give_back(size)
+            raise
         return None
+
+    async def _refuse(self, scope: Scope, send: Send, status: int, message: str,
+                      headers: dict[str, str]) -> None:
+        """A rerank request refused before the app saw it, with its `rpc` log line."""
+        rpc_failed(f"{scope['method']} {scope['path']}", "", time.perf_counter(), str(status),
+                   _Refused(message), internal=False)
+        await _refuse(send, status, message, headers)
 
 
 # After a refusal mid-body the rest of it would still be read and thrown away: hang up.
 _CLOSE = {"Connection": "close"}
+
+
+class _Refused(Exception):
+    """Why the gate refused a request, for its log line."""
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -225,7 +239,9 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
                     "pipeline: results are the model's scores blended with the retrieval "
                     "order, and a failing model degrades an answer instead of failing it.",
         docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
-        max_body_size=max_body_bytes)  # bodies without Content-Length, checked as read
+        # No body limit of FastAPI's: its middleware sits outside `_Gate` and would answer
+        # in plain text, and stop the gate from giving back what it counted.
+        max_body_size=None)
     telemetry = reranker.telemetry
     app.add_middleware(_Gate, tokens=tokens, max_active=max_active, inflight=inflight,
                        max_body_bytes=max_body_bytes,
@@ -250,11 +266,12 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"message": _validation_message(exc.errors())}, 422)
 
-    def check_count(field: str, count: int) -> None:
+    def check_count(rpc: str, field: str, count: int) -> None:
         """The candidate cap, before any candidate is built."""
         try:
             check_candidate_count("candidates", count, reranker.rules)
         except InvalidRequest as exc:
+            rpc_failed(rpc, "", time.perf_counter(), "422", exc, internal=False)
             raise HttpError(422, _as_written(exc, field)) from None
 
     async def run(rpc: str, query: RerankQuery, field: str,
@@ -276,7 +293,7 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
 
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
         async def rerank(body: m.CohereRerankRequest) -> m.CohereRerankResponse:
-            check_count("documents", len(body.documents))
+            check_count(f"POST /v{version}/rerank", "documents", len(body.documents))
             query = _cohere_query(body)
             results, summary = await run(f"POST /v{version}/rerank", query, "documents")
             texts = _texts(body) if body.return_documents else None
@@ -303,7 +320,7 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
               responses={401: {"model": m.Error}, 422: {"model": m.Error},
                          429: {"model": m.Error}})
     async def tei_rerank(body: m.TeiRerankRequest) -> list[m.TeiResult]:
-        check_count("texts", len(body.texts))
+        check_count("POST /rerank", "texts", len(body.texts))
         query = RerankQuery(request_id=os.urandom(16).hex(), query=body.query,
                             candidates=tuple(Candidate(id=str(i), text=t, index=i,
                                                        retrieval_rank=i + 1)

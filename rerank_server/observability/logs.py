@@ -43,13 +43,17 @@ class _LineWriter:
     newline apart). Without a stream it writes to `sys.stdout` as it is at the time, as
     PrintLogger does (tests capture it)."""
 
-    _lock = threading.Lock()
+    # Re-entrant: a collection inside `write` can run a finalizer that logs (asyncio's
+    # "Task exception was never retrieved", through `_LibraryRecords`) on this thread.
+    _lock = threading.RLock()
 
     def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
 
     def msg(self, message: str) -> None:
         stream = self._stream or sys.stdout
+        if not message.isascii():  # a lone surrogate (console lines are not escaped)
+            message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         with self._lock:
             stream.write(message + "\n")
             stream.flush()
@@ -78,13 +82,22 @@ class _LibraryRecords(logging.Handler):
     message, which may quote the request (as `rpc_failed` does)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        fields: dict[str, Any] = {"logger": record.name, "message": record.getMessage()}
-        error = record.exc_info[1] if record.exc_info else None
-        if error is not None:
-            fields["error"] = type(error).__name__
-            fields["stack"] = "".join(traceback.format_list(
-                traceback.extract_tb(error.__traceback__)))
-        structlog.get_logger("library").log(record.levelno, "library_log", **fields)
+        try:
+            message = record.getMessage()
+            error = record.exc_info[1] if record.exc_info else None
+            fields: dict[str, Any] = {"logger": record.name}
+            if error is None:
+                fields["message"] = message
+            else:  # the first line only: asyncio's next lines repr the failed task
+                fields["message"] = message.split("\n", 1)[0]
+                fields["error"] = type(error).__name__
+                fields["stack"] = "".join(traceback.format_list(
+                    traceback.extract_tb(error.__traceback__)))
+            # structlog knows the standard levels only: a custom one goes to the next.
+            level = min(max(record.levelno // 10 * 10, logging.WARNING), logging.CRITICAL)
+            structlog.get_logger("library").log(level, "library_log", **fields)
+        except Exception:  # never into the library's own call (a bad format, a write)
+            self.handleError(record)
 
 
 def _take_library_records() -> None:

@@ -157,7 +157,45 @@ async def test_token_and_size_are_checked_before_the_body_is_read(
             "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
     assert anonymous.status_code in (401, 413)  # either way, refused from the headers
     assert small_anonymous.status_code == 401
-    assert too_big.status_code == 413
+    assert too_big.status_code == 413 and too_big.headers["connection"] == "close"
+    assert too_big.json()["message"] == (f"body of {len(big)} bytes exceeds the limit of "
+                                         f"{64 * 1024} (max_message_bytes)")
+
+
+async def test_bodies_refused_as_they_arrive_give_their_bytes_back(
+        start_server: StartServer) -> None:
+    """Chunked bodies over --max-message-bytes are refused as they arrive (413, JSON, and
+    the server hangs up), and what they had counted against --max-inflight-bytes is given
+    back: three of them would otherwise leave the budget full for good, for gRPC too."""
+    server = await start_server(http_port=free_port(), auth_tokens=TOKEN,
+                                max_message_bytes=64 * 1024, max_inflight_bytes=128 * 1024)
+
+    async def over_the_limit() -> bytes:
+        # Stops sending at the chunk that passes the limit: everything sent is read, so
+        # the hang-up is a clean close and the answer can be read (a client still
+        # sending may see the connection reset instead).
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+        writer.write(b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                     b"Content-Type: application/json\r\nAuthorization: Bearer "
+                     + TOKEN.encode() + b"\r\n\r\n"
+                     + b"3e8\r\n" + b"x" * 1000 + b"\r\n")
+        for _ in range(65):  # 66 chunks in all: the last one passes 64 KiB
+            writer.write(b"3e8\r\n" + b"x" * 1000 + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0)
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return answer
+
+    refused = [await over_the_limit() for _ in range(3)]
+    async with httpx.AsyncClient(base_url=base_url(server)) as http:
+        after = await http.post("/v1/rerank", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json={"query": "q", "documents": ["x" * 10_000] * 3})
+    for answer in refused:
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert b"connection: close" in answer.lower()
+        assert b'{"message":"body exceeds the limit of 65536 bytes' in answer
+    assert after.status_code == 200, after.json()
 
 
 @pytest.mark.parametrize(("body", "message"), [

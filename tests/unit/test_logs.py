@@ -37,6 +37,7 @@ def test_library_warnings_become_json_lines_without_exception_messages() -> None
     stream = io.StringIO()
     before, root = structlog.get_config(), logging.getLogger()
     handlers = list(root.handlers)
+    root.handlers[:] = []  # pytest's own would raise on the bad format below
     logs.configure("info", LogFormat.JSON, stream=stream)
     logs.configure("info", LogFormat.JSON, stream=stream)  # again: still one handler
     try:
@@ -48,12 +49,29 @@ def test_library_warnings_become_json_lines_without_exception_messages() -> None
         except UnicodeEncodeError:
             library.exception("Exception in ASGI application")
         library.info("below the level: not written")
+        library.log(35, "a level of its own")  # structlog knows the standard ones only
+        library.warning("%d items", "not a number")  # the library's bug: not raised here
     finally:
         structlog.configure(**before)
         root.handlers[:] = handlers
-    warning, failure = (json.loads(line) for line in stream.getvalue().splitlines())
+    warning, failure, custom = (json.loads(line) for line in stream.getvalue().splitlines())
     assert warning["event"] == "library_log" and warning["level"] == "warning"
     assert warning["logger"] == "uvicorn.error"
     assert warning["message"] == "Invalid HTTP request received."
     assert failure["error"] == "UnicodeEncodeError" and "test_logs.py" in failure["stack"]
     assert "secret" not in stream.getvalue()
+    assert custom["level"] == "warning" and custom["message"] == "a level of its own"
+
+
+def test_console_lines_survive_a_lone_surrogate() -> None:
+    """A JSON client's request id can hold one (refused, and logged as refused); on a
+    terminal the console renderer does not escape it, and the write must not fail."""
+    terminal = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # as stdout on a tty
+    before = structlog.get_config()
+    logs.configure("info", LogFormat.CONSOLE, stream=terminal)
+    try:
+        structlog.get_logger("test").info("rpc", request_id="\ud800x")
+    finally:
+        structlog.configure(**before)
+    terminal.flush()
+    assert b"\\ud800x" in terminal.buffer.getvalue()  # escaped, and written
