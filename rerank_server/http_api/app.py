@@ -353,11 +353,15 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
 
 
 def _as_written(exc: InvalidRequest, documents: str) -> str:
-    """The core's field name as an HTTP client wrote it: `documents[3].text`, and the
-    top-level options (`max_candidates`, not `options.max_candidates`)."""
+    """The core's field name as an HTTP client wrote it: `documents[3].text`, TEI's
+    `texts[3]` (plain strings: no `.text`), and the top-level options (`max_candidates`,
+    not `options.max_candidates`)."""
     def rename(name: str) -> str:
         name = name.removeprefix("options.")
-        return documents + name[len("candidates"):] if name.startswith("candidates") else name
+        if not name.startswith("candidates"):
+            return name
+        name = documents + name[len("candidates"):]
+        return name.removesuffix(".text") if documents == "texts" else name
 
     problem = exc.problem.replace("candidates[", f"{documents}[")
     return f"{rename(exc.field)}: {problem}"

@@ -244,6 +244,15 @@ async def test_bad_bodies_get_a_422_that_says_what_is_wrong(
     assert texts.json()["message"] == "texts: 101 candidates exceeds the limit of 100"
 
 
+async def test_tei_errors_name_texts_as_plain_strings(http_server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/rerank", content='{"query": "q", "texts": ["a", "b \\ud800"]}',
+                                headers={"Authorization": f"Bearer {TOKEN}",
+                                         "Content-Type": "application/json"})
+    assert reply.status_code == 422
+    assert reply.json()["message"] == "texts[1]: is not valid Unicode (a lone surrogate)"
+
+
 async def test_framework_errors_have_the_same_json_shape(http_server: RunningServer) -> None:
     async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
         missing = await http.get("/nowhere", headers={"Authorization": f"Bearer {TOKEN}"})
