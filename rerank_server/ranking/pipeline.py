@@ -159,7 +159,8 @@ class Reranker:
                           if request.return_text else None)
 
         # Pairs the cache knows are resolved before anything is sent.
-        scope = Scope(self.scorer.kind, self.scorer.model, request.instruction, request.query)
+        scope = Scope(self.scorer.kind, self.scorer.model, request.instruction, request.query,
+                      request.max_tokens_per_doc)
         looked_up = await self.cache.lookup(scope, documents, bypass=request.bypass_cache)
         hits = looked_up.hits
         ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
@@ -202,7 +203,8 @@ class Reranker:
         # Keyed by the model known now: a backend that names its model only in its answers
         # (llama-server without --model) would otherwise store under "".
         self.cache.store(looked_up, Scope(self.scorer.kind, self.scorer.model,
-                                          request.instruction, request.query), fresh)
+                                          request.instruction, request.query,
+                                          request.max_tokens_per_doc), fresh)
 
         # Results whose place was certain were blended and sent during scoring already.
         with telemetry.step("rerank.blend") as span:

@@ -1,15 +1,19 @@
 """The score cache: reranker scores keyed by what determines them, in memory and on disk.
 
-A score depends on the backend kind, the model, the instruction, the query and the exact
-text scored (title plus chosen chunk), so the key is a SHA-256 over those five. Keys are
-digests: the cache holds no text, in memory or on disk.
+A score depends on the backend kind, the model, the instruction, the query, the exact
+text scored (title plus chosen chunk) and, when a request sets one, its
+`max_tokens_per_doc` (the scorer reads only that much of each document), so the key is a
+SHA-256 over those. Keys are digests: the cache holds no text, in memory or on disk.
 
 - Memory: least-recently-used, bounded by `--cache-entries` and by age (`--cache-ttl-s`).
 - Disk (optional, `--cache-path`): SQLite, so scores survive a restart. Lookups that
   miss in memory go to it; new scores are written in one transaction per request. SQLite
   calls run in a worker thread so the event loop never waits on the disk.
 
-Only successful scores are stored; a failed pair is tried again next time.
+Only successful scores are stored; a failed pair is tried again next time. The disk is an
+aid, never a cause of failure: an error reading it is a miss, an error writing it a
+logged warning (`score_cache_disk_error`), and a write that fails rolls back, so the
+next one starts clean.
 
 The pipeline uses `lookup` and `store`, which key a request's documents (once: `store`
 reuses `lookup`'s keys) and count hits, misses and bypasses in the
@@ -28,7 +32,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from ..observability.metrics import CACHE_RESULT, Metrics
+
+log = structlog.get_logger(__name__)
 
 
 def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashlib._Hash:
@@ -42,8 +50,16 @@ def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashl
     return digest
 
 
-def cache_key(backend: str, model: str, instruction: str, query: str, document: str) -> bytes:
-    return _hashing((backend, model, instruction, query, document)).digest()
+def cache_key(backend: str, model: str, instruction: str, query: str, document: str,
+              max_tokens: int | None = None) -> bytes:
+    return _hashing((backend, model, instruction, query, *_limit(max_tokens),
+                     document)).digest()
+
+
+def _limit(max_tokens: int | None) -> tuple[str, ...]:
+    """The token limit as a key part, none without one: the keys of requests that set
+    none are what they were before the limit was keyed."""
+    return (f"max_tokens_per_doc={max_tokens}",) if max_tokens else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +70,17 @@ class Scope:
     model: str
     instruction: str
     query: str
+    max_tokens: int | None = None  # the request's max_tokens_per_doc
 
     def key(self, document: str) -> bytes:
-        return cache_key(self.backend, self.model, self.instruction, self.query, document)
+        return cache_key(self.backend, self.model, self.instruction, self.query, document,
+                         self.max_tokens)
 
     def keys(self, documents: Iterable[str]) -> list[bytes]:
         """`key` of each document: the four shared parts are hashed once and the digest
         copied for each document (the same keys in half the time for 40 passages)."""
-        shared = _hashing((self.backend, self.model, self.instruction, self.query))
+        shared = _hashing((self.backend, self.model, self.instruction, self.query,
+                           *_limit(self.max_tokens)))
         keys = []
         for document in documents:
             data = document.encode()
@@ -150,7 +169,11 @@ class ScoreCache:
                     del self._memory[key]
                 missing.append(key)
         if missing and self._disk is not None:
-            from_disk = await asyncio.to_thread(self._disk.get_many, missing)
+            try:
+                from_disk = await asyncio.to_thread(self._disk.get_many, missing)
+            except sqlite3.Error as exc:  # locked past the timeout, corrupt, gone: a miss
+                log.warning("score_cache_disk_error", op="read", error=type(exc).__name__)
+                return found
             for key, (score, stored) in from_disk.items():
                 found[key] = score
                 self._remember(key, score, stored)
@@ -173,12 +196,13 @@ class ScoreCache:
             write = asyncio.ensure_future(asyncio.to_thread(self._disk.put_many, dict(scores),
                                                             now))
             self._writes.add(write)
+            write.add_done_callback(_written)
             write.add_done_callback(self._writes.discard)
 
     async def flush(self) -> None:
-        """Wait until every score stored so far is on disk."""
+        """Wait until every score stored so far is on disk (or failed to get there)."""
         if self._writes:
-            await asyncio.gather(*self._writes)
+            await asyncio.gather(*self._writes, return_exceptions=True)
 
     def _remember(self, key: bytes, score: float, stored: float) -> None:
         if self.max_entries <= 0:
@@ -194,15 +218,24 @@ class ScoreCache:
             await asyncio.to_thread(self._disk.close)
 
 
+def _written(write: asyncio.Future[None]) -> None:
+    """A background write's end: a failure is logged (and so retrieved), not raised."""
+    if not write.cancelled() and (exc := write.exception()) is not None:
+        log.warning("score_cache_disk_error", op="write", error=type(exc).__name__)
+
+
 class _Disk:
     """The SQLite side; every method runs in a worker thread, one at a time."""
+
+    BUSY_TIMEOUT_S = 5.0  # how long a write waits for another process's write lock
 
     def __init__(self, path: Path, ttl_s: float, clock: Callable[[], float]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._ttl_s = ttl_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
+                                   timeout=self.BUSY_TIMEOUT_S)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
                          "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID")
@@ -223,10 +256,20 @@ class _Disk:
 
     def put_many(self, scores: Mapping[bytes, float], stored: float) -> None:
         with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR REPLACE INTO scores VALUES (?, ?, ?)",
-                                 [(key, score, stored) for key, score in scores.items()])
-            self._db.execute("COMMIT")
+            try:
+                # IMMEDIATE: wait (the busy timeout) for the write lock up front, rather
+                # than fail on upgrading a read to a write half-way.
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany("INSERT OR REPLACE INTO scores VALUES (?, ?, ?)",
+                                     [(key, score, stored) for key, score in scores.items()])
+                self._db.execute("COMMIT")
+            except BaseException:
+                # Left open, the transaction would fail every later BEGIN, pin this
+                # connection's snapshot (no other worker's scores seen) and stop the WAL
+                # from being checkpointed.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
 
     def close(self) -> None:
         with self._lock:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
+import pytest
 from rerank_client import AsyncRerankClient
 
-from rerank_server.ranking.score_cache import Scope, ScoreCache, cache_key
+from rerank_server.ranking.score_cache import Scope, ScoreCache, _Disk, cache_key
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 
@@ -159,3 +161,54 @@ async def test_a_disk_only_cache_stores_and_finds(tmp_path: Path) -> None:
     assert len(cache) == 0
     assert (await cache.lookup(scope, DOCS)).hits == {1: 0.5}
     await cache.aclose()
+
+
+async def test_key_covers_the_token_limit(client: AsyncRerankClient,
+                                          fake_llama: FakeLlamaServer) -> None:
+    """A request that lets the model read only 16 tokens of each document gets scores of
+    16-token stubs: they must not answer a request without the limit."""
+    await client.rerank("fruit", DOCS, max_tokens_per_doc=16)
+    assert (await client.rerank("fruit", DOCS)).summary.cached == 0
+    assert (await client.rerank("fruit", DOCS, max_tokens_per_doc=16)).summary.cached == 3
+    assert (await client.rerank("fruit", DOCS)).summary.cached == 3
+
+
+async def test_a_write_that_finds_the_disk_locked_does_not_stop_later_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holding the write lock past the busy timeout fails one write; the
+    transaction it left open would fail every later one (and pin this connection to an
+    old snapshot) unless it is rolled back."""
+    monkeypatch.setattr(_Disk, "BUSY_TIMEOUT_S", 0.1)
+    path = tmp_path / "scores.db"
+    cache = ScoreCache(0, 3600, path=path)  # disk only: what is found was read from it
+    first, second = (cache_key("chat", "m", "i", "q", d) for d in "ab")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # say, another worker's long clean-up
+    cache.put_many({first: 0.25})
+    await cache.flush()  # failed: logged, not raised
+    other.execute("ROLLBACK")
+    other.close()
+    cache.put_many({second: 0.75})
+    await cache.flush()
+    assert await cache.get_many([first, second]) == {second: 0.75}
+    await cache.aclose()
+
+
+async def test_an_unreadable_disk_is_a_miss(tmp_path: Path) -> None:
+    """A cache file that cannot be read (here: overwritten under the open cache) makes
+    misses, not failed requests."""
+    path = tmp_path / "scores.db"
+    cache = ScoreCache(0, 3600, path=path)
+    key = cache_key("chat", "m", "i", "q", "a")
+    cache.put_many({key: 0.5})
+    await cache.flush()
+    assert await cache.get_many([key]) == {key: 0.5}
+    def overwrite() -> None:
+        for file in tmp_path.iterdir():
+            file.write_bytes(b"\xff" * file.stat().st_size)
+
+    await asyncio.to_thread(overwrite)
+    assert await cache.get_many([key]) == {}
+    cache.put_many({key: 0.5})  # fails in the background: logged
+    await cache.flush()
+    await asyncio.to_thread(cache._disk.close)  # type: ignore[union-attr]
