@@ -85,8 +85,8 @@ class Settings:
         minimum=1024))
     workers: int = field(default=1, metadata=_opt(
         "Server processes sharing --port and --http-port (SO_REUSEPORT); --concurrency is "
-        "split between them, so the backend never sees more. 0: one per CPU core "
-        "(docs/deploy.md, \"Workers or replicas\").", minimum=0, maximum=256))
+        "split between them, so the backend never sees more. 0: one per CPU core, at most "
+        "--concurrency (docs/deploy.md, \"Workers or replicas\").", minimum=0, maximum=256))
     batch_concurrency: int = field(default=8, metadata=_opt(
         "Requests of one RerankBatch stream processed at once.", minimum=1))
 

@@ -63,13 +63,15 @@ CGROUP = Path("/sys/fs/cgroup")
 def worker_count(settings: Settings, cgroup: Path = CGROUP) -> int:
     """How many server processes `settings` ask for. 0: one per core this process may
     use, which in a container with a CPU limit is the limit (rounded up), not the node's
-    cores."""
+    cores; and no more than --concurrency, since each worker needs a backend slot (the
+    default 4 slots on a 16-core node: 4 workers, not a refusal to start)."""
     if settings.workers:
         return settings.workers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else os.cpu_count() or 1
     quota = cpu_quota(cgroup)
-    return max(1, min(cores, math.ceil(quota))) if quota else cores
+    usable = max(1, min(cores, math.ceil(quota))) if quota else cores
+    return max(1, min(usable, settings.concurrency))
 
 
 def cpu_quota(cgroup: Path = CGROUP) -> float | None:

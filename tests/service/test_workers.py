@@ -201,3 +201,14 @@ def test_one_worker_per_core_follows_a_containers_cpu_limit(tmp_path: Path) -> N
     assert worker_count(Settings(workers=0), tmp_path) == min(cores, 2)
     (tmp_path / "cpu.max").write_text("50000 100000\n")
     assert worker_count(Settings(workers=0), tmp_path) == 1
+
+
+def test_one_worker_per_core_stops_at_the_backend_slots(tmp_path: Path) -> None:
+    """Each worker needs one of --concurrency's slots: more cores than slots is as many
+    workers as slots (before: a refusal to start, on any node with more than 4 cores at
+    the default --concurrency 4)."""
+    cores = len(os.sched_getaffinity(0))
+    assert worker_count(Settings(workers=0, concurrency=1), tmp_path) == 1
+    count = worker_count(Settings(workers=0, concurrency=cores + 8), tmp_path)
+    assert count == cores
+    concurrency_shares(1, worker_count(Settings(workers=0, concurrency=1), tmp_path))
