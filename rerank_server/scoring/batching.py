@@ -54,9 +54,10 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
             group.create_task(one(start))
 
 
-def to_unit(scores: Mapping[int, float]) -> dict[int, float]:
-    """Scores on 0..1 as they are; otherwise read as logits and passed through a sigmoid."""
-    if all(0.0 <= s <= 1.0 for s in scores.values()):
+def to_unit(scores: Mapping[int, float], logits: bool = False) -> dict[int, float]:
+    """Scores on 0..1 as they are, unless `logits` says they are; otherwise read as
+    logits and passed through a sigmoid."""
+    if not logits and all(0.0 <= s <= 1.0 for s in scores.values()):
         return dict(scores)
     return {i: 1 / (1 + math.exp(-max(min(s, 60.0), -60.0))) for i, s in scores.items()}
 

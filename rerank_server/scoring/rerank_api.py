@@ -8,7 +8,10 @@
 
 Large requests are split into calls of at most `--max-batch` documents (hosted APIs cap
 them; TEI's default is 32). Scores outside 0..1 are logits (some servers return raw
-classifier outputs) and go through a sigmoid, so blending sees 0..1 either way. The
+classifier outputs) and go through a sigmoid, so blending sees 0..1 either way. Once a
+backend has sent one, all its scores are read as logits: a batch whose logits all
+happen to fall in 0..1 would otherwise be taken as probabilities, on another scale
+than its neighbours (and cached so). The
 standard API has no place for an instruction; the query is sent as it is.
 """
 
@@ -37,6 +40,7 @@ class RerankApiScorer(PooledScorer):
         self._format = wire_format
         self._path = path
         self._max_batch = max_batch
+        self._logits = False  # set for good by the first score outside 0..1
 
     def payload(self, query: str, documents: Sequence[str]) -> dict[str, Any]:
         """The request body, caller text neutralized (a cross-encoder's tokenizer would
@@ -69,7 +73,9 @@ class RerankApiScorer(PooledScorer):
                 if type(index) is int and 0 <= index < count and \
                         (type(value) is float or type(value) is int):
                     scores[index] = float(value)
-        return to_unit(scores)
+        if not self._logits and not all(0.0 <= v <= 1.0 for v in scores.values()):
+            self._logits = True
+        return to_unit(scores, logits=self._logits)
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
