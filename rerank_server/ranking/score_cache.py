@@ -8,7 +8,10 @@ SHA-256 over those. Keys are digests: the cache holds no text, in memory or on d
 - Memory: least-recently-used, bounded by `--cache-entries` and by age (`--cache-ttl-s`).
 - Disk (optional, `--cache-path`): SQLite, so scores survive a restart. Lookups that
   miss in memory go to it; new scores are written in one transaction per request. SQLite
-  calls run in a worker thread so the event loop never waits on the disk.
+  calls run in worker threads so the event loop never waits on the disk: lookups on a
+  connection of their own (WAL lets them read while a write is under way, in this
+  process or another worker's), writes one at a time on a thread of their own, so a
+  lookup never queues behind writes.
 
 Only successful scores are stored; a failed pair is tried again next time. The disk is an
 aid, never a cause of failure: an error reading it is a miss, an error writing it a
@@ -29,6 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +118,8 @@ class ScoreCache:
         self._clock = clock
         self._memory: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # score, stored
         self._disk = _Disk(path, ttl_s, clock) if path is not None else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="score-cache-writer") \
+            if path is not None else None
         self._writes: set[asyncio.Future[None]] = set()
 
     @property
@@ -193,8 +199,8 @@ class ScoreCache:
             for _ in range(len(memory) - self.max_entries):
                 memory.popitem(last=False)
         if self._disk is not None:
-            write = asyncio.ensure_future(asyncio.to_thread(self._disk.put_many, dict(scores),
-                                                            now))
+            write = asyncio.get_running_loop().run_in_executor(
+                self._writer, self._disk.put_many, dict(scores), now)
             self._writes.add(write)
             write.add_done_callback(_written)
             write.add_done_callback(self._writes.discard)
@@ -216,6 +222,8 @@ class ScoreCache:
         await self.flush()
         if self._disk is not None:
             await asyncio.to_thread(self._disk.close)
+        if self._writer is not None:
+            self._writer.shutdown()
 
 
 def _written(write: asyncio.Future[None]) -> None:
@@ -225,7 +233,8 @@ def _written(write: asyncio.Future[None]) -> None:
 
 
 class _Disk:
-    """The SQLite side; every method runs in a worker thread, one at a time."""
+    """The SQLite side; every method runs in a worker thread (writes on the writer
+    thread, one at a time; lookups on their own connection)."""
 
     BUSY_TIMEOUT_S = 5.0  # how long a write waits for another process's write lock
 
@@ -237,18 +246,24 @@ class _Disk:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
                                    timeout=self.BUSY_TIMEOUT_S)
         self._db.execute("PRAGMA journal_mode=WAL")
+        # A cache: a power cut may lose the last few writes (WAL keeps the file whole),
+        # and a commit need not wait for the disk.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
                          "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID")
         self._db.execute("DELETE FROM scores WHERE stored < ?", (clock() - ttl_s,))
+        self._reader = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
+                                       timeout=self.BUSY_TIMEOUT_S)
+        self._read_lock = threading.Lock()  # lookups may come from several threads
 
     def get_many(self, keys: list[bytes]) -> dict[bytes, tuple[float, float]]:
         oldest = self._clock() - self._ttl_s
         found: dict[bytes, tuple[float, float]] = {}
-        with self._lock:
+        with self._read_lock:
             for start in range(0, len(keys), 500):  # SQLite caps bound parameters
                 chunk = keys[start:start + 500]
                 marks = ",".join("?" * len(chunk))
-                rows = self._db.execute(
+                rows = self._reader.execute(
                     f"SELECT key, score, stored FROM scores WHERE key IN ({marks}) "
                     "AND stored >= ?", (*chunk, oldest))
                 found.update((key, (score, stored)) for key, score, stored in rows)
@@ -272,5 +287,7 @@ class _Disk:
                 raise
 
     def close(self) -> None:
+        with self._read_lock:
+            self._reader.close()
         with self._lock:
             self._db.close()

@@ -212,3 +212,26 @@ async def test_an_unreadable_disk_is_a_miss(tmp_path: Path) -> None:
     cache.put_many({key: 0.5})  # fails in the background: logged
     await cache.flush()
     await asyncio.to_thread(cache._disk.close)  # type: ignore[union-attr]
+
+
+async def test_a_lookup_does_not_wait_behind_a_blocked_write(tmp_path: Path) -> None:
+    """Lookups read on a connection of their own: a write waiting for another process's
+    lock (up to the busy timeout) does not hold up the request looking scores up."""
+    path = tmp_path / "scores.db"
+    cache = ScoreCache(0, 3600, path=path)  # disk only
+    stored, blocked = (cache_key("chat", "m", "i", "q", d) for d in "ab")
+    cache.put_many({stored: 0.5})
+    await cache.flush()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another worker writing
+    cache.put_many({blocked: 0.75})  # waits for the lock in the background
+    await asyncio.sleep(0.1)
+    try:
+        # Well inside the 5 s the write may wait: before, the lookup waited with it.
+        assert await asyncio.wait_for(cache.get_many([stored]), 2.5) == {stored: 0.5}
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    await cache.flush()
+    assert await cache.get_many([blocked]) == {blocked: 0.75}
+    await cache.aclose()
