@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,8 @@ import structlog
 from ..observability.metrics import CACHE_RESULT, Metrics
 
 log = structlog.get_logger(__name__)
+
+PURGE_EVERY_S = 600.0
 
 
 def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashlib._Hash:
@@ -121,6 +123,8 @@ class ScoreCache:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="score-cache-writer") \
             if path is not None else None
         self._writes: set[asyncio.Future[None]] = set()
+        self._purged = -PURGE_EVERY_S  # expired rows go at start-up, then every so often
+        self._purge()
 
     @property
     def enabled(self) -> bool:
@@ -199,6 +203,7 @@ class ScoreCache:
             for _ in range(len(memory) - self.max_entries):
                 memory.popitem(last=False)
         if self._disk is not None:
+            self._purge()
             write = asyncio.get_running_loop().run_in_executor(
                 self._writer, self._disk.put_many, dict(scores), now)
             self._writes.add(write)
@@ -209,6 +214,16 @@ class ScoreCache:
         """Wait until every score stored so far is on disk (or failed to get there)."""
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
+
+    def _purge(self) -> None:
+        """Delete the expired rows on the writer thread, at most every `PURGE_EVERY_S`:
+        the file would otherwise only grow (about 60 bytes a pair) between restarts, and
+        at start-up the scan (about 0.7 s a million rows) would hold up the event loop."""
+        now = self._clock()
+        if self._disk is None or self._writer is None or now - self._purged < PURGE_EVERY_S:
+            return
+        self._purged = now
+        self._writer.submit(self._disk.purge, now - self.ttl_s).add_done_callback(_written)
 
     def _remember(self, key: bytes, score: float, stored: float) -> None:
         if self.max_entries <= 0:
@@ -223,10 +238,10 @@ class ScoreCache:
         if self._disk is not None:
             await asyncio.to_thread(self._disk.close)
         if self._writer is not None:
-            self._writer.shutdown()
+            await asyncio.to_thread(self._writer.shutdown)  # after a purge under way
 
 
-def _written(write: asyncio.Future[None]) -> None:
+def _written(write: asyncio.Future[None] | Future[None]) -> None:
     """A background write's end: a failure is logged (and so retrieved), not raised."""
     if not write.cancelled() and (exc := write.exception()) is not None:
         log.warning("score_cache_disk_error", op="write", error=type(exc).__name__)
@@ -251,7 +266,6 @@ class _Disk:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
                          "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID")
-        self._db.execute("DELETE FROM scores WHERE stored < ?", (clock() - ttl_s,))
         self._reader = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
                                        timeout=self.BUSY_TIMEOUT_S)
         self._read_lock = threading.Lock()  # lookups may come from several threads
@@ -285,6 +299,10 @@ class _Disk:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 raise
+
+    def purge(self, oldest: float) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM scores WHERE stored < ?", (oldest,))
 
     def close(self) -> None:
         with self._read_lock:

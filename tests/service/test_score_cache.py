@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from pathlib import Path
 
 import pytest
 from rerank_client import AsyncRerankClient
 
-from rerank_server.ranking.score_cache import Scope, ScoreCache, _Disk, cache_key
+from rerank_server.ranking.score_cache import (
+    PURGE_EVERY_S,
+    Scope,
+    ScoreCache,
+    _Disk,
+    cache_key,
+)
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 
@@ -235,3 +242,21 @@ async def test_a_lookup_does_not_wait_behind_a_blocked_write(tmp_path: Path) -> 
     await cache.flush()
     assert await cache.get_many([blocked]) == {blocked: 0.75}
     await cache.aclose()
+
+
+async def test_expired_rows_leave_the_disk_while_the_server_runs(tmp_path: Path) -> None:
+    """Not only when the cache opens: the file would grow for as long as a server runs."""
+    path = tmp_path / "scores.db"
+    now = [0.0]
+    cache = ScoreCache(0, 60, path=path, clock=lambda: now[0])
+    old, new = (cache_key("chat", "m", "i", "q", d) for d in "ab")
+    cache.put_many({old: 0.5})
+    await cache.flush()
+    now[0] = PURGE_EVERY_S + 1  # `old` expired long ago, and a purge is due
+    cache.put_many({new: 0.75})
+    await cache.aclose()  # waits for the purge on the writer thread too
+
+    def rows() -> list[bytes]:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return [key for (key,) in db.execute("SELECT key FROM scores")]
+    assert await asyncio.to_thread(rows) == [new]
