@@ -119,9 +119,9 @@ class ScoreCache:
         self.ttl_s = ttl_s
         self._clock = clock
         self._memory: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # score, stored
-        self._disk = _Disk(path, ttl_s, clock) if path is not None else None
+        self._disk = _open_disk(path, ttl_s, clock) if path is not None else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="score-cache-writer") \
-            if path is not None else None
+            if self._disk is not None else None
         self._writes: set[asyncio.Future[None]] = set()
         self._purged = -PURGE_EVERY_S  # expired rows go at start-up, then every so often
         self._purge()
@@ -239,6 +239,19 @@ class ScoreCache:
             await asyncio.to_thread(self._disk.close)
         if self._writer is not None:
             await asyncio.to_thread(self._writer.shutdown)  # after a purge under way
+
+
+def _open_disk(path: Path, ttl_s: float, clock: Callable[[], float]) -> _Disk | None:
+    """The disk side, or None (memory only) when the file is not a database SQLite can
+    use: a cache must not keep the server from starting. It is left in place for the
+    operator (workers sharing it would race to replace it)."""
+    try:
+        return _Disk(path, ttl_s, clock)
+    except sqlite3.DatabaseError as exc:
+        log.error("score_cache_file_unusable", path=str(path), error=type(exc).__name__,
+                  detail=str(exc), action="memory only; delete or move the file to cache "
+                                          "on disk again")
+        return None
 
 
 def _written(write: asyncio.Future[None] | Future[None]) -> None:

@@ -260,3 +260,17 @@ async def test_expired_rows_leave_the_disk_while_the_server_runs(tmp_path: Path)
         with contextlib.closing(sqlite3.connect(path)) as db:
             return [key for (key,) in db.execute("SELECT key FROM scores")]
     assert await asyncio.to_thread(rows) == [new]
+
+
+async def test_a_cache_file_that_is_not_a_database_leaves_the_cache_in_memory(
+        tmp_path: Path) -> None:
+    """A corrupt --cache-path file does not keep the server from starting (every worker
+    exited 1): the cache runs in memory and says so."""
+    path = tmp_path / "scores.db"
+    await asyncio.to_thread(path.write_bytes, b"\xff" * 8192)
+    cache = ScoreCache(10, 3600, path=path)
+    key = cache_key("chat", "m", "i", "q", "a")
+    cache.put_many({key: 0.5})
+    assert await cache.get_many([key]) == {key: 0.5}
+    await cache.aclose()
+    assert await asyncio.to_thread(path.read_bytes) == b"\xff" * 8192  # left for the operator
