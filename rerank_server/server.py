@@ -198,9 +198,13 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
 
 
 async def serve(settings: Settings, reuse_port: bool = False,
-                ready: Callable[[RunningServer], None] | None = None) -> None:
+                ready: Callable[[RunningServer], None] | None = None,
+                drain_through_repeats: bool = False) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order. `ready` is called once the
-    server listens (a worker tells its supervisor)."""
+    server listens (a worker tells its supervisor). A second signal ends the process at
+    once, unless `drain_through_repeats` (a worker: its supervisor ends a drain that
+    takes too long with SIGKILL, and under systemd's `KillMode=control-group` a worker
+    gets SIGTERM from systemd and then again from its supervisor)."""
     running = await build_server(settings, reuse_port=reuse_port)
     freeze_startup_objects()
     log.info("serving", address=running.address, http_port=running.http_port,
@@ -216,7 +220,9 @@ async def serve(settings: Settings, reuse_port: bool = False,
             if ready is not None:
                 ready(running)
             await stop_requested.wait()
-        # A second signal from here on ends the process at once.
+        # A second signal from here on ends the process at once (a worker's: ignored).
+        if drain_through_repeats:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.info("shutting_down", grace_period_s=settings.grace_period_s)
     finally:
         await running.stop()

@@ -277,7 +277,8 @@ def _worker_main(settings: Settings, index: int, supervisor: int, conn: Connecti
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(settings, reuse_port=True, ready=ready))
+            runner.run(serve(settings, reuse_port=True, ready=ready,
+                             drain_through_repeats=True))
     except (BindError, ConfigError) as exc:
         conn.send(("error", str(exc)))
         sys.exit(2)

@@ -137,6 +137,25 @@ async def test_a_stop_signal_drains_every_worker_and_exits_zero(
             os.kill(pid, 0)
 
 
+async def test_workers_drain_through_a_second_sigterm(fake_llama: FakeLlamaServer) -> None:
+    """Under systemd's `KillMode=control-group` every process of the unit gets SIGTERM,
+    and the supervisor then sends each worker its own: the second must not end a worker
+    mid-drain (it took the default action and dropped its calls)."""
+    fake_llama.latency_s = 1.0
+    async with supervised(fake_llama.url, RERANK_CONCURRENCY="32",
+                          RERANK_GRACE_PERIOD_S="5") as server:
+        workers = server.workers()
+        calls = asyncio.ensure_future(_rerank_on_new_connections(server.port, 8))
+        assert await eventually(lambda: fake_llama.in_flight >= 8, 5)
+        for pid in workers:  # systemd, to the whole control group
+            os.kill(pid, signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        answers = await calls
+        code = await asyncio.to_thread(server.proc.wait, 15)
+    assert code == 0
+    assert all(a.reranked and not a.summary.degraded_code for a in answers)
+
+
 async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> None:
     async with supervised(fake_llama.url) as server:
         first = server.workers()
