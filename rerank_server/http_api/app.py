@@ -159,35 +159,35 @@ class _Gate:
             return None
         chunks: list[bytes] = []
         size = 0
+        whole = False  # handed over: the caller gives its bytes back
+        refusal: tuple[int, str, dict[str, str]] | None = None
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        self._inflight.give_back(size)
                         return None
                     chunk: bytes = message.get("body", b"")
                     if size + len(chunk) > self._max_body:
-                        self._inflight.give_back(size)
-                        await self._refuse(scope, send, 413, "body exceeds the limit of "
-                                           f"{self._max_body} bytes (max_message_bytes)",
-                                           _CLOSE)
-                        return None
+                        refusal = (413, f"body exceeds the limit of {self._max_body} bytes "
+                                        "(max_message_bytes)", _CLOSE)
+                        break
                     self._inflight.take(len(chunk), own=size)
                     size += len(chunk)
                     chunks.append(chunk)
                     if not message.get("more_body", False):
+                        whole = True
                         return b"".join(chunks)
         except TimeoutError:
-            self._inflight.give_back(size)
-            await self._refuse(scope, send, 408, "the body did not arrive within "
-                               f"{BODY_TIMEOUT_S:.0f} s", _CLOSE)
+            refusal = (408, f"the body did not arrive within {BODY_TIMEOUT_S:.0f} s", _CLOSE)
         except Overloaded as exc:
-            self._inflight.give_back(size)
-            await self._refuse(scope, send, 429, str(exc), {"Retry-After": "1", **_CLOSE})
-        except BaseException:  # cancelled (shutdown), or the connection failed
-            self._inflight.give_back(size)
-            raise
+            refusal = (429, str(exc), {"Retry-After": "1", **_CLOSE})
+        finally:
+            # Exactly once, on every way out but the hand-over (cancellation included).
+            if not whole:
+                self._inflight.give_back(size)
+        if refusal is not None:  # sent outside the timeout: one answer, never two
+            await self._refuse(scope, send, *refusal)
         return None
 
     async def _refuse(self, scope: Scope, send: Send, status: int, message: str,
