@@ -124,7 +124,7 @@ class ScoreCache:
             if self._disk is not None else None
         self._writes: set[asyncio.Future[None]] = set()
         self._purged = -PURGE_EVERY_S  # expired rows go at start-up, then every so often
-        self._purge()
+        self._purge(clock())
 
     @property
     def enabled(self) -> bool:
@@ -203,7 +203,7 @@ class ScoreCache:
             for _ in range(len(memory) - self.max_entries):
                 memory.popitem(last=False)
         if self._disk is not None:
-            self._purge()
+            self._purge(now)
             write = asyncio.get_running_loop().run_in_executor(
                 self._writer, self._disk.put_many, dict(scores), now)
             self._writes.add(write)
@@ -215,11 +215,10 @@ class ScoreCache:
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
 
-    def _purge(self) -> None:
+    def _purge(self, now: float) -> None:
         """Delete the expired rows on the writer thread, at most every `PURGE_EVERY_S`:
         the file would otherwise only grow (about 60 bytes a pair) between restarts, and
         at start-up the scan (about 0.7 s a million rows) would hold up the event loop."""
-        now = self._clock()
         if self._disk is None or self._writer is None or now - self._purged < PURGE_EVERY_S:
             return
         self._purged = now

@@ -160,7 +160,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         sent = loop.time()
         try:
             return await self._exchange(key, connection, reused, data, head_only, request,
-                                        read_s)
+                                        read_s, loop)
         except _Unanswered:
             pass
         # The keep-alive race: once more, on a new connection, in the time that is left.
@@ -169,7 +169,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise httpx.ReadTimeout("no complete answer within the read timeout",
                                     request=request)
         connection, _ = await self._connection(key, connect_s, request, loop, fresh=True)
-        return await self._exchange(key, connection, False, data, head_only, request, left)
+        return await self._exchange(key, connection, False, data, head_only, request, left,
+                                    loop)
 
     async def _connection(self, key: tuple[str, int], connect_s: float | None,
                           request: httpx.Request | None, loop: asyncio.AbstractEventLoop,
@@ -192,13 +193,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     async def _exchange(self, key: tuple[str, int], connection: _Connection, reused: bool,
                         data: bytes, head_only: bool, request: httpx.Request | None,
-                        read_s: float | None) -> Answer:
+                        read_s: float | None, loop: asyncio.AbstractEventLoop) -> Answer:
         assert connection.transport is not None
         connection.transport.write(data)
         # One timer that wakes the reader (`Wakeup.expire`): `asyncio.timeout` costs a
         # context manager and a task's cancellation bookkeeping per call besides.
         timer = None if read_s is None else \
-            asyncio.get_running_loop().call_later(read_s, connection.wakeup.expire)
+            loop.call_later(read_s, connection.wakeup.expire)
         done = False
         try:
             status, headers, keep_alive = await _read_head(connection, reused, request)
@@ -218,7 +219,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         idle = self._idle[key]
         if keep_alive and not connection.closed and not connection.buffer \
                 and not self._closed and len(idle) < self._max_idle:
-            connection.idle_since = asyncio.get_running_loop().time()
+            connection.idle_since = loop.time()
             idle.append(connection)
         else:
             connection.close()
