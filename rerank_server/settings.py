@@ -87,6 +87,11 @@ class Settings:
         "Server processes sharing --port and --http-port (SO_REUSEPORT); --concurrency is "
         "split between them, so the backend never sees more. 0: one per CPU core, at most "
         "--concurrency (docs/deploy.md, \"Workers or replicas\").", minimum=0, maximum=256))
+    worker_start_timeout_s: float = field(default=60.0, metadata=_opt(
+        "How long a worker (--workers) may take to listen. At startup one that has not is "
+        "a failed start; a replacement that has not is killed and tried again, with the "
+        "restart back-off (docs/reliability.md, \"What dies, or hangs, is restarted\").",
+        minimum=1))
     batch_concurrency: int = field(default=8, metadata=_opt(
         "Requests of one RerankBatch stream processed at once.", minimum=1))
 
@@ -276,7 +281,8 @@ class Settings:
         "Extra llama-server arguments, shell-quoted (e.g. \"-t 4 --mlock\").",
         group="managed"))
     llama_ready_timeout_s: float = field(default=120.0, metadata=_opt(
-        "How long to wait for a (re)started llama-server to load its model.", minimum=1,
+        "How long to wait for a (re)started llama-server to load its model; a restart that "
+        "is not ready by then is killed and tried again.", minimum=1,
         group="managed"))
     cache_dir: Path = field(default_factory=default_cache_dir, metadata=_opt(
         "Where prepared assets (llama-server build, models, logs) are kept.",

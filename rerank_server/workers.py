@@ -14,8 +14,10 @@ pod. The supervisor, the process the user started:
    at once than configured, whatever the number of workers;
 4. serves one `/metrics` that merges the workers' own, labelled `worker`
    (`observability.worker_metrics`);
-5. restarts a worker that dies; on SIGTERM or SIGINT sends SIGTERM to every worker, each
-   drains exactly as a single server does, and then stops llama-server.
+5. restarts a worker that dies, or a replacement that does not listen in time, with
+   back-off (1 s doubling to 30 s, afresh once a worker has served a minute); on SIGTERM
+   or SIGINT sends SIGTERM to every worker, each drains exactly as a single server does,
+   and then stops llama-server.
 
 A worker that cannot start (a bad TLS file, say) stops the whole start with its error.
 Workers end with the supervisor even when it is killed (Linux's parent-death signal).
@@ -53,8 +55,9 @@ from .settings import Settings, host_port
 
 log = structlog.get_logger(__name__)
 
-START_TIMEOUT_S = 60.0  # a worker that has not listened by then is a failed start
-RESTART_DELAY_S = 1.0  # between a worker's death and its replacement
+RESTART_DELAY_S = 1.0  # between a worker's death and its replacement; doubles while
+RESTART_DELAY_MAX_S = 30.0  # replacements keep failing, up to this,
+STABLE_AFTER_S = 60.0  # and starts again from RESTART_DELAY_S once one has served this long
 STOP_MARGIN_S = 5.0  # beyond the grace period, before a worker that has not exited is killed
 PR_SET_PDEATHSIG = 1
 CGROUP = Path("/sys/fs/cgroup")
@@ -163,8 +166,11 @@ class _Worker:
     settings: Settings
     process: BaseProcess
     conn: Connection
+    spawned_at: float = dataclasses.field(default_factory=time.monotonic)
     metrics_port: int | None = None
     ready: bool = False
+    ready_at: float = 0.0
+    restart_at: float | None = None  # dead (or given up on), replaced at this time
 
 
 class _Workers:
@@ -176,8 +182,12 @@ class _Workers:
             dataclasses.replace(settings, workers=1, concurrency=share, managed=False,
                                 metrics_host="127.0.0.1", metrics_port=0)
             for share in shares]
+        self._start_timeout_s = settings.worker_start_timeout_s
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
+        # Per worker slot: replacements that failed in a row (died before serving
+        # STABLE_AFTER_S, or never listened), which sets the next delay.
+        self._failures = [0] * len(shares)
 
     def metrics_ports(self) -> Mapping[str, int]:
         return {str(w.index): w.metrics_port for w in list(self._workers)
@@ -195,14 +205,15 @@ class _Workers:
     async def start(self, stop_requested: asyncio.Event) -> None:
         """Start every worker and wait until all listen; raise the first one's error."""
         self._workers = [self._spawn(i) for i in range(len(self._settings))]
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self._start_timeout_s
         while not all(w.ready for w in self._workers) and not stop_requested.is_set():
             for w in self._workers:
                 if not w.ready and (error := self._poll(w)) is not None:
                     raise error
             if time.monotonic() > deadline:
                 raise ConfigError(f"workers did not start listening within "
-                                  f"{START_TIMEOUT_S:.0f} s")
+                                  f"{self._start_timeout_s:g} s "
+                                  "(--worker-start-timeout-s)")
             await asyncio.sleep(0.05)
 
     def _poll(self, w: _Worker) -> Exception | None:
@@ -213,7 +224,7 @@ class _Workers:
             except EOFError:
                 break
             if kind == "ready":
-                w.ready, w.metrics_port = True, value
+                w.ready, w.metrics_port, w.ready_at = True, value, time.monotonic()
             else:
                 return ConfigError(f"worker {w.index}: {value}")
         if not w.ready and not w.process.is_alive():
@@ -222,26 +233,52 @@ class _Workers:
         return None
 
     async def watch(self, stop_requested: asyncio.Event) -> None:
-        """Until stopped: replace a worker that died."""
+        """Until stopped: replace a worker that died, or a replacement that did not listen
+        in time, after its back-off. Never sleeps longer than a poll, so a stop signal
+        during a long back-off is acted on at once."""
         while not stop_requested.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop_requested.wait(), 0.2)
+            if stop_requested.is_set():
+                return
+            now = time.monotonic()
             for i, w in enumerate(self._workers):
-                if w.ready and not w.process.is_alive() and not stop_requested.is_set():
-                    log.warning("worker_exited", worker=w.index, status=w.process.exitcode,
-                                restarting_in_s=RESTART_DELAY_S)
-                    await self._respawn(i)
-                elif not w.ready:
-                    error = self._poll(w)
-                    if error is not None:  # a replacement that cannot start: try again
-                        log.warning("worker_restart_failed", worker=w.index, error=str(error))
-                        await self._respawn(i)
+                if w.restart_at is not None:
+                    if now >= w.restart_at:
+                        self._replace(i)
+                elif w.ready:
+                    if not w.process.is_alive():
+                        served = now - w.ready_at
+                        self._give_up(w, failed=served < STABLE_AFTER_S, now=now,
+                                      event="worker_exited", status=w.process.exitcode,
+                                      served_s=round(served, 1))
+                elif (error := self._poll(w)) is not None:
+                    self._give_up(w, failed=True, now=now, event="worker_restart_failed",
+                                  error=str(error))
+                elif not w.ready and now - w.spawned_at > self._start_timeout_s:
+                    # (`_poll` may just have read its "ready".) Alive but not listening,
+                    # stuck importing from a hung disk, say: as good as dead, and holding
+                    # a share of the backend slots meanwhile.
+                    w.process.kill()
+                    self._give_up(w, failed=True, now=now, event="worker_restart_failed",
+                                  error=f"did not listen within {self._start_timeout_s:g} s; "
+                                        "killed")
 
-    async def _respawn(self, i: int) -> None:
-        """Worker `i` again, after the delay; counted, every try of a crash loop too."""
+    def _give_up(self, w: _Worker, *, failed: bool, now: float, event: str,
+                 **fields: object) -> None:
+        """Schedule worker `w`'s replacement: after RESTART_DELAY_S, doubled for each
+        replacement in a row that failed, at most RESTART_DELAY_MAX_S."""
+        self._failures[w.index] = self._failures[w.index] + 1 if failed else 0
+        delay = min(RESTART_DELAY_S * 2 ** max(self._failures[w.index] - 1, 0),
+                    RESTART_DELAY_MAX_S)
+        w.restart_at = now + delay
+        log.warning(event, worker=w.index, restarting_in_s=delay, **fields)
+
+    def _replace(self, i: int) -> None:
+        """Worker `i` again; counted, every try of a crash loop too."""
         old = self._workers[i]
         old.conn.close()
-        await asyncio.sleep(RESTART_DELAY_S)
+        old.process.join(0)  # reap it (dead, or killed a poll ago)
         self._workers[i] = self._spawn(old.index)
         self._restarts.add(1)
 

@@ -3,9 +3,14 @@
 The child listens on a free loopback port that stays the same across restarts, so the
 scorer's URL never changes. If it exits, it is restarted with exponential back-off
 (0.5 s doubling to 30 s, reset once it has stayed up for a minute); meanwhile requests
-degrade with `backend_unavailable`. The child runs in its own session so a terminal's
-Ctrl-C reaches only us (we stop it in order), and on Linux it is sent SIGTERM if we die
-without stopping it (PR_SET_PDEATHSIG), so no llama-server outlives the server.
+degrade with `backend_unavailable`. Two ways of not exiting count as exits: a restart
+that has not answered `/health` within the ready timeout, and a running server whose
+`/health` (answered by its HTTP threads, whatever the model is doing) has gone unanswered
+for a minute, wedged; each is killed and restarted the same way.
+
+The child runs in its own session so a terminal's Ctrl-C reaches only us (we stop it in
+order), and on Linux it is sent SIGTERM if we die without stopping it
+(PR_SET_PDEATHSIG), so no llama-server outlives the server.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 STOP_TIMEOUT_S = 10.0
+LIVENESS_EVERY_S = 10.0  # how often a running llama-server's /health is asked, and
+LIVENESS_TIMEOUT_S = 5.0  # how long each ask waits;
+UNRESPONSIVE_AFTER_S = 60.0  # unanswered this long (never 200), it is killed and restarted
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,7 +63,9 @@ class ManagedLlamaServer:
 
     def __init__(self, binary: Path, model: Path, *, slots: int, ctx_per_slot: int,
                  extra_args: Sequence[str] = (), log_path: Path | None = None,
-                 ready_timeout_s: float = 120.0, restart_counter: Adder | None = None) -> None:
+                 ready_timeout_s: float = 120.0, restart_counter: Adder | None = None,
+                 liveness_every_s: float = LIVENESS_EVERY_S,
+                 unresponsive_after_s: float = UNRESPONSIVE_AFTER_S) -> None:
         self.binary = binary
         self.model = model
         self.port = free_port()
@@ -64,6 +74,8 @@ class ManagedLlamaServer:
         self.extra_args = list(extra_args)
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
+        self.liveness_every_s = liveness_every_s
+        self.unresponsive_after_s = unresponsive_after_s
         self.restarts = 0
         self._restart_counter = restart_counter  # `rerank.llama_server.restarts`
         if restart_counter is not None:
@@ -126,7 +138,7 @@ class ManagedLlamaServer:
         while not self._stopping:
             assert self._proc is not None
             started = time.monotonic()
-            code = await self._proc.wait()
+            code = await self._until_exit()
             if self._stopping:
                 return
             if time.monotonic() - started > STABLE_AFTER_S:
@@ -142,6 +154,43 @@ class ManagedLlamaServer:
             await self._launch()
             if await self.wait_ready(self.ready_timeout_s):
                 log.info("llama_server_ready", pid=self.pid, restarts=self.restarts)
+            elif self._proc.returncode is None:
+                # Alive but never healthy (stuck loading, say): as good as dead, and it
+                # would otherwise stay so, since only an exit brought a restart.
+                log.warning("llama_server_not_ready", pid=self._proc.pid,
+                            waited_s=self.ready_timeout_s)
+                await self._kill()
+
+    async def _until_exit(self) -> int:
+        """Wait for the running child to exit: its exit code. One whose `/health` has not
+        answered 200 for `unresponsive_after_s` is killed first."""
+        assert self._proc is not None
+        proc, answered = self._proc, time.monotonic()
+        # One waiter for the whole run: a `wait()` cancelled every poll would leave its
+        # future in the transport's list of exit waiters until the process exits.
+        exited = asyncio.ensure_future(proc.wait())
+        async with contextlib.AsyncExitStack() as cleanup:
+            cleanup.callback(exited.cancel)
+            client = await cleanup.enter_async_context(
+                httpx.AsyncClient(timeout=LIVENESS_TIMEOUT_S))
+            while True:
+                if (await asyncio.wait({exited}, timeout=self.liveness_every_s))[0]:
+                    return exited.result()
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(self.url + "/health")).status_code == 200:
+                        answered = time.monotonic()
+                        continue
+                silent = time.monotonic() - answered
+                if silent >= self.unresponsive_after_s and proc.returncode is None:
+                    log.warning("llama_server_unresponsive", pid=proc.pid,
+                                silent_s=round(silent, 1))
+                    await self._kill()
+
+    async def _kill(self) -> None:
+        assert self._proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.kill()
+        await self._proc.wait()
 
     async def stop(self) -> None:
         """Stop supervising, then SIGTERM the child (SIGKILL after STOP_TIMEOUT_S)."""

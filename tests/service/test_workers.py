@@ -23,7 +23,7 @@ from rerank_server.errors import ConfigError
 from rerank_server.settings import Settings
 from rerank_server.workers import concurrency_shares, worker_count
 from tests.fakes.llama import FakeLlamaServer
-from tests.server_process import supervised
+from tests.server_process import Supervised, supervised
 from tests.waiting import eventually
 
 DOCS = ["alpha one", "beta two", "gamma three", "delta four"]
@@ -165,6 +165,51 @@ async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> No
     assert all(a.reranked for a in answers)
     # Counted by the supervisor, so without a worker label.
     assert supervisor_samples(metrics, "rerank_worker_restarts_total") == [1.0]
+
+
+async def test_a_crash_loop_backs_off_and_a_stuck_replacement_is_killed(
+        fake_llama: FakeLlamaServer) -> None:
+    """Replacements that keep failing wait longer each time (1, 2, 4 s), so a worker
+    that cannot run does not spin; one that never listens (stopped here with SIGSTOP,
+    as a hung import would leave it) is killed after --worker-start-timeout-s instead
+    of holding its share of the backend slots for ever."""
+    async with supervised(fake_llama.url, RERANK_WORKER_START_TIMEOUT_S="8") as server:
+        seen = set(server.workers())
+
+        async def replacement() -> int:
+            """The PID of the next new worker, as soon as it exists."""
+            def new() -> list[int]:
+                return [p for p in server.workers() if p not in seen]
+            assert await eventually(lambda: bool(new()), 40, poll_s=0.02)
+            pid = new()[0]
+            seen.add(pid)
+            return pid
+
+        os.kill(next(iter(seen)), signal.SIGKILL)  # served less than a minute: a failure
+        second = await replacement()
+        assert await eventually(lambda: _serving_workers(server) == 3, 30)
+        os.kill(second, signal.SIGKILL)
+        os.kill(third := await replacement(), signal.SIGSTOP)
+        assert await eventually(lambda: bool(server.logged("worker_restart_failed")), 20)
+        await replacement()
+        assert await eventually(lambda: _serving_workers(server) == 4, 30)
+        answers = await _rerank_on_new_connections(server.port, 16)
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"http://127.0.0.1:{server.metrics_port}/metrics")).text
+    exits = server.logged("worker_exited")
+    assert [e["restarting_in_s"] for e in exits] == [1.0, 2.0]
+    assert exits[0]["worker"] == exits[1]["worker"]
+    [stuck] = server.logged("worker_restart_failed")
+    assert stuck["restarting_in_s"] == 4.0 and "did not listen within 8 s" in stuck["error"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(third, 0)
+    assert all(a.reranked for a in answers)
+    assert supervisor_samples(metrics, "rerank_worker_restarts_total") == [3.0]
+
+
+def _serving_workers(server: Supervised) -> int:
+    """How many times a worker has logged that it listens (first ones and replacements)."""
+    return sum(e.get("event") == "serving" and "worker" in e for e in server.events)
 
 
 def supervisor_samples(text: str, name: str) -> list[float]:
