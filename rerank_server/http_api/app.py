@@ -16,7 +16,7 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -271,8 +271,11 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         try:
             check_candidate_count("candidates", count, reranker.rules)
         except InvalidRequest as exc:
-            rpc_failed(rpc, "", time.perf_counter(), "422", exc, internal=False)
-            raise HttpError(422, _as_written(exc, field)) from None
+            refuse(rpc, field, exc)
+
+    def refuse(rpc: str, field: str, exc: InvalidRequest) -> NoReturn:
+        rpc_failed(rpc, "", time.perf_counter(), "422", exc, internal=False)
+        raise HttpError(422, _as_written(exc, field)) from None
 
     async def run(rpc: str, query: RerankQuery, field: str,
                   ) -> tuple[list[RankedCandidate], RerankSummary]:
@@ -293,16 +296,20 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
 
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
         async def rerank(body: m.CohereRerankRequest) -> m.CohereRerankResponse:
-            check_count(f"POST /v{version}/rerank", "documents", len(body.documents))
-            query = _cohere_query(body)
-            results, summary = await run(f"POST /v{version}/rerank", query, "documents")
-            texts = _texts(body) if body.return_documents else None
+            rpc = f"POST /v{version}/rerank"
+            check_count(rpc, "documents", len(body.documents))
+            try:
+                query = _cohere_query(body)
+            except InvalidRequest as exc:
+                refuse(rpc, "documents", exc)
+            results, summary = await run(rpc, query, "documents")
+            documents = body.documents if body.return_documents else None
             return m.CohereRerankResponse(
                 id=summary.request_id,
                 results=[m.CohereResult(
                     index=r.candidate.index, relevance_score=r.score,
-                    document=m.ResultDocument(text=texts[r.candidate.index])
-                    if texts is not None else None,
+                    document=_as_sent(documents[r.candidate.index])
+                    if documents is not None else None,
                     id=r.candidate.id, reranker_score=r.reranker_score,
                     retrieval_rank=r.candidate.retrieval_rank) for r in results],
                 meta=_meta(summary, version))
@@ -435,16 +442,38 @@ def _text(doc: str | m.Document, rank_fields: list[str] | None) -> str:
     return doc.text or ""
 
 
-def _texts(body: m.CohereRerankRequest) -> list[str]:
-    return [_text(d, body.rank_fields) for d in body.documents]
+def _as_sent(doc: str | m.Document) -> m.ResultDocument:
+    """`return_documents`: a document as the caller sent it (an object with all its
+    fields, not the `rank_fields` text the model read), as Cohere's API returns it."""
+    if isinstance(doc, str):
+        return m.ResultDocument(text=doc)
+    return m.ResultDocument(**doc.model_dump(exclude_none=True))
+
+
+def _default_ids(documents: Sequence[str | m.Document]) -> list[str]:
+    """Each document's own id, or its index for one without; a default that another
+    document gives as its id is refused, naming both (rather than reported as a
+    duplicate of an id the caller never wrote)."""
+    given = {d.id: i for i, d in enumerate(documents) if isinstance(d, m.Document) and d.id}
+    ids: list[str] = []
+    for i, doc in enumerate(documents):
+        own = doc.id if isinstance(doc, m.Document) else None
+        if not own and given and str(i) in given:
+            raise InvalidRequest(
+                f"candidates[{i}].id", f"not given, so its index {str(i)!r}, which "
+                f"documents[{given[str(i)]}] gives as its id: give every document an id, "
+                "or none")
+        ids.append(own or str(i))
+    return ids
 
 
 def _cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
     candidates = []
+    ids = _default_ids(body.documents)
     for i, doc in enumerate(body.documents):
         obj = doc if isinstance(doc, m.Document) else None
         candidates.append(Candidate(
-            id=(obj.id if obj is not None and obj.id else str(i)),
+            id=ids[i],
             text=_text(doc, body.rank_fields), index=i,
             retrieval_rank=(obj.retrieval_rank if obj is not None and obj.retrieval_rank
                             else i + 1),

@@ -62,7 +62,11 @@ class CohereRerankRequest(Extras):
 
 
 class ResultDocument(BaseModel):
-    text: str
+    """The document as sent: `text` for a string; for an object, all its fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | None = None
 
 
 class CohereResult(BaseModel):

@@ -92,10 +92,34 @@ async def test_tei_shape_and_our_extras(http_server: RunningServer) -> None:
     assert all(r["reranker_score"] is not None for r in extras["results"])
 
 
+async def test_return_documents_gives_each_document_back_as_sent(
+        http_server: RunningServer) -> None:
+    """Object documents come back whole (every field, ours and the caller's), not as the
+    `rank_fields` text the model read; ids given for some documents only are kept, the
+    others default to their index."""
+    documents: list[Any] = [
+        {"id": "cats-doc", "title": "Cats", "body": DOCS[0], "tags": ["pets"]},
+        DOCS[1],
+        {"title": "Kittens", "body": DOCS[2]}]
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/v1/rerank", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json={"query": "cats", "documents": documents,
+                                      "rank_fields": ["title", "body"],
+                                      "return_documents": True})
+    results = {r["index"]: r for r in reply.json()["results"]}
+    assert reply.status_code == 200, reply.json()
+    assert results[0]["document"] == documents[0] and results[0]["id"] == "cats-doc"
+    assert results[1]["document"] == {"text": DOCS[1]} and results[1]["id"] == "1"
+    assert results[2]["document"] == documents[2] and results[2]["id"] == "2"
+
+
 @pytest.mark.parametrize(("body", "status", "message"), [
     ({"query": "", "documents": ["a"]}, 422, "query: must not be empty"),
     ({"query": "q", "documents": [{"id": "x", "text": "a"}, {"id": "x", "text": "b"}]},
      422, "documents[1].id: duplicate of documents[0].id"),
+    # An id given for one document that is another's default (its index): named as such.
+    ({"query": "q", "documents": [{"id": "1", "text": "a"}, "b"]},
+     422, "documents[1].id: not given, so its index '1', which documents[0] gives as its id"),
     ({"query": "q", "documents": [1]}, 422, "documents[0]"),
     ({"query": "q"}, 422, "documents: Field required"),
     ({"query": "q", "documents": ["a"], "blend_strategy": "magic"}, 422, "blend_strategy"),
