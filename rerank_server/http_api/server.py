@@ -5,6 +5,13 @@ SIGTERM/SIGINT itself and stops both edges in order (`server.py`). The listening
 bound before uvicorn starts, so a port in use is a `BindError` naming the flag. With TLS,
 the certificate files are checked every few seconds and reloaded into the live context:
 new connections get the new certificate without a restart.
+
+uvicorn bounds a request's head in size (h11: 16 KiB) but not in time, nor the number of
+connections: a client that connects and sends nothing, or half a head, held its
+connection for ever, and enough of them run the process out of file descriptors. Here
+(`_BoundedH11`) a head must be complete within `HEAD_TIMEOUT_S` of the connection or of
+the previous response, and connections past `--http-max-connections` are answered 503
+and closed at once. (The body is bounded by the app's gate: `app.BODY_TIMEOUT_S`.)
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ import socket
 import ssl
 from collections.abc import Iterator
 
+import h11
 import structlog
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import BindError
 from ..security.tls import CertificateFiles
@@ -27,6 +36,57 @@ log = structlog.get_logger(__name__)
 
 RELOAD_EVERY_S = 5.0
 TICKS_PER_S = 10  # uvicorn's on_tick does its once-a-second work when counter % 10 == 0
+HEAD_TIMEOUT_S = 10.0  # from connecting, or from the previous response, to a whole head
+_TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+             b"Connection: close\r\nRetry-After: 1\r\nContent-Length: 46\r\n\r\n"
+             b'{"message": "too many connections; try again"}')
+
+
+class _BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head and a cap on the
+    connections open at once (`max_connections`, set per server by `HttpEdge.start`)."""
+
+    max_connections = 1024
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        if len(self.connections) > self.max_connections:
+            log.warning("http_connection_refused", reason="too many connections",
+                        limit=self.max_connections)
+            self.transport.write(_TOO_MANY)
+            self.transport.close()
+            return
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # a whole head has arrived
+            self._stop_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._await_head()  # the next request's (uvicorn's keep-alive timer
+            # closes a connection that stays silent; this one, one that sends half a head)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        self._stop_timer()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
+
+    def _stop_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -76,8 +136,12 @@ class HttpEdge:
                     tls: CertificateFiles | None = None, reuse_port: bool = False,
                     ) -> HttpEdge:
         sock = _bind(settings.host, settings.http_port, reuse_port)
+        # A class per server: the cap is this server's setting, not a process-wide one.
+        protocol = type("BoundedH11", (_BoundedH11,),
+                        {"max_connections": settings.http_max_connections})
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+            http=protocol,
             timeout_graceful_shutdown=max(int(settings.grace_period_s), 1),
             ssl_certfile=str(tls.cert) if tls else None,
             ssl_keyfile=str(tls.key) if tls else None,

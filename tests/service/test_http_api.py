@@ -15,6 +15,7 @@ import pytest
 from cohere.core.api_error import ApiError
 
 from rerank_server.http_api import app as http_app
+from rerank_server.http_api import server as http_server_module
 from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
@@ -344,3 +345,49 @@ async def test_a_body_that_never_arrives_is_refused_in_time(
     writer.close()
     assert answer.startswith(b"HTTP/1.1 408 ")
     assert b'"message":"the body did not arrive within' in answer
+
+
+async def _hung_up(reader: asyncio.StreamReader, within_s: float) -> bytes:
+    """What the server sent before it closed the connection (raises if it did not)."""
+    return await asyncio.wait_for(reader.read(), within_s)
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\n"],
+                         ids=["nothing", "half a head"])
+async def test_a_head_that_never_arrives_closes_the_connection(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch, sent: bytes) -> None:
+    """Slow-loris: such connections used to stay open for ever, each holding a file
+    descriptor, after a first request on the connection as well as before one."""
+    monkeypatch.setattr(http_server_module, "HEAD_TIMEOUT_S", 0.5)
+    server = await start_server(http_port=free_port())
+    fresh_reader, fresh = await asyncio.open_connection("127.0.0.1", server.http_port)
+    fresh.write(sent)
+    used_reader, used = await asyncio.open_connection("127.0.0.1", server.http_port)
+    used.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + sent)
+    assert await _hung_up(fresh_reader, 5) == b""
+    assert (await _hung_up(used_reader, 5)).startswith(b"HTTP/1.1 ")  # the health answer
+    fresh.close()
+    used.close()
+    # A client that takes its time between requests but sends whole heads is served.
+    async with httpx.AsyncClient(base_url=base_url(server)) as http:
+        first = await http.get("/health")
+        await asyncio.sleep(0.8)
+        second = await http.get("/health")
+    assert first.status_code == second.status_code
+
+
+async def test_connections_past_the_cap_are_answered_503(
+        start_server: StartServer) -> None:
+    server = await start_server(http_port=free_port(), http_max_connections=3)
+    held = [await asyncio.open_connection("127.0.0.1", server.http_port) for _ in range(3)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    refused = await _hung_up(reader, 5)
+    writer.close()
+    for _, w in held[1:]:
+        w.close()
+    await asyncio.sleep(0.2)
+    async with httpx.AsyncClient(base_url=base_url(server)) as http:
+        served = await http.get("/health")
+    held[0][1].close()
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"too many connections" in refused
+    assert served.status_code in (200, 503) and "backend" in served.json()
