@@ -31,7 +31,7 @@ from ..scoring.budget import StopSignal, budget_s, score_within
 from . import blend_profiles
 from .blend_profiles import Blend, BlendResolver
 from .blending import REQUEST_WIDE, scores_can_matter
-from .chunking import document_texts
+from .chunking import CHUNK_ON_LOOP_CHARS, chars_to_chunk, document_texts
 from .ordering import Emitter, IncrementalRanking
 from .request import Request, RequestRules
 from .score_cache import Scope, ScoreCache
@@ -150,8 +150,15 @@ class Reranker:
             return
 
         with telemetry.step("rerank.chunk") as span:
-            documents, chunked = document_texts(request.query, scored_set,
-                                                request.max_chunk_chars)
+            if chars_to_chunk(scored_set, request.max_chunk_chars) > CHUNK_ON_LOOP_CHARS:
+                # Up to 900 documents of 128 KiB: seconds of Python at worst, which on
+                # the event loop would stall every other call and health check. In a
+                # thread the loop still gets the interpreter every switch interval.
+                documents, chunked = await asyncio.to_thread(
+                    document_texts, request.query, scored_set, request.max_chunk_chars)
+            else:
+                documents, chunked = document_texts(request.query, scored_set,
+                                                    request.max_chunk_chars)
             span.set_attributes({"rerank.max_chunk_chars": request.max_chunk_chars,
                                  "rerank.chunked": chunked})
         emitter = Emitter(request.top_k, {c.index: d for c, d in zip(scored_set, documents,

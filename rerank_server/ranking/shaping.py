@@ -21,6 +21,7 @@ ranked lists", "Thresholds", "Skip rules"):
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -222,8 +223,11 @@ def apply_threshold(ordered: list[Candidate], spec: ThresholdSpec, top_k: int,
     floor = _or(spec.floor, "floor")
     fraction = _or(spec.target_fraction, "target_fraction")
     need = min(len(ordered), max(1, math.ceil(fraction * (top_k or len(ordered)))))
+    # Counted by bisection over the sorted scores: up to (start - floor) / step steps
+    # (1,000 at the smallest step validation allows) of up to 900 candidates.
+    scores = sorted(c.normalized_score or 0.0 for c in ordered)
     t, steps, reached_floor = start, 0, False
-    while len(passing(t)) < need:
+    while len(scores) - bisect.bisect_left(scores, t - _EPS) < need:
         lower = round(t - step, 9)
         if lower < floor - _EPS:
             reached_floor = True

@@ -23,6 +23,7 @@ MAX_FUSION_K = 10_000
 MIN_CHUNK_CHARS = 100
 MIN_TOKENS_PER_DOC = 16
 MAX_TOKENS_PER_DOC = 1_000_000
+MIN_THRESHOLD_STEP = 0.001  # at most 1,000 steps from start to floor
 
 
 def _check_length(field: str, value: str, limit: int) -> None:
@@ -192,8 +193,10 @@ def _validate_threshold(query: RerankQuery, t: ThresholdSpec) -> None:
         value = getattr(t, name)
         if value is not None and not (math.isfinite(value) and 0 <= value <= 1):
             raise InvalidRequest(f"options.threshold.{name}", "must be between 0 and 1")
-    if t.step is not None and t.step <= 0:
-        raise InvalidRequest("options.threshold.step", "must be greater than 0")
+    if t.step is not None and t.step < MIN_THRESHOLD_STEP:
+        # Each step is a pass over the candidates; a step below 5e-10 did not even move
+        # the threshold (rounded to 9 places), and the request spun the event loop for good.
+        raise InvalidRequest("options.threshold.step", f"must be at least {MIN_THRESHOLD_STEP}")
     if t.target_fraction is not None and t.target_fraction <= 0:
         raise InvalidRequest("options.threshold.target_fraction", "must be greater than 0")
     start = ADAPTIVE_DEFAULTS["start"] if t.start is None else t.start

@@ -1,11 +1,18 @@
-"""A backend that refuses a document as longer than its context: the pair is tried once
-more with the document halved, instead of failing (the real-model cut to the context in
-tokens is in tests/real/test_llama_server.py)."""
+"""Long documents: a backend that refuses one as longer than its context gets it again
+halved, instead of the pair failing (the real-model cut to the context in tokens is in
+tests/real/test_llama_server.py); and the most costly best-chunk search the limits allow
+leaves the server responsive."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rerank_client import AsyncRerankClient
 
+from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 
 
@@ -28,3 +35,31 @@ async def test_a_document_too_long_even_halved_fails_alone_and_says_why(
     assert answer.summary.degraded_message == (
         "1 of 3 pairs failed (http_error: 1, HTTP 400: the document exceeds the model's "
         "context)")
+
+
+async def test_many_long_documents_of_short_sentences_leave_the_server_responsive(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    """The largest request the limits allow, made to cost the most in best-chunk search:
+    100 documents of 128 KiB in 6-character sentences of the query's own words. It held
+    the event loop for minutes (scoring each window afresh over every query term), and
+    every other call and health check waited. Now it is cut in seconds, off the loop."""
+    server = await start_server(max_candidates=100)
+    query = " ".join(f"w{i:03d}" for i in range(800))  # 3,999 characters
+    doc = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
+    gaps: list[float] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel, \
+            AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        health = health_pb2_grpc.HealthStub(channel)
+        call = asyncio.ensure_future(client.rerank(query, [doc] * 100, bypass_cache=True,
+                                                   timeout=300))
+        while not call.done():
+            sent = time.monotonic()
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=60)
+            gaps.append(time.monotonic() - sent)
+            await asyncio.sleep(0.05)
+        answer = await call
+    assert answer.reranked and answer.summary.scored == 100
+    assert all(len(d) <= 2000 for d in fake_llama.documents())
+    # With the search on the event loop, no check is even sent while it runs.
+    assert len(gaps) > 3 and max(gaps) < 1.0, \
+        f"{len(gaps)} health checks during the request, the longest {max(gaps):.2f} s"

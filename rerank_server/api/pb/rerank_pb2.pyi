@@ -446,7 +446,7 @@ class Threshold(_message.Message):
     start: _builtins.float
     """MODE_ADAPTIVE: first threshold (default 0.75)."""
     step: _builtins.float
-    """MODE_ADAPTIVE: how much each step lowers it (default 0.05)."""
+    """MODE_ADAPTIVE: how much each step lowers it (default 0.05; at least 0.001)."""
     floor: _builtins.float
     """MODE_ADAPTIVE: the lowest threshold tried (default 0.35)."""
     target_fraction: _builtins.float
