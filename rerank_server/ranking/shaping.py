@@ -82,6 +82,12 @@ def normalize(scores: Sequence[float | None], kind: ScoreKind,
         return [None if x is None else min(max(x, 0.0), 1.0) for x in scores], kind
     lo, hi = min(given), max(given)
     span = hi - lo
+    if math.isinf(span):
+        # Finite ends of opposite signs near the float limit (+-1.7e308): the difference
+        # overflows and every score would be NaN. Halved, none of it can.
+        lo, hi = lo / 2, hi / 2
+        span = hi - lo
+        scores = [None if x is None else x / 2 for x in scores]
     return [None if x is None else (1.0 if span == 0 else (x - lo) / span)
             for x in scores], kind
 

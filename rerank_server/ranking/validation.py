@@ -23,6 +23,7 @@ MAX_FUSION_K = 10_000
 MIN_CHUNK_CHARS = 100
 MIN_TOKENS_PER_DOC = 16
 MAX_TOKENS_PER_DOC = 1_000_000
+MAX_LIST_WEIGHT = 1e6
 MIN_THRESHOLD_STEP = 0.001  # at most 1,000 steps from start to floor
 
 
@@ -161,8 +162,11 @@ def _validate_lists(query: RerankQuery, rules: RequestRules,
         if lst.name in names:
             raise InvalidRequest(f"{where}.name", f"same name as {names[lst.name]}")
         names[lst.name] = where
-        if lst.weight is not None and not (math.isfinite(lst.weight) and lst.weight >= 0):
-            raise InvalidRequest(f"{where}.weight", "must be a finite number >= 0")
+        if lst.weight is not None and not 0 <= lst.weight <= MAX_LIST_WEIGHT:  # NaN too
+            # Weights are relative; near the float limit their fused sum overflowed to
+            # infinity and every normalized score came out NaN.
+            raise InvalidRequest(f"{where}.weight",
+                                 f"must be a number from 0 to {MAX_LIST_WEIGHT:g}")
         _validate_candidates(f"{where}.candidates", lst.candidates, rules, metadata)
 
 

@@ -35,3 +35,20 @@ async def test_canonical_line_has_counts_and_no_text(
     assert by_id["rid-2"]["reranked"] is False and by_id["rid-2"]["degraded"] == "backend_error"
     assert by_id["rid-3"]["status"] == "INVALID_ARGUMENT"
     assert all(isinstance(e["total_ms"], float) for e in rpc_lines)
+
+
+async def test_a_request_id_over_its_limit_is_neither_logged_nor_echoed(
+        client: AsyncRerankClient, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused, as any field over its limit; before, the whole id went into the log line
+    (10 MB of log for a 10 MB id) and back in a batch's error answer."""
+    long_id = "R" * 100_000
+    with pytest.raises(InvalidRequestError):
+        await client.rerank("q", ["a", "b"], request_id=long_id)
+    answers = [a async for a in client.rerank_many({long_id: ("q", ["a", "b"])})]
+    out = capsys.readouterr().out
+    assert "R" * 600 not in out
+    refused = [e for e in _events(out) if e["event"] == "rpc"]
+    assert [e["status"] for e in refused] == ["INVALID_ARGUMENT", "INVALID_ARGUMENT"]
+    assert all(e["request_id"] == "" for e in refused)
+    [(echoed, error)] = answers
+    assert echoed == "" and isinstance(error, InvalidRequestError)

@@ -6,7 +6,13 @@ from typing import Any
 
 import grpc
 import pytest
-from rerank_client import AsyncRerankClient, Candidate, InvalidRequestError, Threshold
+from rerank_client import (
+    AsyncRerankClient,
+    Candidate,
+    InvalidRequestError,
+    RankedList,
+    Threshold,
+)
 
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.server import RunningServer
@@ -32,6 +38,7 @@ from tests.fakes.llama import FakeLlamaServer
     ("q", ["a"], {"max_chunk_chars": 10}, "options.max_chunk_chars"),
     ("q", ["a"], {"instruction": " "}, "instruction"),
     ("q", ["a"], {"request_id": "r" * 600}, "request_id"),
+    ("q", [], {"lists": [RankedList("a", ["x"], weight=1e300)]}, "lists[0].weight"),
     # A step too small to move the threshold (rounded to 9 places) spun the event loop.
     ("q", [Candidate(id="x", text="a", retrieval_score=0.1)],
      {"threshold": Threshold.adaptive(start=1, floor=0, step=1e-300)}, "options.threshold.step"),

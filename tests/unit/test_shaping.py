@@ -38,6 +38,8 @@ def query(candidates: tuple[Candidate, ...] = (), lists: tuple[RankedList, ...] 
 def test_lexical_scores_are_min_max_normalized() -> None:
     assert normalize([12.0, 8.0, 2.0], ScoreKind.LEXICAL)[0] == [1.0, 0.6, 0.0]
     assert normalize([3.0, 3.0], ScoreKind.LEXICAL)[0] == [1.0, 1.0]
+    # Ends whose difference overflows a float: still on 0..1, not NaN.
+    assert normalize([1.7e308, 0.0, -1.7e308], ScoreKind.LEXICAL)[0] == [1.0, 0.5, 0.0]
 
 
 def test_similarity_scores_are_clamped() -> None:

@@ -504,7 +504,7 @@ class RankedList(_message.Message):
     name: _builtins.str
     """The list's name, e.g. "vector" or "bm25"; results name the lists that found them."""
     weight: _builtins.float
-    """Fusion weight; default 2.0 for original-query lists, 1.0 for expansion lists."""
+    """Fusion weight, 0 to 1e6; default 2.0 for original-query lists, 1.0 for expansion lists."""
     expansion: _builtins.bool
     """True when the list comes from an expanded or rewritten query, not the original one."""
     score_kind: Global___ScoreKind.ValueType
