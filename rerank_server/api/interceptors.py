@@ -141,6 +141,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                                     "'authorization: Bearer <token>' metadata")
             if not self._admit(method, limited):
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                log.info("rpc", rpc=method, status="RESOURCE_EXHAUSTED",
+                         error=f"server busy: {self._max_active} calls in progress")
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"server busy: {self._max_active} calls in progress "
                                     "(max_concurrent_rpcs); retry with backoff")

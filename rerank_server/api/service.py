@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from ..domain import RerankQuery, RerankSummary
 from ..errors import InvalidRequest
-from ..observability.logs import rpc_answered, rpc_failed
+from ..observability.logs import rpc_answered, rpc_cancelled, rpc_failed
 from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from . import convert
@@ -46,6 +46,13 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"
+
+
+def _ended(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The status of a call whose handler was cancelled: by its deadline, or else by the
+    client (or the server's stop)."""
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
 def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
@@ -106,6 +113,9 @@ class RerankService:
                 # would be lost with it.
                 results, summary = await self._reranker.answer(
                     query, _deadline(context), self._reranker.telemetry.request_span())
+        except asyncio.CancelledError:
+            rpc_cancelled("Rerank", seen.request_id, started, _ended(context))
+            raise
         except Exception as exc:
             await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
@@ -117,6 +127,7 @@ class RerankService:
         started, seen = time.perf_counter(), _Seen()
         sent = 0
         first_ms: float | None = None
+        answered = False
         try:
             async with self._admitted(raw, seen) as query, \
                     contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items:
@@ -127,12 +138,17 @@ class RerankService:
                 async for item in items:
                     if isinstance(item, RerankSummary):
                         self._finish("RerankStream", item, sent, first_result_ms=first_ms)
+                        answered = True
                         yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
                         continue
                     if first_ms is None:
                         first_ms = (time.perf_counter() - started) * 1000
                     sent += 1
                     yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
+        except (asyncio.CancelledError, GeneratorExit):
+            if not answered:  # cancelled while results were still going out
+                rpc_cancelled("RerankStream", seen.request_id, started, _ended(context))
+            raise
         except Exception as exc:
             await self._abort(context, "RerankStream", seen.request_id, started, exc)
 
@@ -158,6 +174,9 @@ class RerankService:
                         results, summary = await self._reranker.answer(query, _deadline(context))
                     self._finish("RerankBatch", summary, len(results))
                     answer = convert.response_to_pb(results, summary)
+                except asyncio.CancelledError:
+                    rpc_cancelled("RerankBatch", seen.request_id, started, _ended(context))
+                    raise
                 except Exception as exc:
                     code, message = _status_for(exc)
                     rpc_failed("RerankBatch", seen.request_id, started, code.name, exc,

@@ -161,6 +161,13 @@ def rpc_answered(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
         **extra)
 
 
+def rpc_cancelled(rpc: str, request_id: str, started: float, status: str) -> None:
+    """The log line of a request that ended without an answer: its client cancelled it,
+    or its deadline passed (gRPC then cancels the handler), or the server stopped."""
+    rpc_log.info("rpc", rpc=rpc, status=status, request_id=request_id,
+                 total_ms=round((time.perf_counter() - started) * 1000, 2))
+
+
 def rpc_failed(rpc: str, request_id: str, started: float, status: str, exc: Exception, *,
                internal: bool) -> None:
     """The log line of a request that ended with an error status."""

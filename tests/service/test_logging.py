@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
-from rerank_client import AsyncRerankClient, InvalidRequestError
+from rerank_client import AsyncRerankClient, InvalidRequestError, ServerBusyError
 
+from tests.conftest import StartServer
 from tests.fakes.llama import HTTP_500, FakeLlamaServer
+from tests.waiting import eventually
 
 CANARY = "CANARY-7f3a"
 
@@ -52,3 +55,36 @@ async def test_a_request_id_over_its_limit_is_neither_logged_nor_echoed(
     assert all(e["request_id"] == "" for e in refused)
     [(echoed, error)] = answers
     assert echoed == "" and isinstance(error, InvalidRequestError)
+
+
+async def test_calls_that_end_without_an_answer_have_their_line_too(
+        start_server: StartServer, fake_llama: FakeLlamaServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A call its client cancels (unary or stream) and one shed by --max-concurrent-rpcs:
+    each had no `rpc` line before (cancellation is not an Exception; shedding happens in
+    the interceptor)."""
+    server = await start_server(max_concurrent_rpcs=1)
+    fake_llama.latency_s = 0.5
+    docs = ["a", "b", "c"]
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        unary = asyncio.ensure_future(client.rerank("q", docs, request_id="cancelled-1"))
+        assert await eventually(lambda: fake_llama.in_flight > 0, 5)
+        with pytest.raises(ServerBusyError):
+            await client.rerank("q", docs, request_id="shed-1")
+        unary.cancel()
+
+        async def read_all() -> None:
+            async for _ in client.stream("q", docs, request_id="cancelled-2"):
+                pass
+
+        assert await eventually(lambda: fake_llama.in_flight == 0, 5)
+        stream = asyncio.ensure_future(read_all())
+        assert await eventually(lambda: fake_llama.in_flight > 0, 5)
+        stream.cancel()
+        await asyncio.sleep(0.3)
+    lines = [e for e in _events(capsys.readouterr().out) if e["event"] == "rpc"]
+    statuses = {e.get("request_id"): e["status"] for e in lines}
+    assert statuses["cancelled-1"] == "CANCELLED"
+    assert statuses["cancelled-2"] == "CANCELLED"
+    assert [e["rpc"] for e in lines if e["status"] == "RESOURCE_EXHAUSTED"] == [
+        "rerank.v1.Reranker/Rerank"]
