@@ -18,6 +18,10 @@ reasons: grpc refuses those calls before any interceptor runs, so they could not
 counted, and it would count health checks too, so a busy server would fail its liveness
 probe and be restarted exactly when it is busiest. Here only `rerank.v1.Reranker` calls
 are limited; health and reflection always get through.
+
+A Reranker stream whose client takes nothing for `SEND_STALL_S` (one message waiting that
+long to go out) is cancelled (`_SendWatch`): a client that opens streams and never reads
+them would otherwise hold their places and their request bytes for ever.
 """
 
 from __future__ import annotations
@@ -48,6 +52,38 @@ SERVER_FAULTS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXC
                            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 Behavior = Callable[..., Any]
+SEND_STALL_S = 30.0  # a stream message its client has not taken by then ends the call
+
+
+class _SendWatch:
+    """Cancels a stream's task when one of its messages has waited `SEND_STALL_S` to be
+    taken. One timer for the whole stream, re-armed only when it fires: a message costs
+    two clock reads, not a timer of its own."""
+
+    def __init__(self, method: str) -> None:
+        self._task = asyncio.current_task()
+        self._method = method
+        self._since: float | None = None  # when the message now going out was handed over
+        self._timer = asyncio.get_running_loop().call_later(SEND_STALL_S, self._check)
+
+    def sending(self) -> None:
+        self._since = time.monotonic()
+
+    def sent(self) -> None:
+        self._since = None
+
+    def _check(self) -> None:
+        since = self._since
+        waited = 0.0 if since is None else time.monotonic() - since
+        if waited >= SEND_STALL_S and self._task is not None:
+            log.warning("rpc_send_stalled", rpc=self._method, waited_s=round(waited, 1))
+            self._task.cancel()
+            return
+        self._timer = asyncio.get_running_loop().call_later(SEND_STALL_S - waited,
+                                                              self._check)
+
+    def close(self) -> None:
+        self._timer.cancel()
 
 
 class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -177,8 +213,18 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any],
                        ) -> AsyncIterator[Any]:
             async with self._admitted(method, limited, allowed, context, span):
-                async for response in behavior(request, context):
-                    yield response
+                if not limited:  # health's Watch: quiet for long spells by design
+                    async for response in behavior(request, context):
+                        yield response
+                    return
+                watch = _SendWatch(method)
+                try:
+                    async for response in behavior(request, context):
+                        watch.sending()
+                        yield response  # resumed once grpc has sent it
+                        watch.sent()
+                finally:
+                    watch.close()
         return call
 
 

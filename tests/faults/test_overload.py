@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import statistics
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rerank_client import AsyncRerankClient, RerankError
+from rerank_client.types import build_request
 
+from rerank_server.api import interceptors
+from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
+from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 from tests.server_process import server_process
 from tests.waiting import eventually
@@ -77,3 +83,34 @@ async def test_overload_is_answered_fast_never_by_a_deadline(
     assert p50["overloaded"] < 0.5, "overload was not answered at once"
     assert outcomes["reranked"] > 0 and outcomes["overloaded"] > 0, dict(outcomes)
     assert max(health_ms) < 1000, "gRPC health was slow under load"
+
+
+async def test_a_stream_its_client_never_reads_gives_its_place_back(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A client that opens a stream of large results and takes none of them: once a
+    message has waited SEND_STALL_S to go out, the stream is cancelled and its place
+    (here the only one, --max-concurrent-rpcs 1) and request bytes are given back.
+    Before, they stayed taken for as long as the client kept the connection."""
+    monkeypatch.setattr(interceptors, "SEND_STALL_S", 1.0)
+    server = await start_server(max_concurrent_rpcs=1, max_candidates=100)
+    # 13 MB of results: more than the connection's windows and buffers take unread.
+    request = build_request("q", [f"{i} " + "x" * 130_000 for i in range(100)],
+                            max_chunk_chars=131_072, return_text=True)
+    async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}",
+            options=[("grpc.max_receive_message_length", 16 << 20)]) as channel, \
+            AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        unread = pb_grpc.RerankerStub(channel).RerankStream(request)  # never read
+        await asyncio.sleep(0.5)
+        with pytest.raises(RerankError):  # its place is taken meanwhile
+            await client.rerank("q", ["a", "b", "c"])
+        answer = None
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            with contextlib.suppress(RerankError):
+                answer = await client.rerank("q", ["a", "b", "c"])
+                break
+        unread.cancel()
+    assert answer is not None and answer.reranked, "the unread stream kept its place"
+    assert '"event":"rpc_send_stalled"' in capsys.readouterr().out
