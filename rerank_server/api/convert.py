@@ -103,7 +103,13 @@ _new = tuple.__new__
 def _lists(request: pb.RerankRequest) -> tuple[RankedList, ...]:
     lists = []
     first = len(request.candidates)
+    named = {lst.name: i for i, lst in enumerate(request.lists) if lst.name}
     for i, lst in enumerate(request.lists):
+        if not lst.name and f"list{i}" in named:
+            # Said as it is, not as a clash with a name the caller never wrote.
+            raise InvalidRequest(f"lists[{i}].name", f"not given, so 'list{i}', which "
+                                 f"lists[{named[f'list{i}']}] gives as its name: name "
+                                 "every list, or none")
         lists.append(RankedList(
             name=lst.name or f"list{i}", candidates=_candidates(lst.candidates, first),
             weight=_optional(lst, "weight"), expansion=lst.expansion,

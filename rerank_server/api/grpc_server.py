@@ -128,7 +128,8 @@ class GrpcEdge:
             interceptors=_interceptors(settings, telemetry, tokens or TokenSet()),
             options=options)
         service = RerankService(reranker, settings.batch_concurrency,
-                                inflight or InflightBytes(settings.max_inflight_bytes))
+                                inflight or InflightBytes(settings.max_inflight_bytes),
+                                settings.max_message_bytes)
         server.add_generic_rpc_handlers((_handlers(service),))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

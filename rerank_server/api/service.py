@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from ..domain import RerankQuery, RerankSummary
+from ..domain import RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_answered, rpc_cancelled, rpc_failed
 from ..ranking.admission import InflightBytes, Overloaded
@@ -40,10 +40,14 @@ class _Seen:
     request_id = ""
 
 
+class AnswerTooLarge(Exception):
+    """An answer over the largest message gRPC will send (`--max-message-bytes`)."""
+
+
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, Overloaded | AnswerTooLarge):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"
 
@@ -74,10 +78,29 @@ class RerankService:
     """The three RPCs; each takes the request's raw bytes (see the module docstring)."""
 
     def __init__(self, reranker: Reranker, batch_concurrency: int,
-                 inflight: InflightBytes) -> None:
+                 inflight: InflightBytes, max_message_bytes: int | None = None) -> None:
         self._reranker = reranker
         self._batch_concurrency = batch_concurrency
         self.inflight = inflight
+        self._max_message_bytes = max_message_bytes
+
+    def _answer(self, rpc: str, results: list[RankedCandidate], summary: RerankSummary,
+                with_text: bool) -> pb.RerankResponse:
+        """The response, logged and counted; AnswerTooLarge if gRPC could not send it.
+        Only answers with texts are measured: without, a response's size is bounded far
+        below the limit by the request's own caps."""
+        response = convert.response_to_pb(results, summary)
+        if with_text and self._max_message_bytes is not None:
+            size = response.ByteSize()
+            if size > self._max_message_bytes:
+                # Refused here, naming the way out, rather than logged OK and then
+                # failed by gRPC with a message about its own limit.
+                raise AnswerTooLarge(
+                    f"the answer is {size} bytes, over this server's --max-message-bytes "
+                    f"({self._max_message_bytes}): ask for fewer results (top_k) or "
+                    "without return_text")
+        self._finish(rpc, summary, len(results))
+        return response
 
     def _finish(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
         """The canonical log line and the metrics of one answered rerank request."""
@@ -113,14 +136,14 @@ class RerankService:
                 # would be lost with it.
                 results, summary = await self._reranker.answer(
                     query, _deadline(context), self._reranker.telemetry.request_span())
+                with_text = query.return_text
+            return self._answer("Rerank", results, summary, with_text)
         except asyncio.CancelledError:
             rpc_cancelled("Rerank", seen.request_id, started, _ended(context))
             raise
         except Exception as exc:
             await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
-        self._finish("Rerank", summary, len(results))
-        return convert.response_to_pb(results, summary)
 
     async def RerankStream(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any],
                            ) -> AsyncIterator[pb.RerankStreamMessage]:
@@ -172,8 +195,8 @@ class RerankService:
                 try:
                     async with self._admitted(raw, seen, f"requests[{position}]") as query:
                         results, summary = await self._reranker.answer(query, _deadline(context))
-                    self._finish("RerankBatch", summary, len(results))
-                    answer = convert.response_to_pb(results, summary)
+                        with_text = query.return_text
+                    answer = self._answer("RerankBatch", results, summary, with_text)
                 except asyncio.CancelledError:
                     rpc_cancelled("RerankBatch", seen.request_id, started, _ended(context))
                     raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -11,8 +12,10 @@ from rerank_client import (
     Candidate,
     InvalidRequestError,
     RankedList,
+    ServerBusyError,
     Threshold,
 )
+from rerank_client.types import build_request
 
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.server import RunningServer
@@ -39,6 +42,9 @@ from tests.fakes.llama import FakeLlamaServer
     ("q", ["a"], {"instruction": " "}, "instruction"),
     ("q", ["a"], {"request_id": "r" * 600}, "request_id"),
     ("q", [], {"lists": [RankedList("a", ["x"], weight=1e300)]}, "lists[0].weight"),
+    # An unnamed list whose default name another list gives: "not given, so 'list0'..."
+    ("q", [], {"lists": [RankedList("", ["x"]), RankedList("list0", ["y"])]},
+     "lists[0].name"),
     # A step too small to move the threshold (rounded to 9 places) spun the event loop.
     ("q", [Candidate(id="x", text="a", retrieval_score=0.1)],
      {"threshold": Threshold.adaptive(start=1, floor=0, step=1e-300)}, "options.threshold.step"),
@@ -66,6 +72,27 @@ async def test_oversized_message_is_rejected_by_transport(start_server: StartSer
         with pytest.raises(Exception) as info:
             await client.rerank("q", ["x" * 3000, "y" * 3000])
     assert getattr(info.value, "code", "") == "RESOURCE_EXHAUSTED"
+
+
+async def test_an_answer_too_large_to_send_is_refused_naming_the_way_out(
+        start_server: StartServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """A request under --max-message-bytes whose answer, with its texts, is over it: the
+    server says so, and how to ask instead, rather than logging OK and leaving gRPC to
+    fail the send with a message about its own limit."""
+    docs = [f"{i} " + "x" * 600 for i in range(100)]
+    request_size = build_request("q", docs, return_text=True).ByteSize()
+    server = await start_server(max_message_bytes=request_size + 500, max_candidates=100)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        small = await client.rerank("q", docs)  # without texts the answer is small
+        with pytest.raises(ServerBusyError) as info:
+            await client.rerank("q", docs, return_text=True, request_id="big-1")
+    assert small.reranked and len(small.results) == 100
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+    assert "over this server's --max-message-bytes" in info.value.message
+    assert "top_k" in info.value.message and "return_text" in info.value.message
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("{") and '"request_id":"big-1"' in line]
+    assert [e["status"] for e in lines] == ["RESOURCE_EXHAUSTED"]
 
 
 def _raw_stub(port: int) -> tuple[grpc.aio.Channel, Any]:
