@@ -36,6 +36,7 @@ from ..ranking.pipeline import Reranker
 from ..ranking.validation import check_candidate_count
 from ..security.tokens import TokenSet
 from . import models as m
+from . import wire
 
 BackendState = Callable[[], bool | None]  # True up, False down, None not known yet
 
@@ -132,9 +133,14 @@ class _Gate:
         try:
             if await self._busy(scope, send):  # others came in while this body arrived
                 return
+            try:
+                shaped = wire.checked(path, body) if scope["method"] == "POST" else body
+            except wire.ShapeError as exc:
+                await self._refuse(scope, send, 422, str(exc), {})
+                return
             self.active += 1
             try:
-                await self._app(scope, _replay(body, receive), send)
+                await self._app(scope, _replay(shaped, receive), send)
             finally:
                 self.active -= 1
         finally:

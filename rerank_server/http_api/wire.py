@@ -1,0 +1,128 @@
+"""A rerank body's JSON, checked for shape before FastAPI parses it.
+
+FastAPI parses a body with the standard library's `json.loads`, which builds every value
+the body holds before pydantic looks at any of them. A 16 MiB body of small nested
+arrays (`"documents": [[[[1]]]], ...`, or the same under a field the API ignores) became
+711 MB of Python lists in 14.6 s of blocked event loop, only to be refused. Here msgspec
+decodes the body against the request's shape first, in C, and stops at the first value
+that cannot belong (an array or object where a scalar goes), having built nothing of
+the rest; unknown fields are skipped without being built. What passes is encoded again
+from the known fields only, so FastAPI's own parse (and its validation messages) sees
+no more than the shape allows. A legitimate body costs tens of microseconds more.
+
+Scalars are left loose (any of string, number, boolean, null) so that pydantic still
+reports a wrong type in its own words; containers are what this layer bounds. Document
+objects hold scalar fields only (their extra fields feed `rank_fields`, read as text).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+Scalar = str | int | float | bool | None
+_UNSET = msgspec.UNSET
+
+
+class _Cohere(msgspec.Struct, omit_defaults=True):
+    query: Scalar | msgspec.UnsetType = _UNSET
+    documents: list[Scalar | dict[str, Scalar]] | msgspec.UnsetType = _UNSET
+    model: Scalar | msgspec.UnsetType = _UNSET
+    top_n: Scalar | msgspec.UnsetType = _UNSET
+    return_documents: Scalar | msgspec.UnsetType = _UNSET
+    rank_fields: list[Scalar] | msgspec.UnsetType | None = _UNSET
+    max_tokens_per_doc: Scalar | msgspec.UnsetType = _UNSET
+    max_chunks_per_doc: Scalar | msgspec.UnsetType = _UNSET
+    instruction: Scalar | msgspec.UnsetType = _UNSET
+    blend_strategy: Scalar | msgspec.UnsetType = _UNSET
+    request_id: Scalar | msgspec.UnsetType = _UNSET
+    max_candidates: Scalar | msgspec.UnsetType = _UNSET
+    timeout_ms: Scalar | msgspec.UnsetType = _UNSET
+    always_score: Scalar | msgspec.UnsetType = _UNSET
+
+
+class _Tei(msgspec.Struct, omit_defaults=True):
+    query: Scalar | msgspec.UnsetType = _UNSET
+    texts: list[Scalar] | msgspec.UnsetType = _UNSET
+    raw_scores: Scalar | msgspec.UnsetType = _UNSET
+    return_text: Scalar | msgspec.UnsetType = _UNSET
+    truncate: Scalar | msgspec.UnsetType = _UNSET
+    truncation_direction: Scalar | msgspec.UnsetType = _UNSET
+
+
+class _CohereOnly(_Cohere, forbid_unknown_fields=True):
+    pass
+
+
+class _TeiOnly(_Tei, forbid_unknown_fields=True):
+    pass
+
+
+_Decoders = dict[str, msgspec.json.Decoder[Any]]
+_DECODERS: _Decoders = {"/v1/rerank": msgspec.json.Decoder(_Cohere),
+                        "/v2/rerank": msgspec.json.Decoder(_Cohere),
+                        "/rerank": msgspec.json.Decoder(_Tei)}
+# The same shapes with nothing else beside them (see `_with_surrogates`).
+_WHOLE: _Decoders = {"/v1/rerank": msgspec.json.Decoder(_CohereOnly),
+                     "/v2/rerank": msgspec.json.Decoder(_CohereOnly),
+                     "/rerank": msgspec.json.Decoder(_TeiOnly)}
+# A UTF-16 surrogate escape; in a copy only ever checked for shape, so an escaped
+# backslash before one (literal text) changing too does no harm.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_ENCODER = msgspec.json.Encoder()
+_AT = re.compile(r" - at `\$(.*)`$")
+_MALFORMED = re.compile(r"^JSON is malformed: (.*) \(byte (\d+)\)$")
+
+
+class ShapeError(ValueError):
+    """The body cannot be this route's request: `str(exc)` is `field: problem`."""
+
+
+def checked(path: str, body: bytes) -> bytes:
+    """`body` cut to the known fields of `path`'s request, as JSON; ShapeError when it
+    is not JSON, or holds a container where the request has a scalar."""
+    try:
+        request = _DECODERS[path].decode(body)
+    except msgspec.ValidationError as exc:
+        raise ShapeError(_validation(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        # (msgspec's message for a lone surrogate varies: "truncated", "invalid pair")
+        if _SURROGATE.search(body) and _with_surrogates(path, body):
+            return body
+        raise ShapeError(_malformed(str(exc))) from None
+    except UnicodeDecodeError as exc:
+        raise ShapeError(f"body: not valid UTF-8 at byte {exc.start}") from None
+    return _ENCODER.encode(request)
+
+
+def _with_surrogates(path: str, body: bytes) -> bool:
+    """Whether `body`, which msgspec refused for a lone surrogate escape, may go on as it
+    is: it has that request's shape and nothing beside (no unknown field whose contents
+    would be built unchecked). The standard library's parser then reads the surrogate,
+    and the app names the field that holds it (`is not valid Unicode`), as before this
+    layer existed."""
+    try:
+        _WHOLE[path].decode(_SURROGATE.sub(rb"\\u0020", body))
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def _validation(message: str) -> str:
+    """msgspec's `Expected X, got Y - at $.documents[0].x` as `documents[0].x: ...`."""
+    at = _AT.search(message)
+    field = (at.group(1).lstrip(".") or "body") if at else "body"
+    problem = _AT.sub("", message)
+    problem = problem[:1].lower() + problem[1:]
+    if field.endswith("[...]"):  # a value in a document object; msgspec keeps no key
+        field, problem = field.removesuffix("[...]"), f"a field's value: {problem}"
+    return f"{field}: {problem}"
+
+
+def _malformed(message: str) -> str:
+    found = _MALFORMED.match(message)
+    if found:
+        return f"body: not valid JSON at byte {found.group(2)} ({found.group(1)})"
+    return f"body: not valid JSON ({message})"
