@@ -55,7 +55,8 @@ from . import trace_context, transport
 from .base import Failure
 
 USER_AGENT = f"rerank-server/{__version__}"
-HEALTH_TIMEOUT_S = 3.0
+HEALTH_TIMEOUT_S = 3.0  # a health poll or metadata GET, whole: head and body
+SIDE_MAX_BYTES = 1024 * 1024  # a metadata answer (/v1/models, /props) read at most
 ABANDON_MIN_S = 1.0        # an abandoned call may always run this long
 ABANDON_UNKNOWN_S = 2.0    # ... and this long before any call has answered
 ABANDON_LATENCIES = 4.0    # ... else this many times the recent call latency
@@ -159,7 +160,10 @@ class HttpBackend:
                  trace_calls: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
         self.health_path = health_path
-        self._headers = {"user-agent": USER_AGENT, **(headers or {})}
+        # Identity: an answer need not be decoded, and one that is anyway is decoded
+        # with a bound (`transport.decoded`).
+        self._headers = {"user-agent": USER_AGENT, "accept-encoding": "identity",
+                         **(headers or {})}
         for name, value in self._headers.items():
             if any(c in name + value for c in "\r\n\0"):
                 raise ValueError(f"header {name!r} holds a line break or NUL")
@@ -337,10 +341,10 @@ class HttpBackend:
     async def get_json(self, path: str) -> Any:
         """GET `path` on the side client (metadata, not work); None on any failure."""
         try:
-            response = await self._side_client.get(self.base_url + path,
-                                                   headers=self._headers)
-            return response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError):
+            status, body = await self._side_get(path, SIDE_MAX_BYTES)
+            return json.loads(body) if status == 200 else None
+        except (httpx.HTTPError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError,
+                RecursionError):
             return None
 
     async def health(self) -> bool:
@@ -349,11 +353,25 @@ class HttpBackend:
         if not self.health_path:
             return True
         try:
-            response = await self._side_client.get(self.base_url + self.health_path,
-                                                   headers=self._headers)
-        except httpx.HTTPError:
+            status, _ = await self._side_get(self.health_path, 0)
+        except (httpx.HTTPError, TimeoutError):
             return False
-        return response.status_code == 200
+        return status == 200
+
+    async def _side_get(self, path: str, max_bytes: int) -> tuple[int, bytes]:
+        """Status and body (at most `max_bytes` of it, decoded) of a GET on the side
+        client, all within HEALTH_TIMEOUT_S. httpx's timeouts bound each read, not the
+        whole: a `/health` sent a byte a second held the monitor's poll, and so every
+        instance's health, for good; and its decoding has no bound."""
+        async with asyncio.timeout(HEALTH_TIMEOUT_S), self._side_client.stream(
+                "GET", self.base_url + path, headers=self._headers) as response:
+            body = bytearray()
+            if max_bytes:
+                async for part in response.aiter_raw():
+                    body += part
+                    if len(body) > max_bytes:
+                        raise httpx.DecodingError("metadata answer too large")
+            return response.status_code, transport.decoded(response.headers.raw, bytes(body))
 
     def record_malformed(self) -> None:
         """Count a call whose JSON parsed but did not hold what the scorer needs."""
@@ -415,17 +433,20 @@ class HttpBackend:
                 assert self._client is not None
                 headers = {**self._headers, "content-type": "application/json",
                            **(propagated[0] if propagated else {})}
-                response = await self._client.post(self._url(path), content=content,
-                                                   headers=headers)
-                status, body = response.status_code, response.content
+                status, body = await self._streamed_post(path, content, headers)
         except httpx.TimeoutException as exc:
             raise BackendCallError(Failure.TIMEOUT, type(exc).__name__) from None
         except httpx.TransportError as exc:
             raise BackendCallError(Failure.UNAVAILABLE, type(exc).__name__) from None
-        if status >= 400:
-            if status < 500 and _too_long(body):
+        except httpx.DecodingError as exc:  # an encoding we cannot or will not undo
+            raise BackendCallError(Failure.MALFORMED, f"undecodable body: {exc}",
+                                   status=0) from None
+        if not 200 <= status < 300:
+            if 400 <= status < 500 and _too_long(body):
                 raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
                                        "exceeds the model's context", status, too_long=True)
+            # A redirect or an odd status is no answer either (a 302 with a JSON body
+            # was once scored as one).
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
         try:
             return decode(body), status
@@ -435,6 +456,20 @@ class HttpBackend:
             # msgspec raises RecursionError for deeply nested input, where orjson
             # reports it as a decoding error.
             raise BackendCallError(Failure.MALFORMED, "response is not JSON", status) from None
+
+    async def _streamed_post(self, path: str, content: bytes,
+                             headers: dict[str, str]) -> tuple[int, bytes]:
+        """A POST on httpx's own transport (https, proxies), its answer read raw and
+        decoded here, both with the lean transport's bound."""
+        assert self._client is not None
+        async with self._client.stream("POST", self._url(path), content=content,
+                                       headers=headers) as response:
+            body = bytearray()
+            async for part in response.aiter_raw():
+                body += part
+                if len(body) > transport.MAX_BODY_BYTES:
+                    raise httpx.DecodingError("response body too large")
+            return response.status_code, transport.decoded(response.headers.raw, bytes(body))
 
     def _url(self, path: str) -> httpx.URL:
         url = self._urls.get(path)

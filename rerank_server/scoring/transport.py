@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import zlib
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import NamedTuple, cast
@@ -58,7 +59,12 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers; also a chunk-size or trai
 # Under the servers' keep-alive timeouts (5 s), so an idle connection is given up before
 # they close it rather than just as a request goes out on it.
 MAX_IDLE_S = 4.0
-MAX_BODY_BYTES = 256 * 1024 * 1024  # an embeddings answer for a large batch is a few MB
+# The largest answer read (after decoding, for an encoded one): an embeddings answer for
+# 100 documents of 4,096 floats as text is about 8 MB. 256 MiB, before 2026-11-26, let a
+# broken or hostile backend cost GBs of memory and seconds of event loop per call.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# Anything a connection holds beyond one whole answer is not an answer.
+_MAX_BUFFERED = MAX_BODY_BYTES + MAX_HEAD_BYTES
 _NO_BODY = frozenset({204, 304})
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
 
@@ -70,6 +76,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
+        self.busy = True  # an exchange is on it; False while it waits in the idle pool
         self.closed = False
         self.error: BaseException | None = None
         self.wakeup = Wakeup()
@@ -80,6 +87,13 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if not self.busy or len(self.buffer) + len(data) > _MAX_BUFFERED:
+            # Bytes on an idle connection answer nothing, and more than an answer can
+            # be is not one: the connection is done. (A server that kept writing to an
+            # idle connection grew this buffer by hundreds of MB a second.)
+            self.close()
+            self.wakeup.wake()
+            return
         self.buffer += data
         self.wakeup.wake()
 
@@ -115,10 +129,33 @@ class Answer(NamedTuple):
 
     def content(self) -> bytes:
         """The body, decoded where a `Content-Encoding` other than identity says so."""
-        encoding = _header(self.headers, b"content-encoding").strip().lower()
-        if not encoding or encoding == b"identity":
-            return self.body
-        return httpx.Response(self.status, headers=self.headers, content=self.body).content
+        return decoded(self.headers, self.body)
+
+
+def decoded(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """`body` without its `Content-Encoding` (gzip or deflate), at most MAX_BODY_BYTES of
+    it; httpx.DecodingError for another coding, bad data, or more than that. We never ask
+    for an encoding, but a server (or a proxy before it) may use one anyway, and httpx's
+    own decoder has no bound: 600 KB of gzip was 600 MB of memory and seconds of event
+    loop."""
+    encoding = _header(headers, b"content-encoding").strip().lower()
+    if not encoding or encoding == b"identity":
+        return body
+    if encoding not in (b"gzip", b"x-gzip", b"deflate"):
+        raise httpx.DecodingError(f"unsupported Content-Encoding {encoding[:32]!r}")
+    # gzip or zlib by their headers (32 + 15); raw deflate, which some servers send as
+    # `deflate`, on a second try.
+    for wbits in (47, -15):
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(body, MAX_BODY_BYTES + 1)
+        except zlib.error:
+            continue
+        if len(out) > MAX_BODY_BYTES or inflater.unconsumed_tail:
+            raise httpx.DecodingError("response body too large once decoded")
+        if inflater.eof:
+            return out
+    raise httpx.DecodingError(f"invalid {encoding.decode(errors='replace')} data")
 
 
 class _Unanswered(Exception):
@@ -180,6 +217,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             connection = idle.pop()
             if not connection.closed and not connection.buffer \
                     and loop.time() - connection.idle_since < MAX_IDLE_S:
+                connection.busy = True
                 return connection, True
             connection.close()  # closed, idle too long, or holding bytes nobody asked for
         try:
@@ -220,6 +258,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if keep_alive and not connection.closed and not connection.buffer \
                 and not self._closed and len(idle) < self._max_idle:
             connection.idle_since = loop.time()
+            connection.busy = False
             idle.append(connection)
         else:
             connection.close()

@@ -18,6 +18,7 @@ from rerank_client import AsyncRerankClient
 
 from rerank_server.scoring import completion, prompt
 from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 from tests.fakes.json_server import Handler, JsonServer
 
 DOCS = ["a relevant passage", "something else", "another relevant one", "noise", "more noise"]
@@ -430,3 +431,15 @@ async def test_a_batched_call_longer_than_the_budget_is_answered_overloaded_at_o
     assert [r.id for r in answer.results] == [str(i) for i in range(len(DOCS))]
     assert took < 0.25, "overload was not answered at once"
     assert len(fake.posts("/v1/rerank")) == 1  # nothing sent for the second request
+
+
+async def test_a_model_named_at_length_is_cut_to_256_characters(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    """The name goes into every answer and log line: a backend naming its model with
+    20 MB made every answer too large to send (RESOURCE_EXHAUSTED on each call)."""
+    fake_llama.model = "models/" + "m" * 2_000_000 + ".gguf"
+    server = await start_server()
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("q", ["a", "b", "c"])
+    assert answer.reranked
+    assert answer.summary.model == ("m" * 2_000_000 + ".gguf")[:256]

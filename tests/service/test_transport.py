@@ -5,6 +5,7 @@ mapped to the httpx error class that `scoring/http.py` classifies."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import socket
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
+from rerank_server.scoring import http as http_module
 from rerank_server.scoring import transport as lean
 from rerank_server.scoring.base import Failure
 from rerank_server.scoring.http import BackendCallError, HttpBackend
@@ -408,7 +410,7 @@ async def test_http_backend_times_out_a_backend_that_never_answers(
 async def test_http_backend_decodes_an_encoded_answer(
         raw: Callable[[Handler], Awaitable[str]]) -> None:
     """The head-as-bytes path reads the answer without `httpx.Response`, so a server that
-    compresses anyway (we send no Accept-Encoding) must still come back decoded."""
+    compresses anyway (we ask for identity) must still come back decoded."""
     async def gzipped(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
         w.write(_answer(gzip.compress(b'{"ok": "gz"}'), "Content-Encoding: gzip"))
         await w.drain()
@@ -422,3 +424,102 @@ def test_http_backend_refuses_a_header_that_would_split_the_head() -> None:
     with pytest.raises(ValueError, match="authorization"):
         HttpBackend("http://127.0.0.1:9", 1, 1.0,
                     headers={"authorization": "Bearer k\r\nx-injected: 1"})
+
+
+async def test_bytes_on_an_idle_connection_close_it(
+        raw: Callable[[Handler], Awaitable[str]]) -> None:
+    """A server that answers, then keeps writing on the kept-alive connection: the
+    connection is closed at the first unasked-for byte. Its buffer grew by hundreds of MB
+    a second, for as long as nothing took the connection from the idle pool."""
+    flood = asyncio.Event()
+
+    async def answer_then_flood(_r: asyncio.StreamReader, w: asyncio.StreamWriter,
+                                _n: int) -> None:
+        w.write(_answer(b'{"ok": true}'))
+        await w.drain()
+        await asyncio.sleep(0.1)  # idle in the pool by now
+        with contextlib.suppress(ConnectionError):
+            for _ in range(2000):
+                w.write(b"x" * 65536)
+                await w.drain()
+        flood.set()
+
+    url = await raw(answer_then_flood)
+    transport = LeanTransport()
+    host, port = url.removeprefix("http://").split(":")
+    answer = await transport.send(host, int(port), b"POST / HTTP/1.1\r\nHost: x\r\n"
+                                  b"Content-Length: 0\r\n\r\n", 5, 5)
+    [connection] = transport._idle[(host, int(port))]
+    await asyncio.wait_for(flood.wait(), 10)
+    await transport.aclose()
+    assert answer.status == 200
+    assert connection.closed and len(connection.buffer) == 0
+
+
+@pytest.mark.parametrize(("encoding", "body", "detail"), [
+    ("gzip", gzip.compress(b"0" * (40 << 20)), "too large once decoded"),  # 40 KB -> 40 MB
+    ("gzip", b"not gzip at all", "invalid gzip data"),
+    ("br", b"\x0b\x02\x80{}\x03", "unsupported Content-Encoding"),
+])
+async def test_an_encoded_answer_is_decoded_with_a_bound_or_refused(
+        raw: Callable[[Handler], Awaitable[str]], encoding: str, body: bytes,
+        detail: str) -> None:
+    """httpx decoded any gzip without a bound (600 KB became 600 MB and seconds of event
+    loop), and bad gzip escaped as a DecodingError that crashed the scorer."""
+    async def encoded(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(_answer(body, f"Content-Encoding: {encoding}"))
+        await w.drain()
+
+    backend = HttpBackend(await raw(encoded), 2, 5.0)
+    with pytest.raises(BackendCallError) as caught:
+        await backend.post_json("/x", {})
+    await backend.aclose()
+    assert caught.value.failure is Failure.MALFORMED
+    assert detail in caught.value.detail
+
+
+async def test_a_redirect_is_not_an_answer(raw: Callable[[Handler], Awaitable[str]]) -> None:
+    async def redirect(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        body = b'{"results": []}'
+        w.write(f"HTTP/1.1 302 Found\r\nLocation: /elsewhere\r\nContent-Length: "
+                f"{len(body)}\r\n\r\n".encode() + body)
+        await w.drain()
+
+    backend = HttpBackend(await raw(redirect), 2, 5.0)
+    with pytest.raises(BackendCallError) as caught:
+        await backend.post_json("/x", {})
+    await backend.aclose()
+    assert caught.value.failure is Failure.HTTP_ERROR and caught.value.detail == "HTTP 302"
+
+
+async def test_health_and_metadata_gets_are_bounded_in_time_and_size(
+        raw: Callable[[Handler], Awaitable[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `/health` whose body comes a byte at a time held the monitor's poll (and with
+    it every instance's health) for good: httpx's timeout bounds each read, not the
+    whole. Health is now read from the status line alone, and a metadata answer within
+    HEALTH_TIMEOUT_S and up to SIDE_MAX_BYTES."""
+    monkeypatch.setattr(http_module, "HEALTH_TIMEOUT_S", 0.5)
+
+    async def dribble(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(1000):
+                w.write(b" ")
+                await w.drain()
+                await asyncio.sleep(0.1)
+
+    async def huge(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(_answer(b'{"data": [{"id": "' + b"m" * (2 << 20) + b'"}]}'))
+        await w.drain()
+
+    slow = HttpBackend(await raw(dribble), 2, 5.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await slow.health() is True  # the status line says it; the body is not awaited
+    assert await slow.get_json("/props") is None
+    elapsed = loop.time() - started
+    big = HttpBackend(await raw(huge), 2, 5.0)
+    assert await big.get_json("/v1/models") is None
+    await slow.aclose()
+    await big.aclose()
+    assert elapsed < 2.0
