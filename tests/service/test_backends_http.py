@@ -18,8 +18,8 @@ from rerank_client import AsyncRerankClient
 
 from rerank_server.scoring import completion, prompt
 from tests.conftest import StartServer
-from tests.fakes.llama import FakeLlamaServer
 from tests.fakes.json_server import Handler, JsonServer
+from tests.fakes.llama import FakeLlamaServer
 
 DOCS = ["a relevant passage", "something else", "another relevant one", "noise", "more noise"]
 
