@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import structlog
@@ -35,6 +36,14 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
             scores = await call(start, chunk)
         except BackendCallError as exc:
             failed_all(indexes, exc, emit)
+            return
+        except Exception as exc:  # a bug in reading an answer: this slice's pairs fail,
+            # not, through the task group, every other slice's (once all of a request's)
+            # Frames without the message, which may quote the model's text.
+            log.error("slice_crashed", error=type(exc).__name__, stack="".join(
+                traceback.format_list(traceback.extract_tb(exc.__traceback__))))
+            failed_all(indexes, BackendCallError(
+                Failure.HTTP_ERROR, f"scorer crashed: {type(exc).__name__}"), emit)
             return
         for offset, i in enumerate(indexes):
             score = scores.get(offset)

@@ -47,12 +47,8 @@ def parse_scores(body: Any, count: int) -> dict[int, float | None]:
         raise MalformedResponse("chat answer has no message content") from None
     if not isinstance(content, str):
         raise MalformedResponse("chat answer content is not text")
-    start, end = content.find("["), content.rfind("]")
-    try:
-        entries = json.loads(content[start:end + 1]) if 0 <= start < end else None
-    except json.JSONDecodeError:
-        entries = None
-    if not isinstance(entries, list):
+    entries = _first_array(content)
+    if entries is None:
         raise MalformedResponse("the model's answer is not a JSON array")
     scores: dict[int, float | None] = {}
     for entry in entries:
@@ -61,12 +57,40 @@ def parse_scores(body: Any, count: int) -> dict[int, float | None]:
         index, score = entry.get("index"), entry.get("score")
         if not isinstance(index, int) or isinstance(index, bool) or not 1 <= index <= count:
             continue
-        value = float(score) if isinstance(score, int | float) and \
-            not isinstance(score, bool) else None
+        try:  # an integer of 400 digits is an int, and too large for a float
+            value = float(score) if isinstance(score, int | float) and \
+                not isinstance(score, bool) else None
+        except OverflowError:
+            value = None
         ok = value is not None and 0 <= value <= 1
         # A repeated index makes both entries suspect: the candidate fails.
         scores[index - 1] = None if (index - 1) in scores or not ok else value
     return scores
+
+
+_ARRAY_TRIES = 8  # "[" positions tried, each parse bounded by the answer's length
+
+
+def _first_array(content: str) -> list[Any] | None:
+    """The first JSON array in `content`, read from one of its first `_ARRAY_TRIES`
+    brackets to where the array ends: prose before or after it (a closing "[done]"
+    included) is not read. A model's text is steered by the documents it read, so what
+    the parser may raise on it (a number of 5,000 digits, nesting past the recursion
+    limit) is no array, not a crash."""
+    decoder = json.JSONDecoder()
+    start = content.find("[")
+    for _ in range(_ARRAY_TRIES):
+        if start < 0:
+            return None
+        try:
+            entries, _ = decoder.raw_decode(content, start)
+        except (ValueError, RecursionError):
+            start = content.find("[", start + 1)
+            continue
+        if isinstance(entries, list):
+            return entries
+        start = content.find("[", start + 1)
+    return None
 
 
 class LlmScorer(PooledScorer):

@@ -248,6 +248,26 @@ async def test_llm_malformed_json_degrades_the_request(backend: Callable[..., An
     assert not answer.reranked and answer.summary.degraded_code == "malformed_response"
 
 
+async def test_llm_text_the_documents_can_steer_fails_only_its_own_slice(
+        backend: Callable[..., Any]) -> None:
+    """A model's text is steered by the documents it read. One slice's answer holding a
+    400-digit score (an OverflowError in `float`) or a 5,000-digit one (a ValueError in
+    the parser) crashed the scorer, and through the task group took every other slice's
+    scores with it. Prose after the array with a bracket of its own (`[done]`) made the
+    whole answer unreadable."""
+    def steered(texts: list[str]) -> str:
+        if "noise" in texts[0]:
+            return json.dumps([{"index": 1, "score": 10 ** 400}]) + " and " + "9" * 5000
+        return good_json(texts) + " [done]"
+
+    _, client = await backend(chat(steered), backend="llm", model="m", api_key="good",
+                              max_batch=1)
+    answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.degraded_code == "partial"
+    assert answer.summary.scored == 3 and answer.summary.failed == 2
+    assert "scorer crashed" not in (answer.summary.degraded_message or "")
+
+
 async def test_llm_rejected_key_degrades(backend: Callable[..., Any]) -> None:
     _, client = await backend(chat(good_json), backend="llm", model="m", api_key="bad")
     answer = await client.rerank("q", DOCS)
