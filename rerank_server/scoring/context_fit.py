@@ -41,10 +41,16 @@ class ContextFit:
         self._pool = pool
         self._slot_tokens: int | None = None
         self._next_try = 0.0
+        self._asked = False  # whether /props has been asked (and answered or not) once
         self._lock = asyncio.Lock()
 
     async def slot_tokens(self) -> int | None:
-        """Context tokens per slot (llama-server `/props`), or None when not reported."""
+        """Context tokens per slot (llama-server `/props`), or None when not reported.
+        Only the first asking is waited for by every request; while a later one is out
+        (a backend that did not report, asked again every RELEARN_S), requests go on
+        without: a slow `/props` made every request arriving meanwhile wait for it."""
+        if self._slot_tokens is not None or (self._asked and self._lock.locked()):
+            return self._slot_tokens
         async with self._lock:
             loop = asyncio.get_running_loop()
             if self._slot_tokens is None and loop.time() >= self._next_try:
@@ -55,6 +61,7 @@ class ContextFit:
                 n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
                 if isinstance(n_ctx, int) and n_ctx > 0:
                     self._slot_tokens = n_ctx
+                self._asked = True
             return self._slot_tokens
 
     async def fit(self, documents: list[str], around: str, max_tokens_per_doc: int = 0,

@@ -3,9 +3,13 @@ the tokenizer, and each of those is cut at a token boundary."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
+from rerank_server.scoring import context_fit
 from rerank_server.scoring.context_fit import SAFETY_TOKENS, ContextFit
 
 
@@ -44,3 +48,30 @@ async def test_documents_that_all_fit_make_no_call() -> None:
     documents = ["a passage of about six hundred characters " * 14] * 40
     fitted = await ContextFit(pool).fit(documents, "around")  # type: ignore[arg-type]
     assert fitted == documents and pool.calls == []
+
+
+async def test_a_later_asking_of_props_keeps_no_request_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that does not report its context is asked again every RELEARN_S; while
+    that asking is out (a slow `/props`), requests go on without the slot size instead of
+    waiting for it. The first asking is waited for by all."""
+    monkeypatch.setattr(context_fit, "RELEARN_S", 0.0)
+    release = asyncio.Event()
+
+    class Silent(Pool):
+        asked = 0
+
+        async def get_json(self, path: str) -> Any:
+            self.asked += 1
+            if self.asked > 1:
+                await release.wait()  # the second asking hangs
+            return None
+
+    pool = Silent(n_ctx=0)
+    fit = ContextFit(pool)  # type: ignore[arg-type]
+    assert await fit.slot_tokens() is None  # the first asking, answered at once
+    hanging = asyncio.ensure_future(fit.slot_tokens())
+    await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(fit.slot_tokens(), 1) is None  # not stuck behind it
+    release.set()
+    assert await hanging is None and pool.asked == 2
