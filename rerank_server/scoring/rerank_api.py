@@ -8,10 +8,13 @@
 
 Large requests are split into calls of at most `--max-batch` documents (hosted APIs cap
 them; TEI's default is 32). Scores outside 0..1 are logits (some servers return raw
-classifier outputs) and go through a sigmoid, so blending sees 0..1 either way. Once a
-backend has sent one, all its scores are read as logits: a batch whose logits all
-happen to fall in 0..1 would otherwise be taken as probabilities, on another scale
-than its neighbours (and cached so). The
+classifier outputs) and go through a sigmoid, so blending sees 0..1 either way. Once
+the backend has sent them in `LOGIT_ANSWERS` answers, all its scores are read as
+logits: a batch whose logits all happen to fall in 0..1 would otherwise be taken as
+probabilities, on another scale than its neighbours (and cached so). Not at the first
+such answer: one broken answer would otherwise put every later probability from every
+instance through the sigmoid (0.2 read as 0.55) for good. A document given two scores
+gets none (so a thousand results for three documents score none of them). The
 standard API has no place for an instruction; the query is sent as it is.
 """
 
@@ -29,6 +32,8 @@ from .batching import score_in_batches, to_unit
 from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
+LOGIT_ANSWERS = 3  # answers with scores outside 0..1 that make every score a logit
+
 
 class RerankApiScorer(PooledScorer):
     kind = BackendKind.RERANK
@@ -40,7 +45,7 @@ class RerankApiScorer(PooledScorer):
         self._format = wire_format
         self._path = path
         self._max_batch = max_batch
-        self._logits = False  # set for good by the first score outside 0..1
+        self._logit_answers = 0  # answers with a score outside 0..1, up to LOGIT_ANSWERS
 
     def payload(self, query: str, documents: Sequence[str]) -> dict[str, Any]:
         """The request body, caller text neutralized (a cross-encoder's tokenizer would
@@ -64,6 +69,7 @@ class RerankApiScorer(PooledScorer):
         if not isinstance(entries, list):
             raise MalformedResponse("rerank answer has no result list")
         scores: dict[int, float] = {}
+        twice: set[int] = set()
         # An entry that is not an object, or lacks a whole index in range or a number,
         # fails its own pair only. Exact types, as JSON decodes them: a bool (an int to
         # isinstance) is neither an index nor a score.
@@ -72,10 +78,15 @@ class RerankApiScorer(PooledScorer):
                 index, value = entry.get("index"), entry.get(key)
                 if type(index) is int and 0 <= index < count and \
                         (type(value) is float or type(value) is int):
+                    if index in scores:
+                        twice.add(index)
                     scores[index] = float(value)
-        if not self._logits and not all(0.0 <= v <= 1.0 for v in scores.values()):
-            self._logits = True
-        return to_unit(scores, logits=self._logits)
+        for index in twice:  # which of the two is the score? neither
+            del scores[index]
+        if self._logit_answers < LOGIT_ANSWERS and \
+                not all(0.0 <= v <= 1.0 for v in scores.values()):
+            self._logit_answers += 1
+        return to_unit(scores, logits=self._logit_answers >= LOGIT_ANSWERS)
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
