@@ -44,6 +44,9 @@ RESPONSE_FIELDS = ["completion_probabilities", "model"]
 PLACEHOLDER = "RERANK-DOCUMENT-PLACEHOLDER-7f1c"
 QUERY_PLACEHOLDER = "RERANK-QUERY-PLACEHOLDER-3b9e"
 FRAMES_KEPT = 64
+# A rendered chat template around a query and instruction of at most 4,096 characters
+# each is a few KiB; one much longer is no template (kept per instruction, 64 of them).
+MAX_RENDERED_CHARS = 256 * 1024
 YES_VARIANTS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
 NO_VARIANTS = ("no", "No", "NO", " no", " No", " NO")
 
@@ -205,4 +208,7 @@ def _rendered(body: Any) -> str:
     text = body.get("prompt") if isinstance(body, dict) else None
     if not isinstance(text, str):
         raise MalformedResponse("/apply-template answer has no prompt")
+    if len(text) > MAX_RENDERED_CHARS:  # kept per instruction: bounded, as the query is
+        raise MalformedResponse(f"/apply-template answer longer than {MAX_RENDERED_CHARS} "
+                                "characters")
     return text

@@ -20,6 +20,7 @@ from .http import BackendCallError, MalformedResponse
 from .pooled_scorer import PooledScorer
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+ANSWER_CHARS = 256  # of the answer searched for the number
 INSTRUCTIONS = ("Judge how relevant the Document is to the Query, following the Instruct. "
                 "Answer with one number from 0 (irrelevant) to 10 (perfectly relevant) "
                 "and nothing else.")
@@ -34,7 +35,9 @@ def relevance(body: Any) -> float:
     text = body.get("response") if isinstance(body, dict) else None
     if not isinstance(text, str):
         raise MalformedResponse("generate answer has no response text")
-    match = NUMBER.search(text)
+    # The number leads a short answer (a few tokens are asked for); a model that wrote
+    # megabytes is not searched to their end (50 MB cost 1.4 s of event loop).
+    match = NUMBER.search(text, 0, ANSWER_CHARS)
     if match is None:
         raise MalformedResponse("the model's answer holds no number")
     return max(0.0, min(1.0, float(match.group()) / 10))

@@ -10,7 +10,8 @@ import msgspec
 import orjson
 import pytest
 
-from rerank_server.scoring.completion import _answers, _decode
+from rerank_server.scoring import ollama
+from rerank_server.scoring.completion import MAX_RENDERED_CHARS, _answers, _decode, _rendered
 from rerank_server.scoring.http import MalformedResponse
 
 IDS = {1: "yes", 2: "no"}
@@ -70,3 +71,18 @@ def test_bytes_that_are_not_json_are_a_decoding_error_not_malformed(raw: bytes) 
     with pytest.raises(msgspec.DecodeError) as caught:
         _decode(raw)
     assert not isinstance(caught.value, msgspec.ValidationError)
+
+
+def test_a_rendered_template_of_megabytes_is_no_template() -> None:
+    """The rendering is kept per instruction (64 of them): one of 10 MB each was 640 MB."""
+    assert _rendered({"prompt": "<|user|>x<|end|>"}) == "<|user|>x<|end|>"
+    with pytest.raises(MalformedResponse, match="longer than"):
+        _rendered({"prompt": "x" * (MAX_RENDERED_CHARS + 1)})
+
+
+def test_ollama_reads_its_number_from_the_start_of_the_answer() -> None:
+    """A model that wrote 50 MB before its number was searched to the end: 1.4 s of event
+    loop. The number leads a short answer, so only the start is read."""
+    assert ollama.relevance({"response": "Relevance: 7"}) == pytest.approx(0.7)
+    with pytest.raises(MalformedResponse, match="no number"):
+        ollama.relevance({"response": "x" * ollama.ANSWER_CHARS + "8"})
