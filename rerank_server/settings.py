@@ -57,10 +57,11 @@ class Settings:
     http_port: int = field(default=50052, metadata=_opt(
         "Port of the JSON rerank API (Cohere/Jina /v1/rerank and /v2/rerank, TEI /rerank; "
         "docs/http.md) on --host; 0 turns it off.", minimum=0, maximum=65535))
-    http_max_connections: int = field(default=1024, metadata=_opt(
-        "HTTP connections open at once on --http-port (per worker); more are answered 503 "
-        "and closed. Idle ones close after 5 s, and one that has not sent a whole request "
-        "head within 10 s is closed (docs/http.md).", minimum=1))
+    max_connections: int = field(default=1024, metadata=_opt(
+        "Connections open at once on each port, gRPC and HTTP (per worker); more are "
+        "closed at once (HTTP: after a 503). Idle ones close after 5 min on gRPC and 5 s "
+        "on HTTP; one that has not sent its preface (gRPC) or a whole request head (HTTP) "
+        "within 10 s is closed (docs/security.md).", minimum=1))
     tls_cert: str = field(default="", metadata=_opt(
         "PEM certificate chain for TLS on the gRPC and HTTP ports (with --tls-key); "
         "re-read when the file changes.", group="security"))

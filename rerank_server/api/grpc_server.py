@@ -33,6 +33,8 @@ BACKEND_HEALTH = f"{SERVICE_NAME}/backend"
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HANDSHAKE_TIMEOUT_S = 10.0  # from connecting to the HTTP/2 preface (and TLS, with it)
+CONNECTION_IDLE_S = 300.0  # without a call, before the connection is closed (GOAWAY)
 
 
 def backend_health_name(component: str) -> str:
@@ -123,6 +125,14 @@ class GrpcEdge:
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             ("grpc.so_reuseport", int(reuse_port)),
+            # Connections, bounded as on the HTTP port: gRPC's core holds any number, for
+            # as long as their clients like, by default. Past the cap a new one is
+            # closed at once; one that has not sent its preface (or finished TLS) by the
+            # handshake timeout is closed; an idle one gets GOAWAY (a client's channel
+            # reconnects on its next call).
+            ("grpc.max_allowed_incoming_connections", settings.max_connections),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
         ]
         server = grpc.aio.server(
             interceptors=_interceptors(settings, telemetry, tokens or TokenSet()),

@@ -10,7 +10,7 @@ uvicorn bounds a request's head in size (h11: 16 KiB) but not in time, nor the n
 connections: a client that connects and sends nothing, or half a head, held its
 connection for ever, and enough of them run the process out of file descriptors. Here
 (`_BoundedH11`) a head must be complete within `HEAD_TIMEOUT_S` of the connection or of
-the previous response, and connections past `--http-max-connections` are answered 503
+the previous response, and connections past `--max-connections` are answered 503
 and closed at once. (The body is bounded by the app's gate: `app.BODY_TIMEOUT_S`.)
 """
 
@@ -138,7 +138,7 @@ class HttpEdge:
         sock = _bind(settings.host, settings.http_port, reuse_port)
         # A class per server: the cap is this server's setting, not a process-wide one.
         protocol = type("BoundedH11", (_BoundedH11,),
-                        {"max_connections": settings.http_max_connections})
+                        {"max_connections": settings.max_connections})
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, log_level="warning", access_log=False,
             http=protocol,

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rerank_client import AsyncRerankClient, RerankError
 from rerank_client.types import build_request
 
-from rerank_server.api import interceptors
+from rerank_server.api import grpc_server, interceptors
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
@@ -114,3 +114,37 @@ async def test_a_stream_its_client_never_reads_gives_its_place_back(
         unread.cancel()
     assert answer is not None and answer.reranked, "the unread stream kept its place"
     assert '"event":"rpc_send_stalled"' in capsys.readouterr().out
+
+
+async def test_grpc_connections_are_capped_and_a_silent_one_is_closed(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC's core held any number of connections, for as long as their clients liked,
+    a TCP connection that never sent a byte included. Now one silent past the handshake
+    timeout is closed, and past --max-connections a new one is closed at once."""
+    monkeypatch.setattr(grpc_server, "HANDSHAKE_TIMEOUT_S", 1.0)
+    server = await start_server(max_connections=2)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    started = time.monotonic()
+    with contextlib.suppress(ConnectionError):
+        while await asyncio.wait_for(reader.read(1024), 10):
+            pass  # the server's SETTINGS, then the close
+    silent_for = time.monotonic() - started
+    writer.close()
+    await asyncio.sleep(0.2)
+    request = health_pb2.HealthCheckRequest()
+    target = f"127.0.0.1:{server.port}"
+
+    def own() -> grpc.aio.Channel:  # a connection of its own, not one shared in process
+        return grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+    async with own() as first, own() as second:
+        for channel in (first, second):
+            await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+        async with own() as third:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await health_pb2_grpc.HealthStub(third).Check(request, timeout=2)
+    assert 0.8 < silent_for < 5
+    assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+    async with own() as later:  # places free again
+        await health_pb2_grpc.HealthStub(later).Check(request, timeout=5)

@@ -378,7 +378,7 @@ async def test_a_head_that_never_arrives_closes_the_connection(
 
 async def test_connections_past_the_cap_are_answered_503(
         start_server: StartServer) -> None:
-    server = await start_server(http_port=free_port(), http_max_connections=3)
+    server = await start_server(http_port=free_port(), max_connections=3)
     held = [await asyncio.open_connection("127.0.0.1", server.http_port) for _ in range(3)]
     reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
     refused = await _hung_up(reader, 5)
