@@ -202,6 +202,11 @@ class RerankService:
                     raise
                 except Exception as exc:
                     code, message = _status_for(exc)
+                    if isinstance(exc, InvalidRequest) and not seen.request_id \
+                            and not message.startswith("requests["):
+                        # No id to match the answer by: its position in the stream says
+                        # which request it was, as for one that did not decode.
+                        message = f"requests[{position}].{message}"
                     rpc_failed("RerankBatch", seen.request_id, started, code.name, exc,
                                internal=code is grpc.StatusCode.INTERNAL)
                     answer = pb.RerankResponse(

@@ -96,3 +96,23 @@ async def test_batch_of_many_requests_over_one_stream(server: RunningServer) -> 
 
         ids = [r.request_id async for r in stub.RerankBatch(requests())]
     assert sorted(ids) == sorted(f"r{i}" for i in range(20))
+
+
+async def test_a_batch_error_without_an_id_names_its_position(server: RunningServer) -> None:
+    """An answer has only its request's id to be matched by; a refused request sent
+    without one (or with one over its limit) says where it was in the stream, as one that
+    did not decode always did."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.RerankerStub(channel)
+        good = pb.RerankRequest(request_id="ok", query="q", candidates=[
+            pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+        bad = pb.RerankRequest(query="", candidates=[pb.Candidate(id="0", text="t")])
+
+        async def requests():  # type: ignore[no-untyped-def]
+            for request in (good, bad):
+                yield request
+
+        answers = [r async for r in stub.RerankBatch(requests())]
+    [refused] = [a for a in answers if a.HasField("error")]
+    assert refused.request_id == ""
+    assert refused.error.message.startswith("requests[1].query: ")
