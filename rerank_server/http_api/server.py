@@ -11,7 +11,9 @@ connections: a client that connects and sends nothing, or half a head, held its
 connection for ever, and enough of them run the process out of file descriptors. Here
 (`_BoundedH11`) a head must be complete within `HEAD_TIMEOUT_S` of the connection or of
 the previous response, and connections past `--max-connections` are answered 503
-and closed at once. (The body is bounded by the app's gate: `app.BODY_TIMEOUT_S`.)
+and closed at once. A client that takes nothing of its answer for `SEND_STALL_S` loses its
+connection, and the request its place. (The body is bounded by the app's gate:
+`app.BODY_TIMEOUT_S`.)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ log = structlog.get_logger(__name__)
 RELOAD_EVERY_S = 5.0
 TICKS_PER_S = 10  # uvicorn's on_tick does its once-a-second work when counter % 10 == 0
 HEAD_TIMEOUT_S = 10.0  # from connecting, or from the previous response, to a whole head
+SEND_STALL_S = 30.0  # an answer its client takes nothing of for this long: connection closed
 _TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
              b"Connection: close\r\nRetry-After: 1\r\nContent-Length: 46\r\n\r\n"
              b'{"message": "too many connections; try again"}')
@@ -48,6 +51,26 @@ class _BoundedH11(H11Protocol):
 
     max_connections = 1024
     _head_timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        # The client is not taking the answer (the transport's buffer is full): it gets
+        # SEND_STALL_S to take some, or the connection goes, and with it the request's
+        # place and bytes, which an app waiting to send would hold for ever.
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(SEND_STALL_S, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_stalled(self) -> None:
+        self._send_timer = None
+        log.warning("http_send_stalled", waited_s=SEND_STALL_S)
+        self.transport.abort()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
@@ -72,6 +95,9 @@ class _BoundedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         super().connection_lost(exc)
 
     def _await_head(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +22,7 @@ from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
 
 TOKEN = "test-token-0123456789abcdef"
 DOCS = ["Cats are obligate carnivores that eat meat.", "The stock market fell.",
@@ -421,3 +424,37 @@ async def test_a_body_of_nested_arrays_is_refused_before_it_is_built(
     else:  # what the API ignores is skipped unread, and the rest is answered
         assert answer.status_code == 200 and len(answer.json()["results"]) == 2
     assert max(waits) < 1.0, f"health waited {max(waits):.2f} s"
+
+
+async def test_an_answer_its_client_never_reads_is_not_kept_for_ever(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A client that asks for a large answer and reads none of it (its receive buffer
+    small, as a slow or hostile one's is): what the kernel would not take stayed in the
+    server's memory for as long as the client kept the connection, 13 MB a connection
+    here. Now the connection goes once nothing was taken for SEND_STALL_S."""
+    monkeypatch.setattr(http_server_module, "SEND_STALL_S", 1.0)
+    server = await start_server(http_port=free_port(), max_candidates=100)
+    docs = [f"{i} " + "x" * 130_000 for i in range(100)]  # 13 MB back
+    body = json.dumps({"query": "q", "documents": docs, "return_documents": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.connect(("127.0.0.1", server.http_port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()  # and read nothing
+    out = ""
+
+    def stalled() -> bool:
+        nonlocal out
+        out += capsys.readouterr().out
+        return '"event":"http_send_stalled"' in out
+
+    assert await eventually(stalled, 20, poll_s=0.1)
+    received = 0
+    with contextlib.suppress(ConnectionError):
+        while chunk := await asyncio.wait_for(reader.read(1 << 20), 10):
+            received += len(chunk)
+    writer.close()
+    assert received < len(body)  # cut off: the rest was dropped with the connection
