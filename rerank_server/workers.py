@@ -278,7 +278,9 @@ class _Workers:
         """Worker `i` again; counted, every try of a crash loop too."""
         old = self._workers[i]
         old.conn.close()
-        old.process.join(0)  # reap it (dead, or killed a poll ago)
+        if old.process.is_alive():  # said why it cannot start, and has not exited yet
+            old.process.kill()
+        old.process.join(1)  # reap it
         self._workers[i] = self._spawn(old.index)
         self._restarts.add(1)
 

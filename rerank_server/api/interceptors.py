@@ -20,8 +20,9 @@ probe and be restarted exactly when it is busiest. Here only `rerank.v1.Reranker
 are limited; health and reflection always get through.
 
 A Reranker stream whose client takes nothing for `SEND_STALL_S` (one message waiting that
-long to go out) is cancelled (`_SendWatch`): a client that opens streams and never reads
-them would otherwise hold their places and their request bytes for ever.
+long, plus the time its size needs at a slow client's pace, to go out) is cancelled
+(`_SendWatch`): a client that opens streams and never reads them would otherwise hold
+their places and their request bytes for ever.
 """
 
 from __future__ import annotations
@@ -52,22 +53,27 @@ SERVER_FAULTS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXC
                            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 Behavior = Callable[..., Any]
-SEND_STALL_S = 30.0  # a stream message its client has not taken by then ends the call
+SEND_STALL_S = 30.0  # a stream message its client has not taken by then ends the call,
+SEND_RATE_FLOOR = 64 * 1024  # plus its size at this many bytes a second
 
 
 class _SendWatch:
-    """Cancels a stream's task when one of its messages has waited `SEND_STALL_S` to be
-    taken. One timer for the whole stream, re-armed only when it fires: a message costs
-    two clock reads, not a timer of its own."""
+    """Cancels a stream's task when one of its messages has waited to be taken longer
+    than `SEND_STALL_S` plus its size at `SEND_RATE_FLOOR` (a send completes only once
+    the client has taken all of it beyond the windows and buffers: a 16 MiB answer to a
+    client reading steadily at 150 KB/s takes two minutes). One timer for the whole
+    stream, re-armed only when it fires: a message costs its size and two clock reads."""
 
     def __init__(self, method: str) -> None:
         self._task = asyncio.current_task()
         self._method = method
         self._since: float | None = None  # when the message now going out was handed over
+        self._allowed = SEND_STALL_S
         self._timer = asyncio.get_running_loop().call_later(SEND_STALL_S, self._check)
 
-    def sending(self) -> None:
+    def sending(self, size: int) -> None:
         self._since = time.monotonic()
+        self._allowed = SEND_STALL_S + size / SEND_RATE_FLOOR
 
     def sent(self) -> None:
         self._since = None
@@ -75,12 +81,12 @@ class _SendWatch:
     def _check(self) -> None:
         since = self._since
         waited = 0.0 if since is None else time.monotonic() - since
-        if waited >= SEND_STALL_S and self._task is not None:
+        allowed = self._allowed if since is not None else SEND_STALL_S
+        if waited >= allowed and self._task is not None:
             log.warning("rpc_send_stalled", rpc=self._method, waited_s=round(waited, 1))
             self._task.cancel()
             return
-        self._timer = asyncio.get_running_loop().call_later(SEND_STALL_S - waited,
-                                                              self._check)
+        self._timer = asyncio.get_running_loop().call_later(allowed - waited, self._check)
 
     def close(self) -> None:
         self._timer.cancel()
@@ -220,7 +226,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 watch = _SendWatch(method)
                 try:
                     async for response in behavior(request, context):
-                        watch.sending()
+                        watch.sending(response.ByteSize())
                         yield response  # resumed once grpc has sent it
                         watch.sent()
                 finally:

@@ -294,11 +294,17 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
             reranker.telemetry.metrics.record_rerank(summary)
             return results, summary
         except InvalidRequest as exc:
-            rpc_failed(rpc, query.request_id, started, "422", exc, internal=False)
+            rpc_failed(rpc, logged_id(query), started, "422", exc, internal=False)
             raise HttpError(422, _as_written(exc, field)) from None
         except Overloaded as exc:
-            rpc_failed(rpc, query.request_id, started, "429", exc, internal=False)
+            rpc_failed(rpc, logged_id(query), started, "429", exc, internal=False)
             raise HttpError(429, str(exc), {"Retry-After": "1"}) from None
+
+    def logged_id(query: RerankQuery) -> str:
+        """The id for a refusal's log line: "" for one over its limit (which is why it
+        may be refused), as on gRPC; a 10 MB id made a 10 MB line."""
+        rid = query.request_id
+        return rid if len(rid) <= reranker.rules.max_id_chars else ""
 
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
         async def rerank(body: m.CohereRerankRequest) -> m.CohereRerankResponse:
@@ -306,6 +312,8 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
             check_count(rpc, "documents", len(body.documents))
             try:
                 query = _cohere_query(body)
+                if body.return_documents:
+                    _check_echoed(body.documents)
             except InvalidRequest as exc:
                 refuse(rpc, "documents", exc)
             results, summary = await run(rpc, query, "documents")
@@ -380,18 +388,35 @@ def _as_written(exc: InvalidRequest, documents: str) -> str:
     return f"{rename(exc.field)}: {problem}"
 
 
+def _bad_unicode(value: object) -> bool:
+    """Whether `value` is a string no UTF-8 encoder takes (it holds a lone surrogate)."""
+    if not isinstance(value, str) or value.isascii():
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_echoed(documents: Sequence[str | m.Document]) -> None:
+    """`return_documents` sends object documents back whole, fields the model does not
+    read included: one holding a lone surrogate would fail the answer's encoding (a
+    500), so it is refused, named, as the fields the model reads are."""
+    for i, doc in enumerate(documents):
+        if isinstance(doc, m.Document) and doc.model_extra:
+            for key, value in doc.model_extra.items():
+                if _bad_unicode(key) or _bad_unicode(value):
+                    name = key[:64] if not _bad_unicode(key) else "(a field name)"
+                    raise InvalidRequest(f"candidates[{i}].{name}",
+                                         "is not valid Unicode (a lone surrogate)")
+
+
 def _check_unicode(query: RerankQuery, documents: str) -> None:
     """JSON can carry lone surrogates ("\\ud800"), which no UTF-8 encoder takes: refuse them
     here, naming the field, rather than fail later (protobuf already guarantees UTF-8).
     The request id too: it is echoed in the answer, whose encoding would fail (a 500)."""
-    def bad(value: str | None) -> bool:
-        if not value or value.isascii():
-            return False
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return True
-        return False
+    bad = _bad_unicode
 
     def refuse(field: str) -> None:
         raise InvalidRequest(field, "is not valid Unicode (a lone surrogate)")

@@ -24,7 +24,6 @@ import socket
 import ssl
 from collections.abc import Iterator
 
-import h11
 import structlog
 import uvicorn
 from fastapi import FastAPI
@@ -51,6 +50,7 @@ class _BoundedH11(H11Protocol):
 
     max_connections = 1024
     _head_timer: asyncio.TimerHandle | None = None
+    _awaited_after: object = None  # the request cycle the head timer was started after
     _send_timer: asyncio.TimerHandle | None = None
 
     def pause_writing(self) -> None:
@@ -84,14 +84,18 @@ class _BoundedH11(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # a whole head has arrived
-            self._stop_timer()
+        if self._head_timer is not None and self.cycle is not self._awaited_after:
+            self._stop_timer()  # a whole head has arrived: uvicorn began a new cycle
 
     def on_response_complete(self) -> None:
+        finished = self.cycle
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._await_head()  # the next request's (uvicorn's keep-alive timer
-            # closes a connection that stays silent; this one, one that sends half a head)
+        if not self.transport.is_closing() and self.cycle is finished:
+            # The next request's head (unless a pipelined one has begun already).
+            # uvicorn's keep-alive timer closes a connection that stays silent, but any
+            # byte stops it for good: this one also closes one that sends half a head,
+            # or dribbles the rest of a body its answer went out before.
+            self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
@@ -102,6 +106,7 @@ class _BoundedH11(H11Protocol):
 
     def _await_head(self) -> None:
         self._stop_timer()
+        self._awaited_after = self.cycle
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
 
     def _stop_timer(self) -> None:
@@ -111,7 +116,7 @@ class _BoundedH11(H11Protocol):
 
     def _head_too_slow(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self.cycle is self._awaited_after and not self.transport.is_closing():
             self.transport.close()
 
 

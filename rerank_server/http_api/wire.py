@@ -94,6 +94,8 @@ def checked(path: str, body: bytes) -> bytes:
         raise ShapeError(_malformed(str(exc))) from None
     except UnicodeDecodeError as exc:
         raise ShapeError(f"body: not valid UTF-8 at byte {exc.start}") from None
+    except RecursionError:  # skipping an unknown field nested a thousand deep
+        raise ShapeError("body: nested too deeply") from None
     return _ENCODER.encode(request)
 
 
@@ -105,7 +107,7 @@ def _with_surrogates(path: str, body: bytes) -> bool:
     layer existed."""
     try:
         _WHOLE[path].decode(_SURROGATE.sub(rb"\\u0020", body))
-    except (msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return False
     return True
 

@@ -150,8 +150,14 @@ def select_chunks(query: str, texts: Sequence[str], max_chars: int) -> list[str]
 
 
 def chars_to_chunk(candidates: Sequence[Candidate], max_chars: int) -> int:
-    """How many characters `document_texts` will search for best chunks."""
-    return sum(n for c in candidates if (n := len(c.text)) > max_chars)
+    """How many characters `document_texts` will read: none when every text fits, else
+    all of them (the query terms' weights are counted over every text)."""
+    total, cut = 0, False
+    for c in candidates:
+        n = len(c.text)
+        total += n
+        cut = cut or n > max_chars
+    return total if cut else 0
 
 
 def document_texts(query: str, candidates: Sequence[Candidate], max_chars: int,

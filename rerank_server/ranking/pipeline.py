@@ -14,6 +14,9 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TypeVar
 
 from opentelemetry import trace
 
@@ -37,6 +40,8 @@ from .request import Request, RequestRules
 from .score_cache import Scope, ScoreCache
 from .shaping import Shaped, shape, skip_reason
 from .validation import resolve
+
+T = TypeVar("T")
 
 
 class Reranker:
@@ -151,11 +156,8 @@ class Reranker:
 
         with telemetry.step("rerank.chunk") as span:
             if chars_to_chunk(scored_set, request.max_chunk_chars) > CHUNK_ON_LOOP_CHARS:
-                # Up to 900 documents of 128 KiB: seconds of Python at worst, which on
-                # the event loop would stall every other call and health check. In a
-                # thread the loop still gets the interpreter every switch interval.
-                documents, chunked = await asyncio.to_thread(
-                    document_texts, request.query, scored_set, request.max_chunk_chars)
+                documents, chunked = await _off_loop(partial(
+                    document_texts, request.query, scored_set, request.max_chunk_chars))
             else:
                 documents, chunked = document_texts(request.query, scored_set,
                                                     request.max_chunk_chars)
@@ -241,6 +243,25 @@ class Reranker:
             cached=outcome.cached, deduplicated=shaped.deduplicated, filtered=shaped.filtered,
             threshold=shaped.threshold, blend_profile=blend.profile,
             reranker_weight=ranking.reranker_weight if outcome.scored else None)
+
+
+# Up to 900 documents of 128 KiB to cut: seconds of Python at worst, which on the event
+# loop would stall every other call and health check. In this thread the loop still gets
+# the interpreter every switch interval. One thread: such jobs queue behind each other
+# rather than contend, and leave the default executor (the disk cache's) alone.
+_CHUNKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerank-chunk")
+
+
+async def _off_loop(job: Callable[[], T]) -> T:
+    """`job` in the chunking thread. A request cancelled meanwhile waits for its job to
+    end before it lets go: the request's place and bytes stay counted while its texts
+    are still being read, so cancelled requests cannot pile work up behind the budget."""
+    future = asyncio.get_running_loop().run_in_executor(_CHUNKER, job)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait({future})
+        raise
 
 
 class _Outcome:

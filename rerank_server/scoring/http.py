@@ -57,6 +57,7 @@ from .base import Failure
 USER_AGENT = f"rerank-server/{__version__}"
 HEALTH_TIMEOUT_S = 3.0  # a health poll or metadata GET, whole: head and body
 SIDE_MAX_BYTES = 1024 * 1024  # a metadata answer (/v1/models, /props) read at most
+HEALTH_MAX_BYTES = 64 * 1024  # a health answer, read whole so its connection is kept
 ABANDON_MIN_S = 1.0        # an abandoned call may always run this long
 ABANDON_UNKNOWN_S = 2.0    # ... and this long before any call has answered
 ABANDON_LATENCIES = 4.0    # ... else this many times the recent call latency
@@ -353,25 +354,25 @@ class HttpBackend:
         if not self.health_path:
             return True
         try:
-            status, _ = await self._side_get(self.health_path, 0)
+            status, _ = await self._side_get(self.health_path, HEALTH_MAX_BYTES)
         except (httpx.HTTPError, TimeoutError):
             return False
         return status == 200
 
     async def _side_get(self, path: str, max_bytes: int) -> tuple[int, bytes]:
-        """Status and body (at most `max_bytes` of it, decoded) of a GET on the side
-        client, all within HEALTH_TIMEOUT_S. httpx's timeouts bound each read, not the
-        whole: a `/health` sent a byte a second held the monitor's poll, and so every
-        instance's health, for good; and its decoding has no bound."""
+        """Status and body (at most `max_bytes` of it, sent and decoded) of a GET on the
+        side client, all within HEALTH_TIMEOUT_S. httpx's timeouts bound each read, not
+        the whole: a `/health` sent a byte a second held the monitor's poll, and so
+        every instance's health, for good; and its decoding has no bound."""
         async with asyncio.timeout(HEALTH_TIMEOUT_S), self._side_client.stream(
                 "GET", self.base_url + path, headers=self._headers) as response:
             body = bytearray()
-            if max_bytes:
-                async for part in response.aiter_raw():
-                    body += part
-                    if len(body) > max_bytes:
-                        raise httpx.DecodingError("metadata answer too large")
-            return response.status_code, transport.decoded(response.headers.raw, bytes(body))
+            async for part in response.aiter_raw():
+                body += part
+                if len(body) > max_bytes:
+                    raise httpx.DecodingError("answer too large")
+            return response.status_code, transport.decoded(
+                response.headers.raw, bytes(body), max_bytes)
 
     def record_malformed(self) -> None:
         """Count a call whose JSON parsed but did not hold what the scorer needs."""

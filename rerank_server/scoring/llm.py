@@ -72,11 +72,11 @@ _ARRAY_TRIES = 8  # "[" positions tried, each parse bounded by the answer's leng
 
 
 def _first_array(content: str) -> list[Any] | None:
-    """The first JSON array in `content`, read from one of its first `_ARRAY_TRIES`
-    brackets to where the array ends: prose before or after it (a closing "[done]"
-    included) is not read. A model's text is steered by the documents it read, so what
-    the parser may raise on it (a number of 5,000 digits, nesting past the recursion
-    limit) is no array, not a crash."""
+    """The first JSON array of objects in `content`, read from one of its first
+    `_ARRAY_TRIES` brackets to where the array ends: prose before or after it
+    ("candidate [1] fits best", a closing "[done]") is not read. A model's text is
+    steered by the documents it read, so what the parser may raise on it (a number of
+    5,000 digits, nesting past the recursion limit) is no array, not a crash."""
     decoder = json.JSONDecoder()
     start = content.find("[")
     for _ in range(_ARRAY_TRIES):
@@ -87,7 +87,8 @@ def _first_array(content: str) -> list[Any] | None:
         except (ValueError, RecursionError):
             start = content.find("[", start + 1)
             continue
-        if isinstance(entries, list):
+        # A list with no object in it is prose ("candidate [1] fits best"), not scores.
+        if isinstance(entries, list) and any(isinstance(e, dict) for e in entries):
             return entries
         start = content.find("[", start + 1)
     return None

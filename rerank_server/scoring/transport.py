@@ -77,6 +77,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.busy = True  # an exchange is on it; False while it waits in the idle pool
+        self.overrun = False  # closed by us for holding more than an answer can be
         self.closed = False
         self.error: BaseException | None = None
         self.wakeup = Wakeup()
@@ -91,6 +92,7 @@ class _Connection(asyncio.Protocol):
             # Bytes on an idle connection answer nothing, and more than an answer can
             # be is not one: the connection is done. (A server that kept writing to an
             # idle connection grew this buffer by hundreds of MB a second.)
+            self.overrun = True
             self.close()
             self.wakeup.wake()
             return
@@ -132,8 +134,9 @@ class Answer(NamedTuple):
         return decoded(self.headers, self.body)
 
 
-def decoded(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-    """`body` without its `Content-Encoding` (gzip or deflate), at most MAX_BODY_BYTES of
+def decoded(headers: list[tuple[bytes, bytes]], body: bytes,
+            limit: int = MAX_BODY_BYTES) -> bytes:
+    """`body` without its `Content-Encoding` (gzip or deflate), at most `limit` bytes of
     it; httpx.DecodingError for another coding, bad data, or more than that. We never ask
     for an encoding, but a server (or a proxy before it) may use one anyway, and httpx's
     own decoder has no bound: 600 KB of gzip was 600 MB of memory and seconds of event
@@ -148,10 +151,10 @@ def decoded(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
     for wbits in (47, -15):
         inflater = zlib.decompressobj(wbits)
         try:
-            out = inflater.decompress(body, MAX_BODY_BYTES + 1)
+            out = inflater.decompress(body, limit + 1)
         except zlib.error:
             continue
-        if len(out) > MAX_BODY_BYTES or inflater.unconsumed_tail:
+        if len(out) > limit or inflater.unconsumed_tail:
             raise httpx.DecodingError("response body too large once decoded")
         if inflater.eof:
             return out
@@ -343,6 +346,8 @@ async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]]
     if isinstance(connection.error, OSError):  # a reset, not the end of the body
         raise httpx.ReadError(str(connection.error) or type(connection.error).__name__,
                               request=request)
+    if connection.overrun:  # our own close, not the end of the body
+        raise httpx.RemoteProtocolError("response body too large", request=request)
     content = bytes(connection.buffer)
     connection.buffer.clear()
     return content

@@ -254,11 +254,11 @@ async def test_llm_text_the_documents_can_steer_fails_only_its_own_slice(
     400-digit score (an OverflowError in `float`) or a 5,000-digit one (a ValueError in
     the parser) crashed the scorer, and through the task group took every other slice's
     scores with it. Prose after the array with a bracket of its own (`[done]`) made the
-    whole answer unreadable."""
+    whole answer unreadable, and a list in the prose before it was taken for it."""
     def steered(texts: list[str]) -> str:
         if "noise" in texts[0]:
             return json.dumps([{"index": 1, "score": 10 ** 400}]) + " and " + "9" * 5000
-        return good_json(texts) + " [done]"
+        return "Candidate [1] fits, then [2].\n" + good_json(texts) + " [done]"
 
     _, client = await backend(chat(steered), backend="llm", model="m", api_key="good",
                               max_batch=1)

@@ -115,6 +115,16 @@ async def test_return_documents_gives_each_document_back_as_sent(
     assert results[0]["document"] == documents[0] and results[0]["id"] == "cats-doc"
     assert results[1]["document"] == {"text": DOCS[1]} and results[1]["id"] == "1"
     assert results[2]["document"] == documents[2] and results[2]["id"] == "2"
+    # A field the model does not read, echoed whole, must encode too: refused, named,
+    # rather than a 500 when the answer is written.
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        lone = await http.post(
+            "/v1/rerank", headers={"Authorization": f"Bearer {TOKEN}",
+                                   "Content-Type": "application/json"},
+            content='{"query": "q", "return_documents": true, "documents": '
+                    '[{"text": "a", "url": "\\ud800"}, "b"]}')
+    assert lone.status_code == 422
+    assert lone.json()["message"] == "documents[0].url: is not valid Unicode (a lone surrogate)"
 
 
 @pytest.mark.parametrize(("body", "status", "message"), [
@@ -256,6 +266,9 @@ async def test_http_errors_name_the_field_as_the_client_wrote_it(
     ('{"query": "q", "documents": [{"text": "a", "retrieval_rank": 0}]}',
      "documents[0].retrieval_rank: Input should be greater than or equal to 1"),
     ('{"query": "q", "documents": [', "body: not valid JSON (Input data was truncated)"),
+    # Nested past msgspec's depth under a field nobody reads: a 422, not a 500.
+    ('{"query": "q", "documents": ["a"], "x": ' + "[" * 1000 + "]" * 1000 + "}",
+     "body: nested too deeply"),
 ])
 async def test_bad_bodies_get_a_422_that_says_what_is_wrong(
         http_server: RunningServer, body: str, message: str) -> None:
@@ -458,3 +471,42 @@ async def test_an_answer_its_client_never_reads_is_not_kept_for_ever(
             received += len(chunk)
     writer.close()
     assert received < len(body)  # cut off: the rest was dropped with the connection
+
+
+async def test_a_body_dribbled_after_its_answer_does_not_hold_the_connection(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answered before its body was read (a health check, a 401, a 429), a request whose
+    body then comes a byte at a time: no timer ran any more, so the connection was held
+    for ever (and 1,024 of them shut every new client out). Now the next head is awaited
+    from the answer on."""
+    monkeypatch.setattr(http_server_module, "HEAD_TIMEOUT_S", 0.5)
+    server = await start_server(http_port=free_port())
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    closed = False
+    try:
+        for _ in range(40):  # a byte every 0.1 s, for up to 4 s
+            writer.write(b"x")
+            await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                if not await asyncio.wait_for(reader.read(65536), 0.1):
+                    closed = True
+                    break
+    except ConnectionError:
+        closed = True
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 ")
+    assert closed
+
+
+async def test_a_request_id_over_its_limit_is_not_logged(
+        http_server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/v1/rerank", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json={"query": "q", "documents": ["a", "b"],
+                                      "request_id": "R" * 100_000})
+    out = capsys.readouterr().out
+    assert reply.status_code == 422 and reply.json()["message"].startswith("request_id: ")
+    assert "R" * 600 not in out and '"request_id":""' in out

@@ -496,8 +496,8 @@ async def test_health_and_metadata_gets_are_bounded_in_time_and_size(
         raw: Callable[[Handler], Awaitable[str]], monkeypatch: pytest.MonkeyPatch) -> None:
     """A `/health` whose body comes a byte at a time held the monitor's poll (and with
     it every instance's health) for good: httpx's timeout bounds each read, not the
-    whole. Health is now read from the status line alone, and a metadata answer within
-    HEALTH_TIMEOUT_S and up to SIDE_MAX_BYTES."""
+    whole. Now each is read within HEALTH_TIMEOUT_S as a whole, and a metadata answer
+    up to SIDE_MAX_BYTES."""
     monkeypatch.setattr(http_module, "HEALTH_TIMEOUT_S", 0.5)
 
     async def dribble(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
@@ -515,11 +515,18 @@ async def test_health_and_metadata_gets_are_bounded_in_time_and_size(
     slow = HttpBackend(await raw(dribble), 2, 5.0)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    assert await slow.health() is True  # the status line says it; the body is not awaited
+    assert await slow.health() is False  # the whole answer, within the bound
     assert await slow.get_json("/props") is None
     elapsed = loop.time() - started
+    async def gzipped(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int) -> None:
+        w.write(_answer(gzip.compress(b'{"status": "ok"}'), "Content-Encoding: gzip"))
+        await w.drain()
+
     big = HttpBackend(await raw(huge), 2, 5.0)
     assert await big.get_json("/v1/models") is None
+    zipped = HttpBackend(await raw(gzipped), 2, 5.0)
+    assert await zipped.health() is True  # decoded within its bound, as it was
+    await zipped.aclose()
     await slow.aclose()
     await big.aclose()
     assert elapsed < 2.0
