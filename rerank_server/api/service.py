@@ -116,10 +116,7 @@ class RerankService:
         try:
             request = parse_request(raw, field)
             del raw
-            # Logged and echoed (a batch's error answer) only within its limit: one over
-            # it is refused by validation, and a 10 MB id once made a 10 MB log line.
-            if len(request.request_id) <= self._reranker.rules.max_id_chars:
-                seen.request_id = request.request_id
+            seen.request_id = self._reranker.rules.echoable_id(request.request_id)
             yield convert.query_from_pb(request)
         finally:
             self.inflight.give_back(size)

@@ -294,17 +294,13 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
             reranker.telemetry.metrics.record_rerank(summary)
             return results, summary
         except InvalidRequest as exc:
-            rpc_failed(rpc, logged_id(query), started, "422", exc, internal=False)
+            rpc_failed(rpc, reranker.rules.echoable_id(query.request_id), started, "422",
+                       exc, internal=False)
             raise HttpError(422, _as_written(exc, field)) from None
         except Overloaded as exc:
-            rpc_failed(rpc, logged_id(query), started, "429", exc, internal=False)
+            rpc_failed(rpc, reranker.rules.echoable_id(query.request_id), started, "429",
+                       exc, internal=False)
             raise HttpError(429, str(exc), {"Retry-After": "1"}) from None
-
-    def logged_id(query: RerankQuery) -> str:
-        """The id for a refusal's log line: "" for one over its limit (which is why it
-        may be refused), as on gRPC; a 10 MB id made a 10 MB line."""
-        rid = query.request_id
-        return rid if len(rid) <= reranker.rules.max_id_chars else ""
 
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
         async def rerank(body: m.CohereRerankRequest) -> m.CohereRerankResponse:

@@ -152,12 +152,8 @@ def select_chunks(query: str, texts: Sequence[str], max_chars: int) -> list[str]
 def chars_to_chunk(candidates: Sequence[Candidate], max_chars: int) -> int:
     """How many characters `document_texts` will read: none when every text fits, else
     all of them (the query terms' weights are counted over every text)."""
-    total, cut = 0, False
-    for c in candidates:
-        n = len(c.text)
-        total += n
-        cut = cut or n > max_chars
-    return total if cut else 0
+    lengths = [len(c.text) for c in candidates]  # every request: builtins, no loop body
+    return sum(lengths) if lengths and max(lengths) > max_chars else 0
 
 
 def document_texts(query: str, candidates: Sequence[Candidate], max_chars: int,

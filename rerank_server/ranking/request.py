@@ -45,6 +45,11 @@ class RequestRules:
     strong_signal_min: float
     strong_signal_gap: float
 
+    def echoable_id(self, request_id: str) -> str:
+        """`request_id` as a refusal may log or echo it: "" when it is over its limit
+        (which may be why the request is refused; a 10 MB id made a 10 MB log line)."""
+        return request_id if len(request_id) <= self.max_id_chars else ""
+
 
 @dataclass(frozen=True, slots=True)
 class SkipRules:

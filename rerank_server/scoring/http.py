@@ -107,6 +107,17 @@ def instance_of(kind: str, base_url: str) -> Instance:
     return Instance(kind, parts.hostname or "", parts.port or default_port)
 
 
+async def _read_bounded(response: httpx.Response, limit: int) -> tuple[int, bytes]:
+    """A streamed answer's status and body, read raw and decoded here, each at most
+    `limit` bytes (httpx.DecodingError past it): httpx's own reading bounds neither."""
+    body = bytearray()
+    async for part in response.aiter_raw():
+        body += part
+        if len(body) > limit:
+            raise httpx.DecodingError("answer too large")
+    return response.status_code, transport.decoded(response.headers.raw, bytes(body), limit)
+
+
 def new_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
     """The pooled client for backends off the lean transport (`https://`, proxied): its
     pool is never smaller than the semaphore, so at most `concurrency` calls are on the
@@ -366,13 +377,7 @@ class HttpBackend:
         every instance's health, for good; and its decoding has no bound."""
         async with asyncio.timeout(HEALTH_TIMEOUT_S), self._side_client.stream(
                 "GET", self.base_url + path, headers=self._headers) as response:
-            body = bytearray()
-            async for part in response.aiter_raw():
-                body += part
-                if len(body) > max_bytes:
-                    raise httpx.DecodingError("answer too large")
-            return response.status_code, transport.decoded(
-                response.headers.raw, bytes(body), max_bytes)
+            return await _read_bounded(response, max_bytes)
 
     def record_malformed(self) -> None:
         """Count a call whose JSON parsed but did not hold what the scorer needs."""
@@ -465,12 +470,7 @@ class HttpBackend:
         assert self._client is not None
         async with self._client.stream("POST", self._url(path), content=content,
                                        headers=headers) as response:
-            body = bytearray()
-            async for part in response.aiter_raw():
-                body += part
-                if len(body) > transport.MAX_BODY_BYTES:
-                    raise httpx.DecodingError("response body too large")
-            return response.status_code, transport.decoded(response.headers.raw, bytes(body))
+            return await _read_bounded(response, transport.MAX_BODY_BYTES)
 
     def _url(self, path: str) -> httpx.URL:
         url = self._urls.get(path)
