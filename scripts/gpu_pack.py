@@ -13,7 +13,10 @@ there is nothing to find out there:
 - `.gpu/b`: the model's second half with its sha256, and cp312 wheels of the Python
   packages the device image lacks or holds in other versions, at the versions installed
   here (the versions the tests ran with).
-- `.gpu/c`: MiniLM-L6 (f16 GGUF) for the `embedding` backend.
+- `.gpu/c`: MiniLM-L6 for the `embedding` backend and the same with its one-logit rank
+  head for the `rerank` backend (`llama-server --rerank`), both quantized to Q8_0 (25 MB
+  each; the two f16 files would not fit one call) with `llama-quantize` of the pinned
+  source, built here into the managed build's folder (a minute, once).
 
 `.gpu/` is ignored by git. `scripts/gpu_run.sh` runs the steps there; docs/benchmarks.md
 ("For the session that is lent a GPU") gives the three calls.
@@ -77,6 +80,18 @@ def split_model(model: Path, first: Path, second: Path) -> None:
     second.with_name("smollm2.sha256").write_text(f"{digest}  smollm2.gguf\n")
 
 
+def quantize(cache: Path, model: Path, target: Path) -> None:
+    """`model` as Q8_0 at `target`, by the pinned llama.cpp's `llama-quantize`."""
+    build = assets.llama_source(cache).parent / "cmake-build"  # the managed build's
+    tool = build / "bin" / "llama-quantize"
+    if not tool.exists():
+        print("building llama-quantize", flush=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-quantize", "-j",
+                        str(os.cpu_count() or 2)], check=True, capture_output=True)
+    subprocess.run([str(tool), str(model), str(target), "q8_0"], check=True,
+                   capture_output=True)
+
+
 def download_wheels(target: Path) -> None:
     pins = [f"{name}=={version(name)}" for name in WHEELS]
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
@@ -97,9 +112,11 @@ def tree_bytes() -> int:
 def main() -> int:
     cache = Path(os.environ.get("RERANK_CACHE_DIR") or default_cache_dir())
     minilm = assets.embedding_model_path(cache)
-    if not minilm.exists():
-        print(f"{minilm} is missing: run `make test-assets` first", file=sys.stderr)
-        return 1
+    rank_head = assets.rank_head_model_path(cache)
+    for model in (minilm, rank_head):
+        if not model.exists():
+            print(f"{model} is missing: run `make test-assets` first", file=sys.stderr)
+            return 1
     shutil.rmtree(PACK, ignore_errors=True)
     loads = {name: PACK / name for name in ("a", "b", "c")}
     for folder in loads.values():
@@ -108,7 +125,8 @@ def main() -> int:
     split_model(assets.prepare_model(cache), loads["a"] / "smollm2.part1",
                 loads["b"] / "smollm2.part2")
     download_wheels(loads["b"] / "whl")
-    shutil.copy2(minilm, loads["c"] / "minilm.gguf")
+    quantize(cache, minilm, loads["c"] / "minilm.gguf")
+    quantize(cache, rank_head, loads["c"] / "minilm-rank.gguf")
     tree = tree_bytes()
     too_big = False
     for name, folder in loads.items():

@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_run.sh build       carry .gpu/a: CUDA build of the pinned llama-server
 #   bash scripts/gpu_run.sh chat        carry .gpu/b: SmolLM2 chat, direct and through
-#   bash scripts/gpu_run.sh embedding   carry .gpu/c: MiniLM embeddings, direct and through
+#   bash scripts/gpu_run.sh embedding   carry .gpu/c: MiniLM embeddings, then MiniLM with a
+#                                       rank head (`rerank`), each direct and through
 #
 # The steps share .gpu/work (never carried, so kept while the machine stays warm: issue
 # the calls back to back). Results go to $OUT/<step>/ (bench.json, bench.md) with logs.
@@ -31,7 +32,7 @@ python_path() {
 serve() {  # MODEL ARGS...: llama-server on $PORT, waited for
   local model=$1; shift
   "$W/build/bin/llama-server" -m "$model" --host 127.0.0.1 --port "$PORT" -ngl 99 "$@" \
-    > "$OUT/$step/llama-server.log" 2>&1 &
+    > "$OUT/${LOG_DIR:-$step}/llama-server.log" 2>&1 &
   LLAMA=$!
   trap 'kill $LLAMA 2>/dev/null || true' EXIT
   "$PY" - "$PORT" <<'EOF'
@@ -47,10 +48,11 @@ sys.exit("llama-server did not answer /health within 120 s")
 EOF
 }
 
-bench() {  # KIND: the issue's table, one 40-candidate request and 1/4/16 clients
-  "$PY" -m rerank_server bench --scenarios model --backend-url "http://127.0.0.1:$PORT" \
-    --backend "$1" --slots 32 --passages 40 --rounds 5 --clients 1,4,16 --seconds 5 \
-    --out "$OUT/$step"
+bench() {  # KIND SCENARIOS [DIR]: the issue's table, one 40-candidate request and 1/4/16 clients
+  # ROUNDS, CLIENTS, SECONDS_PER_LEVEL and PASSAGES shorten a dry run on the CPU.
+  "$PY" -m rerank_server bench --scenarios "$2" --backend-url "http://127.0.0.1:$PORT" \
+    --backend "$1" --slots 32 --passages "${PASSAGES:-40}" --rounds "${ROUNDS:-5}" \
+    --clients "${CLIENTS-1,4,16}" --seconds "${SECONDS_PER_LEVEL:-5}" --out "$OUT/${3:-$step}"
 }
 
 case $step in
@@ -63,10 +65,18 @@ case $step in
     fi
     cuda=()
     # H100 and H200 are sm_90: one architecture builds in a fraction of the time of all.
-    [ "$GPU" = 1 ] && cuda=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}")
+    # FlashAttention's kernels are about half of what nvcc compiles; without them (FA=OFF,
+    # the default here) the build fits the device time a session has. Both sides of every
+    # comparison use the same server, so the ratios hold; the absolute figures are those of
+    # a build without FlashAttention. NCCL is for several GPUs.
+    [ "$GPU" = 1 ] && cuda=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}"
+                           "-DGGML_CUDA_FA=${FA:-OFF}" -DGGML_CUDA_NCCL=OFF)
+    command -v nvcc > /dev/null || export PATH="$PATH:/usr/local/cuda/bin"
+    generator=()
+    command -v ninja > /dev/null && [ ! -e "$W/build/Makefile" ] && generator=(-G Ninja)
     mapfile -t flags < .gpu/a/cmake-flags.txt  # the managed build's (assets.CMAKE_FLAGS)
     start=$(date +%s)
-    cmake -S "$W/src/llama.cpp" -B "$W/build" "${flags[@]}" -DGGML_NATIVE=OFF "${cuda[@]}" \
+    cmake -S "$W/src/llama.cpp" -B "$W/build" "${generator[@]}" "${flags[@]}" -DGGML_NATIVE=OFF "${cuda[@]}" \
       > "$OUT/$step/cmake.log" 2>&1
     cmake --build "$W/build" --target llama-server -j "$(nproc)" >> "$OUT/$step/cmake.log" 2>&1
     echo "built in $(( $(date +%s) - start )) s"
@@ -78,12 +88,19 @@ case $step in
     cat "$W/smollm2.part1" .gpu/b/smollm2.part2 > "$W/smollm2.gguf"
     (cd "$W" && sha256sum -c ../b/smollm2.sha256)
     serve "$W/smollm2.gguf" -np 32 -c 65536
-    bench chat
+    # The table (model), chat against completion through rerank-server (backends), and
+    # /completion's own options straight to llama-server (completion-options).
+    bench chat model,backends,completion-options
     ;;
   embedding)
     python_path
     serve .gpu/c/minilm.gguf --embedding --pooling mean -np 32 -c 16384 -b 512 -ub 512
-    bench embedding
+    bench embedding model
+    kill $LLAMA; wait $LLAMA 2>/dev/null || true
+    # The same MiniLM with a one-logit rank head: llama-server's /v1/rerank.
+    mkdir -p "$OUT/rerank" && LOG_DIR=rerank
+    serve .gpu/c/minilm-rank.gguf --rerank -np 32 -c 16384 -b 512 -ub 512
+    bench rerank model rerank
     ;;
   *)
     echo "unknown step $step: build, chat or embedding" >&2

@@ -558,10 +558,10 @@ async def completion_options(llama: str, rounds: int, count: int) -> dict[str, A
         for n, c in COMPLETION_OPTIONS}
 
 
-async def backends(llama: str, rounds: int, count: int) -> dict[str, Any]:
+async def backends(llama: str, rounds: int, count: int, slots: int) -> dict[str, Any]:
     docs = passages(count, seed=9)
     times: dict[str, list[float]] = {"chat": [], "completion": []}
-    common = ["--backend-url", llama, "--concurrency", str(SLOTS), "--no-assistant-prefill",
+    common = ["--backend-url", llama, "--concurrency", str(slots), "--no-assistant-prefill",
               "--timeout-ms", "120000", "--max-batch", str(len(docs))]
     with rerank_server(["--backend", "chat", *common]) as (chat_port, _), \
             rerank_server(["--backend", "completion", *common]) as (completion_port, _):
@@ -575,7 +575,7 @@ async def backends(llama: str, rounds: int, count: int) -> dict[str, Any]:
                 if r:
                     times[kind].append(t)
     chat, completion = statistics.median(times["chat"]), statistics.median(times["completion"])
-    return {"passages": len(docs), "slots": SLOTS, "rounds": rounds,
+    return {"passages": len(docs), "slots": slots, "rounds": rounds,
             "chat_ms": round(chat * 1000), "completion_ms": round(completion * 1000),
             "completion_over_chat": round(completion / chat, 3)}
 
@@ -753,7 +753,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "external" if external else label)
             # chat against completion is a llama-server comparison of one model.
             if "backends" in chosen and args.backend == "chat":
-                report["backends"] = await backends(llama, args.rounds, args.passages)
+                report["backends"] = await backends(llama, args.rounds, args.passages, slots)
     if "completion-options" in chosen:
         with contextlib.nullcontext(args.backend_url) if args.backend_url \
                 else llama_server(SLOTS) as llama:
