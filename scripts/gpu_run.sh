@@ -6,24 +6,28 @@
 #   bash scripts/gpu_run.sh chat        carry .gpu/b: SmolLM2 chat, direct and through
 #   bash scripts/gpu_run.sh embedding   carry .gpu/c: MiniLM embeddings, then MiniLM with a
 #                                       rank head (`rerank`), each direct and through
+#   bash scripts/gpu_run.sh rerank      the rank head alone
+# .gpu/d holds what `build` and `rerank` need, for one call that does both:
+#   PACK_A=.gpu/d PACK_B=.gpu/d PACK_C=.gpu/d bash -c 'scripts/gpu_run.sh build && scripts/gpu_run.sh rerank'
 #
 # The steps share .gpu/work (never carried, so kept while the machine stays warm: issue
 # the calls back to back). Results go to $OUT/<step>/ (bench.json, bench.md) with logs.
 # Here, for a dry run on the CPU: GPU=0 PYTHON=.venv/bin/python SITE=0 bash scripts/gpu_run.sh STEP
 set -euo pipefail
 export PYTHONUNBUFFERED=1
-step=${1:?build, chat or embedding}
+step=${1:?build, chat, embedding or rerank}
 OUT=${OUT:-/tmp/gpu-out}
 PY=${PYTHON:-python3}
 GPU=${GPU:-1}
 W=.gpu/work
+A=${PACK_A:-.gpu/a} B=${PACK_B:-.gpu/b} C=${PACK_C:-.gpu/c}  # what the calls carry
 PORT=18080
 mkdir -p "$W" "$OUT/$step"
 
 python_path() {
   if [ "${SITE:-1}" = 1 ] && [ ! -e "$W/site/.done" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$W/site" .gpu/b/whl/*.whl
+      --target "$W/site" "$B"/whl/*.whl
     touch "$W/site/.done"
   fi
   export PYTHONPATH="$PWD/$W/site:$PWD:$PWD/clients/python"
@@ -50,7 +54,7 @@ EOF
 
 bench() {  # KIND SCENARIOS [DIR]: the issue's table, one 40-candidate request and 1/4/16 clients
   # ROUNDS, CLIENTS, SECONDS_PER_LEVEL and PASSAGES shorten a dry run on the CPU.
-  "$PY" -m rerank_server bench --scenarios "$2" --backend-url "http://127.0.0.1:$PORT" \
+  "$PY" -c "import sys; from rerank_server.bench.run import main; sys.exit(main(sys.argv[1:]))" --scenarios "$2" --backend-url "http://127.0.0.1:$PORT" \
     --backend "$1" --slots 32 --passages "${PASSAGES:-40}" --rounds "${ROUNDS:-5}" \
     --clients "${CLIENTS-1,4,16}" --seconds "${SECONDS_PER_LEVEL:-5}" --out "$OUT/${3:-$step}"
 }
@@ -61,7 +65,7 @@ case $step in
     nproc > "$OUT/$step/cores.txt"
     # Unpacked once: a build call that ran out of time is run again and resumes.
     if [ ! -e "$W/src/llama.cpp/CMakeLists.txt" ]; then
-      rm -rf "$W/src" && mkdir -p "$W/src" && tar -xJf .gpu/a/llama-src.tar.xz -C "$W/src"
+      rm -rf "$W/src" && mkdir -p "$W/src" && tar -xJf "$A/llama-src.tar.xz" -C "$W/src"
     fi
     cuda=()
     # H100 and H200 are sm_90: one architecture builds in a fraction of the time of all.
@@ -74,36 +78,38 @@ case $step in
     command -v nvcc > /dev/null || export PATH="$PATH:/usr/local/cuda/bin"
     generator=()
     command -v ninja > /dev/null && [ ! -e "$W/build/Makefile" ] && generator=(-G Ninja)
-    mapfile -t flags < .gpu/a/cmake-flags.txt  # the managed build's (assets.CMAKE_FLAGS)
+    mapfile -t flags < "$A/cmake-flags.txt"  # the managed build's (assets.CMAKE_FLAGS)
     start=$(date +%s)
     cmake -S "$W/src/llama.cpp" -B "$W/build" "${generator[@]}" "${flags[@]}" -DGGML_NATIVE=OFF "${cuda[@]}" \
       > "$OUT/$step/cmake.log" 2>&1
     cmake --build "$W/build" --target llama-server -j "$(nproc)" >> "$OUT/$step/cmake.log" 2>&1
     echo "built in $(( $(date +%s) - start )) s"
     "$W/build/bin/llama-server" --version 2>&1 | tee "$OUT/$step/version.txt"
-    cp .gpu/a/smollm2.part1 "$W/"  # the next call carries the second half
+    if [ -e "$A/smollm2.part1" ]; then cp "$A/smollm2.part1" "$W/"; fi  # the next call: the rest
     ;;
   chat)
     python_path
-    cat "$W/smollm2.part1" .gpu/b/smollm2.part2 > "$W/smollm2.gguf"
-    (cd "$W" && sha256sum -c ../b/smollm2.sha256)
+    cat "$W/smollm2.part1" "$B/smollm2.part2" > "$W/smollm2.gguf"
+    (cd "$W" && sha256sum -c "../../$B/smollm2.sha256")
     serve "$W/smollm2.gguf" -np 32 -c 65536
     # The table (model), chat against completion through rerank-server (backends), and
     # /completion's own options straight to llama-server (completion-options).
     bench chat model,backends,completion-options
     ;;
-  embedding)
+  embedding|rerank)
     python_path
-    serve .gpu/c/minilm.gguf --embedding --pooling mean -np 32 -c 16384 -b 512 -ub 512
-    bench embedding model
-    kill $LLAMA; wait $LLAMA 2>/dev/null || true
+    if [ "$step" = embedding ]; then
+      serve "$C/minilm.gguf" --embedding --pooling mean -np 32 -c 16384 -b 512 -ub 512
+      bench embedding model
+      kill $LLAMA; wait $LLAMA 2>/dev/null || true
+    fi
     # The same MiniLM with a one-logit rank head: llama-server's /v1/rerank.
     mkdir -p "$OUT/rerank" && LOG_DIR=rerank
-    serve .gpu/c/minilm-rank.gguf --rerank -np 32 -c 16384 -b 512 -ub 512
+    serve "$C/minilm-rank.gguf" --rerank -np 32 -c 16384 -b 512 -ub 512
     bench rerank model rerank
     ;;
   *)
-    echo "unknown step $step: build, chat or embedding" >&2
+    echo "unknown step $step: build, chat, embedding or rerank" >&2
     exit 2
     ;;
 esac

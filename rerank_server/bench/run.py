@@ -327,14 +327,18 @@ async def _load(clients: int, seconds: float, port: int, url: str, kind: str, sl
                 batch: int, docs: Sequence[str]) -> dict[str, float | int | None]:
     """Pairs/s with `clients` sending requests back to back: directly (every client's
     pairs at once, one limit of `slots` for them all, as rerank-server's `--concurrency`
-    is) and through rerank-server (a connection per client). A request still running
+    is) and through rerank-server (a connection per client). Each path runs for `seconds`
+    in two halves, in the order direct, through, through, direct: a backend that slows
+    down over a run (llama-server's `/v1/rerank` did on a GPU, by a third in 10 s) then
+    weighs on both alike instead of on whichever came second. A request still running
     when the time is up counts when it ends, over the time it took. Only pairs scored
     count; those that were not (a failed call, a degraded answer) are reported beside
     the rates, and a failed request does not stop the run."""
-    async def rate(one: Callable[[int, int], Awaitable[int]]) -> tuple[float, int]:
+    async def rate(one: Callable[[int, int], Awaitable[int]],
+                   span: float) -> tuple[int, int, float]:
         done = missed = 0
         started = time.perf_counter()
-        stop_at = started + seconds
+        stop_at = started + span
 
         async def loop(n: int) -> None:
             nonlocal done, missed
@@ -345,7 +349,7 @@ async def _load(clients: int, seconds: float, port: int, url: str, kind: str, sl
                 missed += lost
                 i += 1
         await asyncio.gather(*(loop(n) for n in range(clients)))
-        return done / (time.perf_counter() - started), missed
+        return done, missed, time.perf_counter() - started
 
     direct = direct_call(kind, slots, batch, shared=asyncio.Semaphore(slots))
     async with contextlib.AsyncExitStack() as stack:
@@ -353,15 +357,25 @@ async def _load(clients: int, seconds: float, port: int, url: str, kind: str, sl
         connections = [await stack.enter_async_context(
             AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True))
             for _ in range(clients)]
-        direct_rate, direct_lost = await rate(
-            lambda n, i: direct(http, url, f"load {n} {i} direct", docs))
-        through_rate, through_lost = await rate(
-            lambda n, i: _through(connections[n], f"load {n} {i}", docs))
+        calls: dict[str, Callable[[int, int, int], Awaitable[int]]] = {
+            "direct": lambda h, n, i: direct(http, url, f"load {h} {n} {i} direct", docs),
+            "through": lambda h, n, i: _through(connections[n], f"load {h} {n} {i}", docs)}
+        totals = {path: [0, 0, 0.0] for path in calls}  # pairs scored, lost, seconds
+        spans = []  # each half's rate in the order run: shows a drifting backend
+        for half, order in enumerate((("direct", "through"), ("through", "direct"))):
+            for path in order:
+                done, lost, took = await rate(partial(calls[path], half), seconds / 2)
+                spans.append(f"{path} {done / took:.1f}")
+                totals[path][0] += done
+                totals[path][1] += lost
+                totals[path][2] += took
+    direct_rate, through_rate = (totals[p][0] / totals[p][2] for p in ("direct", "through"))
     return {"direct_pairs_per_s": round(direct_rate, 1),
             "through_pairs_per_s": round(through_rate, 1),
             "through_over_direct": round(through_rate / direct_rate, 3) if direct_rate
             else None,
-            "direct_failed_pairs": direct_lost, "through_unscored_pairs": through_lost}
+            "direct_failed_pairs": int(totals["direct"][1]),
+            "through_unscored_pairs": int(totals["through"][1]), "halves": spans}
 
 
 async def throughput(seconds: float, workers: Sequence[int] = (1,)) -> dict[str, Any]:
