@@ -324,7 +324,7 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
 
 
 async def _load(clients: int, seconds: float, port: int, url: str, kind: str, slots: int,
-                batch: int, docs: Sequence[str]) -> dict[str, float | int | None]:
+                batch: int, docs: Sequence[str]) -> dict[str, Any]:
     """Pairs/s with `clients` sending requests back to back: directly (every client's
     pairs at once, one limit of `slots` for them all, as rerank-server's `--concurrency`
     is) and through rerank-server (a connection per client). Each path runs for `seconds`
