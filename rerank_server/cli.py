@@ -29,11 +29,13 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "fit": ("rerank_server.evaluation.fit_command",
             "fit a blend profile across data sets from eval outputs", "eval"),
     "bench": ("rerank_server.bench.run",
-              "speed: overhead, telemetry, efficiency, throughput, streaming", "eval"),
+              "speed: overhead, telemetry, efficiency, throughput, streaming", "bench"),
 }
 # What the optional extra installs (pyproject.toml, [project.optional-dependencies]), by
 # top-level module: looked for before a tool starts, so it fails before any work.
-EXTRA_MODULES = {"eval": ("bm25s", "Stemmer", "ranx", "tqdm", "matplotlib", "numpy", "scipy")}
+EXTRA_MODULES = {"eval": ("bm25s", "Stemmer", "ranx", "tqdm", "matplotlib", "numpy", "scipy"),
+                 # Plots only: a GPU machine measuring its backend needs no BM25 or metrics.
+                 "bench": ("matplotlib",)}
 
 
 def subcommands_help() -> str:

@@ -40,6 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from rerank_server.api.grpc_server import SERVICE_NAME  # noqa: E402
+from rerank_server.managed.llama_server import RAM_CACHE_OFF  # noqa: E402
 from rerank_server.settings import ENV_PREFIX, Settings, env_name  # noqa: E402
 
 KUBERNETES_VERSION = "1.30.0"
@@ -142,6 +143,19 @@ def check_deployment(where: str, deployment: dict[str, Any],
                            "declared")
         check_secrets(where, pod, container, env, problems)
         check_security(where, pod, container, problems)
+    for container in pod["containers"]:
+        if "llama.cpp" in container["image"]:
+            check_llama_args(f"{where} container {container['name']}",
+                             container.get("command", []) + container.get("args", []),
+                             problems)
+
+
+def check_llama_args(where: str, args: list[str], problems: Problems) -> None:
+    """llama-server as managed mode runs it: without its host-memory prompt cache."""
+    flag, value = RAM_CACHE_OFF
+    problems.check(_flag(args, flag) == value, where,
+                   f"llama-server needs {flag} {value} (rerank_server/managed/"
+                   "llama_server.py, RAM_CACHE_OFF: its memory grows with every pair)")
 
 
 def container_env(container: dict[str, Any], config_maps: dict[str, dict[str, str]],
@@ -341,6 +355,9 @@ def check_compose(problems: Problems) -> None:
     stop = rerank.get("stop_grace_period", "10s")
     problems.check(float(stop.rstrip("s")) > grace, where,
                    "stop_grace_period must exceed RERANK_GRACE_PERIOD_S")
+    for name, service in services.items():
+        if "llama.cpp" in str(service.get("image", "")):
+            check_llama_args(f"{where} service {name}", service.get("command", []), problems)
     build = ROOT / "deploy" / rerank["build"]["context"] / rerank["build"]["dockerfile"]
     problems.check(build.exists(), where, f"build points at missing {build}")
 

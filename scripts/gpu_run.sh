@@ -54,7 +54,7 @@ EOF
 
 bench() {  # KIND SCENARIOS [DIR]: the table, one 40-candidate request and 1/4/16 clients
   # ROUNDS, CLIENTS, SECONDS_PER_LEVEL and PASSAGES shorten a dry run on the CPU.
-  "$PY" -c "import sys; from rerank_server.bench.run import main; sys.exit(main(sys.argv[1:]))" --scenarios "$2" --backend-url "http://127.0.0.1:$PORT" \
+  "$PY" -m rerank_server bench --scenarios "$2" --backend-url "http://127.0.0.1:$PORT" \
     --backend "$1" --slots 32 --passages "${PASSAGES:-40}" --rounds "${ROUNDS:-5}" \
     --clients "${CLIENTS-1,4,16}" --seconds "${SECONDS_PER_LEVEL:-5}" --out "$OUT/${3:-$step}"
 }

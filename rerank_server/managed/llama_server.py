@@ -8,6 +8,9 @@ that has not answered `/health` within the ready timeout, and a running server w
 `/health` (answered by its HTTP threads, whatever the model is doing) has gone unanswered
 for a minute, wedged; each is killed and restarted the same way.
 
+The child runs with llama-server's host-memory prompt cache off (`RAM_CACHE_OFF`), where
+the binary knows the flag and `--llama-args` does not set it: see there why.
+
 The child runs in its own session so a terminal's Ctrl-C reaches only us (we stop it in
 order), and on Linux it is sent SIGTERM if we die without stopping it
 (PR_SET_PDEATHSIG), so no llama-server outlives the server.
@@ -20,6 +23,7 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import re
 import shlex
 import signal
 import socket
@@ -44,12 +48,47 @@ STOP_TIMEOUT_S = 10.0
 LIVENESS_EVERY_S = 10.0  # how often a running llama-server's /health is asked, and
 LIVENESS_TIMEOUT_S = 5.0  # how long each ask waits;
 UNRESPONSIVE_AFTER_S = 60.0  # unanswered this long (never 200), it is killed and restarted
+HELP_TIMEOUT_S = 10.0  # for `llama-server --help`, read once to learn the flags it knows
+
+# llama-server keeps prompts it has processed in host memory (`--cache-ram`, 8 GiB by
+# default) and, each time a task starts, saves every idle slot there. Reranking sends a
+# new prompt for every pair, so for us that memory only grows: the stand-in at `-np 4`
+# went from 314 to 935 MB resident in a minute of scoring (the pod's limit for
+# llama-server in deploy/ is 4 GiB), and the saving gets slower as the cache grows
+# (`/v1/rerank`: 235 to 133 pairs/s over a minute on the development machine, 956 to
+# 383 in ten seconds on an H200). Without it, each slot still reuses the prefix of its
+# previous prompt (`cache_prompt`), which is the reuse a rerank request has
+# (docs/backends.md, "llama-server's prompt cache in memory").
+RAM_CACHE_OFF = ("--cache-ram", "0")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+async def knows_flag(binary: Path, flag: str) -> bool:
+    """Whether `binary --help` lists `flag`. False if it cannot tell in time."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            str(binary), "--help", stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    except OSError:
+        return False  # its launch will say why, in the ordinary way
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), HELP_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return False
+    # Each option's line starts with its names (`-cram, --cache-ram N`), then two or more
+    # spaces and its description.
+    for line in out.decode(errors="replace").splitlines():
+        names = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        if names.startswith("-") and flag in re.split(r"[,\s]+", names):
+            return True
+    return False
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -83,6 +122,7 @@ class ManagedLlamaServer:
         self._proc: asyncio.subprocess.Process | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
+        self._ram_cache_off = False  # learned in start(): whether to pass RAM_CACHE_OFF
 
     @property
     def url(self) -> str:
@@ -93,12 +133,18 @@ class ManagedLlamaServer:
         return self._proc.pid if self._proc and self._proc.returncode is None else None
 
     def command(self) -> list[str]:
+        ram_cache = list(RAM_CACHE_OFF) if self._ram_cache_off else []
         return [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
                 "--port", str(self.port), "-np", str(self.slots),
-                "-c", str(self.slots * self.ctx_per_slot), "--no-webui", *self.extra_args]
+                "-c", str(self.slots * self.ctx_per_slot), "--no-webui", *ram_cache,
+                *self.extra_args]
 
     async def start(self) -> None:
         """Launch and wait until /health answers 200; raises RuntimeError if it never does."""
+        # The operator's own setting wins; a build older than the flag would refuse it.
+        own = any(a in ("--cache-ram", "-cram") or a.startswith("--cache-ram=")
+                  for a in self.extra_args)
+        self._ram_cache_off = not own and await knows_flag(self.binary, RAM_CACHE_OFF[0])
         await self._launch()
         if not await self.wait_ready(self.ready_timeout_s):
             await self.stop()

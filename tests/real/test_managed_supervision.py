@@ -77,6 +77,7 @@ async def test_a_restart_that_never_gets_ready_is_killed_and_tried_again(
     wrapper = tmp_path / "llama-server"
     wrapper.write_text(
         "#!/bin/sh\n"
+        f'if [ "$1" = --help ]; then exec "{binary}" --help; fi\n'  # not a launch
         f'n=$(cat "{tmp_path}/launches" 2>/dev/null || echo 0)\n'
         f'echo $((n + 1)) > "{tmp_path}/launches"\n'
         'if [ "$n" = 1 ]; then exec sleep 600; fi\n'

@@ -96,16 +96,27 @@ def test_port_in_use_exits_2_with_one_line_naming_the_flag(
     assert len(lines) == 1 and flag in lines[0] and f"127.0.0.1:{port}" in lines[0]
 
 
-@pytest.mark.parametrize("command", ["eval", "bench"])
-def test_tool_without_its_extra_names_the_extra_in_one_line(command: str) -> None:
-    """As if the eval extra were not installed: its modules cannot be imported."""
-    hide = "import sys; [sys.modules.__setitem__(m, None) for m in ('ranx', 'matplotlib')]; "
+def _tool_without(command: str, modules: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """`rerank-server COMMAND --help` as if `modules` were not installed."""
+    hide = f"import sys; [sys.modules.__setitem__(m, None) for m in {modules!r}]; "
     run = f"from rerank_server.cli import main; sys.exit(main([{command!r}, '--help']))"
-    proc = subprocess.run([sys.executable, "-c", hide + run], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", hide + run], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(("command", "extra"), [("eval", "eval"), ("bench", "bench")])
+def test_tool_without_its_extra_names_the_extra_in_one_line(command: str, extra: str) -> None:
+    proc = _tool_without(command, ("ranx", "matplotlib"))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'rerank-server[eval]'" in lines[0]
+    assert len(lines) == 1 and f"pip install 'rerank-server[{extra}]'" in lines[0]
+
+
+def test_bench_needs_none_of_the_evaluation_libraries() -> None:
+    """A GPU machine measuring its backend has no BM25 or ranking metrics to install."""
+    proc = _tool_without("bench", ("bm25s", "Stemmer", "ranx", "tqdm", "scipy"))
+    assert proc.returncode == 0, proc.stderr
+    assert "--backend-url" in proc.stdout
 
 
 def test_bad_setting_exits_2_with_message() -> None:

@@ -1,0 +1,93 @@
+"""Managed mode's llama-server keeps its memory while it scores: with llama-server's
+defaults, its host-memory prompt cache took every new prompt (reranking sends nothing
+but new prompts) and grew by about 0.8 MB a scored pair up to 8 GiB, far past the 4 GiB
+the deployment gives it (rerank_server/managed/llama_server.py, `RAM_CACHE_OFF`)."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import httpx
+
+from rerank_server.managed.llama_server import ManagedLlamaServer, knows_flag
+from rerank_server.scoring import prompt
+from rerank_server.settings import DEFAULT_INSTRUCTION
+from tests.real.conftest import assets_or_fail
+
+SLOTS = 4
+
+
+def _resident_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def _score(url: str, pairs: int, tag: str) -> None:
+    """`pairs` chat calls as the `chat` backend makes them, `SLOTS` at a time, each
+    query new (as a stream of rerank requests is)."""
+    limit = asyncio.Semaphore(SLOTS)
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        message = prompt.user_message(DEFAULT_INSTRUCTION, f"{tag} query {i // 4}",
+                                      f"passage {i} about the river and its bank")
+        body = {"messages": [{"role": "system", "content": prompt.SYSTEM_PROMPT},
+                             {"role": "user", "content": message}],
+                "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
+        async with limit:
+            answer = await http.post(url + "/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        await asyncio.gather(*(one(http, i) for i in range(pairs)))
+
+
+async def test_scoring_does_not_grow_llama_servers_memory(tmp_path: Path) -> None:
+    binary, model = assets_or_fail()
+    managed = ManagedLlamaServer(binary, model, slots=SLOTS, ctx_per_slot=1024,
+                                 log_path=tmp_path / "llama-server.log")
+    await managed.start()
+    try:
+        assert managed.pid is not None
+        assert " --cache-ram 0 " in f" {' '.join(managed.command())} "
+        await _score(managed.url, 16, "warm-up")  # first allocations of every slot
+        before = _resident_mb(managed.pid)
+        await _score(managed.url, 120, "measured")
+        grown = _resident_mb(managed.pid) - before
+    finally:
+        await managed.stop()
+    # With the defaults: about 100 MB for these 120 pairs, and on without bound.
+    assert grown < 30, f"llama-server grew by {grown:.0f} MB over 120 pairs"
+
+
+async def test_the_operators_own_cache_setting_is_kept(tmp_path: Path) -> None:
+    binary, model = assets_or_fail()
+    managed = ManagedLlamaServer(binary, model, slots=1, ctx_per_slot=512,
+                                 extra_args=["--cache-ram", "64"],
+                                 log_path=tmp_path / "llama-server.log")
+    await managed.start()
+    try:
+        command = managed.command()
+    finally:
+        await managed.stop()
+    assert command.count("--cache-ram") == 1
+    assert command[command.index("--cache-ram") + 1] == "64"
+
+
+async def test_a_build_without_the_flag_is_not_given_it(tmp_path: Path) -> None:
+    """An older llama-server refuses flags it does not know, so the flag is only passed
+    to a binary whose `--help` lists it."""
+    binary, _ = assets_or_fail()
+    assert await knows_flag(binary, "--cache-ram")
+    assert await knows_flag(binary, "-cram")
+    assert not await knows_flag(binary, "--cache-ra")
+    old = tmp_path / "llama-server"
+    old.write_text("#!/bin/sh\necho '-np, --parallel N    number of slots'\n"
+                   "echo '--cache-reuse N    min chunk size (see --cache-ram elsewhere)'\n")
+    old.chmod(old.stat().st_mode | stat.S_IXUSR)
+    assert await knows_flag(old, "-np")
+    assert not await knows_flag(old, "--cache-ram")
+    assert not await knows_flag(tmp_path / "missing", "--cache-ram")
