@@ -23,6 +23,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Iterator
+from typing import Any
 
 import structlog
 import uvicorn
@@ -139,6 +140,26 @@ class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # signals belong to rerank-server, which stops this server itself
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # A TLS connection reaches the protocol above (its head deadline, the connection
+        # cap) only once its handshake is done, and asyncio gives a handshake 60 s by
+        # default: a client that connects and sends nothing would hold its socket that
+        # long, uncounted. uvicorn has no setting for it, so its one `create_server` call
+        # gets the same deadline as a head.
+        loop = asyncio.get_running_loop()
+        create_server = loop.create_server
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("ssl") is not None:
+                kwargs.setdefault("ssl_handshake_timeout", HEAD_TIMEOUT_S)
+            return create_server(*args, **kwargs)
+
+        loop.create_server = bounded  # type: ignore[method-assign]
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server  # the instance attribute: the class's method again
 
     async def main_loop(self) -> None:
         # uvicorn's own loop wakes every 0.1 s to look at `should_exit`; its tick's work

@@ -1,6 +1,6 @@
 """Managed mode's llama-server keeps its memory while it scores: with llama-server's
 defaults, its host-memory prompt cache took every new prompt (reranking sends nothing
-but new prompts) and grew by about 0.8 MB a scored pair up to 8 GiB, far past the 4 GiB
+but new prompts) and grew by about 1 MB a scored pair up to 8 GiB, far past the 4 GiB
 the deployment gives it (rerank_server/managed/llama_server.py, `RAM_CACHE_OFF`)."""
 
 from __future__ import annotations

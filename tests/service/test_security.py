@@ -20,6 +20,7 @@ from rerank_client import AsyncRerankClient, RerankError
 from rerank_client.cli import main as client_main
 
 from rerank_server.api import healthcheck
+from rerank_server.http_api import server as http_server_module
 from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
 from rerank_server.settings import Settings
@@ -100,6 +101,21 @@ async def test_tls_on_both_ports_and_plaintext_is_refused(
             with pytest.raises(httpx.HTTPError):
                 await plain.post(f"http://127.0.0.1:{server.http_port}/v1/rerank",
                                  json=body)
+
+
+async def test_a_tls_handshake_that_never_comes_closes_the_connection(
+        start_server: StartServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the HTTP port with TLS, a client that connects and sends nothing is held to the
+    head deadline too (asyncio's own handshake limit is 60 s, and such a connection is not
+    yet counted against --max-connections); ordinary https is unaffected."""
+    monkeypatch.setattr(http_server_module, "HEAD_TIMEOUT_S", 0.5)
+    async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing sent
+        writer.close()
+        async with httpx.AsyncClient(verify=trusting(ca_file)) as https:
+            answer = await https.get(f"https://127.0.0.1:{server.http_port}/health")
+        assert answer.status_code == 200
 
 
 async def test_mutual_tls_needs_a_client_certificate(start_server: StartServer,
