@@ -7,6 +7,8 @@
 #   bash scripts/gpu_run.sh embedding   carry .gpu/c: MiniLM embeddings, then MiniLM with a
 #                                       rank head (`rerank`), each direct and through
 #   bash scripts/gpu_run.sh rerank      the rank head alone
+#   bash scripts/gpu_run.sh overhead    after chat (its wheels): what rerank-server adds
+#                                       against an instant fake backend, on these cores
 # .gpu/d holds what `build` and `rerank` need, for one call that does both:
 #   PACK_A=.gpu/d PACK_B=.gpu/d PACK_C=.gpu/d bash -c 'scripts/gpu_run.sh build && scripts/gpu_run.sh rerank'
 #
@@ -15,7 +17,7 @@
 # Here, for a dry run on the CPU: GPU=0 PYTHON=.venv/bin/python SITE=0 bash scripts/gpu_run.sh STEP
 set -euo pipefail
 export PYTHONUNBUFFERED=1
-step=${1:?build, chat, embedding or rerank}
+step=${1:?build, chat, embedding, rerank or overhead}
 OUT=${OUT:-/tmp/gpu-out}
 PY=${PYTHON:-python3}
 GPU=${GPU:-1}
@@ -111,8 +113,14 @@ case $step in
     serve "$C/minilm-rank.gguf" --rerank -np 32 -c 16384 -b 512 -ub 512
     bench rerank model rerank
     ;;
+  overhead)
+    # Issue 17's CPU and added-latency targets, on the GPU machine's cores: no GPU work.
+    python_path
+    "$PY" -m rerank_server bench --scenarios overhead --requests "${REQUESTS:-100}" \
+      --out "$OUT/$step"
+    ;;
   *)
-    echo "unknown step $step: build, chat, embedding or rerank" >&2
+    echo "unknown step $step: build, chat, embedding, rerank or overhead" >&2
     exit 2
     ;;
 esac
