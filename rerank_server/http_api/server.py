@@ -40,6 +40,10 @@ RELOAD_EVERY_S = 5.0
 TICKS_PER_S = 10  # uvicorn's on_tick does its once-a-second work when counter % 10 == 0
 HEAD_TIMEOUT_S = 10.0  # from connecting, or from the previous response, to a whole head
 SEND_STALL_S = 30.0  # an answer its client takes nothing of for this long: connection closed
+# A connection over the cap is answered 503 and read (its bytes dropped) this long before
+# it is closed: closing with its request unread would reset it, and the client would see
+# the reset instead of the 503 (it did, for every request with a 100 KB body).
+REFUSED_LINGER_S = 1.0
 _TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
              b"Connection: close\r\nRetry-After: 1\r\nContent-Length: 46\r\n\r\n"
              b'{"message": "too many connections; try again"}')
@@ -53,6 +57,7 @@ class _BoundedH11(H11Protocol):
     _head_timer: asyncio.TimerHandle | None = None
     _awaited_after: object = None  # the request cycle the head timer was started after
     _send_timer: asyncio.TimerHandle | None = None
+    _refused: asyncio.TimerHandle | None = None  # over the cap: closes it when it fires
 
     def pause_writing(self) -> None:
         # The client is not taking the answer (the transport's buffer is full): it gets
@@ -79,11 +84,13 @@ class _BoundedH11(H11Protocol):
             log.warning("http_connection_refused", reason="too many connections",
                         limit=self.max_connections)
             self.transport.write(_TOO_MANY)
-            self.transport.close()
+            self._refused = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
             return
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused is not None:
+            return  # dropped unparsed: read only so that closing does not reset
         super().data_received(data)
         if self._head_timer is not None and self.cycle is not self._awaited_after:
             self._stop_timer()  # a whole head has arrived: uvicorn began a new cycle
@@ -100,6 +107,8 @@ class _BoundedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        if self._refused is not None:
+            self._refused.cancel()
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None

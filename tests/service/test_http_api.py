@@ -409,6 +409,25 @@ async def test_connections_past_the_cap_are_answered_503(
     assert served.status_code in (200, 503) and "backend" in served.json()
 
 
+async def test_a_request_past_the_cap_gets_its_503_not_a_reset(
+        start_server: StartServer) -> None:
+    """The refused connection's request is read and dropped before it is closed: closed
+    with a request of 100 KB unread, every such client saw a reset (httpx: ReadError)
+    instead of the 503 it was sent, and could not tell it should retry."""
+    server = await start_server(http_port=free_port(), max_connections=2)
+    held = [await asyncio.open_connection("127.0.0.1", server.http_port) for _ in range(2)]
+    body = {"query": "q", "documents": ["river " * 20_000]}
+    try:
+        async with httpx.AsyncClient(base_url=base_url(server)) as http:
+            for _ in range(5):
+                answer = await http.post("/v1/rerank", json=body)
+                assert answer.status_code == 503
+                assert answer.headers["retry-after"] == "1"
+    finally:
+        for _, writer in held:
+            writer.close()
+
+
 @pytest.mark.parametrize("where", ["documents", "junk"])
 async def test_a_body_of_nested_arrays_is_refused_before_it_is_built(
         start_server: StartServer, where: str) -> None:
