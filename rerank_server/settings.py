@@ -284,7 +284,8 @@ class Settings:
         "Context tokens per slot (-c is slots x this).", minimum=256, group="managed"))
     llama_args: str = field(default="", metadata=_opt(
         "Extra llama-server arguments, shell-quoted (e.g. \"-t 4 --mlock\"). Managed mode "
-        "adds --cache-ram 0 (no host-memory prompt cache) unless these set --cache-ram.",
+        "adds --cache-ram 0 (no host-memory prompt cache) unless these or "
+        "LLAMA_ARG_CACHE_RAM set it.",
         group="managed"))
     llama_ready_timeout_s: float = field(default=120.0, metadata=_opt(
         "How long to wait for a (re)started llama-server to load its model; a restart that "

@@ -95,7 +95,8 @@ case $step in
   chat)
     python_path
     cat "$W/smollm2.part1" "$B/smollm2.part2" > "$W/smollm2.gguf"
-    (cd "$W" && sha256sum -c "../../$B/smollm2.sha256")
+    sum=$(realpath "$B/smollm2.sha256")
+    (cd "$W" && sha256sum -c "$sum")
     serve "$W/smollm2.gguf" -np 32 -c 65536
     # The table (model), chat against completion through rerank-server (backends), and
     # /completion's own options straight to llama-server (completion-options).
@@ -106,7 +107,7 @@ case $step in
     if [ "$step" = embedding ]; then
       serve "$C/minilm.gguf" --embedding --pooling mean -np 32 -c 16384 -b 512 -ub 512
       bench embedding model
-      kill $LLAMA; wait $LLAMA 2>/dev/null || true
+      kill "$LLAMA" 2>/dev/null || true; wait "$LLAMA" 2>/dev/null || true
     fi
     # The same MiniLM with a one-logit rank head: llama-server's /v1/rerank.
     mkdir -p "$OUT/rerank" && LOG_DIR=rerank

@@ -11,7 +11,10 @@ connections: a client that connects and sends nothing, or half a head, held its
 connection for ever, and enough of them run the process out of file descriptors. Here
 (`_BoundedH11`) a head must be complete within `HEAD_TIMEOUT_S` of the connection or of
 the previous response, and connections past `--max-connections` are answered 503
-and closed at once. A client that takes nothing of its answer for `SEND_STALL_S` loses its
+and closed (after reading and dropping what they send for a second, at most
+`MAX_LINGERING` of them at a time, uncounted by the cap). With TLS the handshake has the
+head's deadline too, and a closing connection waits at most `TLS_SHUTDOWN_S` for its
+client's close_notify. A client that takes nothing of its answer for `SEND_STALL_S` loses its
 connection, and the request its place. (The body is bounded by the app's gate:
 `app.BODY_TIMEOUT_S`.)
 """
@@ -23,7 +26,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 import uvicorn
@@ -44,6 +47,8 @@ SEND_STALL_S = 30.0  # an answer its client takes nothing of for this long: conn
 # it is closed: closing with its request unread would reset it, and the client would see
 # the reset instead of the 503 (it did, for every request with a 100 KB body).
 REFUSED_LINGER_S = 1.0
+MAX_LINGERING = 64  # refused connections lingering at once, per server; past it: closed at once
+TLS_SHUTDOWN_S = 5.0  # asyncio waits 30 s for a client's close_notify, the connection held
 _TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
              b"Connection: close\r\nRetry-After: 1\r\nContent-Length: 46\r\n\r\n"
              b'{"message": "too many connections; try again"}')
@@ -58,6 +63,7 @@ class _BoundedH11(H11Protocol):
     _awaited_after: object = None  # the request cycle the head timer was started after
     _send_timer: asyncio.TimerHandle | None = None
     _refused: asyncio.TimerHandle | None = None  # over the cap: closes it when it fires
+    lingering: ClassVar[set[_BoundedH11]] = set()  # refused, not yet closed; one per server
 
     def pause_writing(self) -> None:
         # The client is not taking the answer (the transport's buffer is full): it gets
@@ -84,6 +90,16 @@ class _BoundedH11(H11Protocol):
             log.warning("http_connection_refused", reason="too many connections",
                         limit=self.max_connections)
             self.transport.write(_TOO_MANY)
+            # Out of the cap's count (a refusal must not take a place), and only so many at
+            # once, each for at most a second: a flood of connections holds at most
+            # `max_connections + MAX_LINGERING` sockets.
+            self.connections.discard(self)
+            if len(self.lingering) >= MAX_LINGERING:
+                self.transport.close()
+                return
+            self.lingering.add(self)
+            if self.transport.can_write_eof():  # plain TCP: the client sees the end now
+                self.transport.write_eof()
             self._refused = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
             return
         self._await_head()
@@ -109,6 +125,7 @@ class _BoundedH11(H11Protocol):
         self._stop_timer()
         if self._refused is not None:
             self._refused.cancel()
+            self.lingering.discard(self)
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None
@@ -156,19 +173,25 @@ class _EmbeddedServer(uvicorn.Server):
         # default: a client that connects and sends nothing would hold its socket that
         # long, uncounted. uvicorn has no setting for it, so its one `create_server` call
         # gets the same deadline as a head.
+        # Its closing, likewise, waits TLS_SHUTDOWN_S for the client's close_notify.
         loop = asyncio.get_running_loop()
         create_server = loop.create_server
+        own = vars(loop).get("create_server")  # an instance attribute already there, if any
 
         def bounded(*args: Any, **kwargs: Any) -> Any:
             if kwargs.get("ssl") is not None:
                 kwargs.setdefault("ssl_handshake_timeout", HEAD_TIMEOUT_S)
+                kwargs.setdefault("ssl_shutdown_timeout", TLS_SHUTDOWN_S)
             return create_server(*args, **kwargs)
 
         loop.create_server = bounded  # type: ignore[method-assign]
         try:
             await super().startup(sockets)
         finally:
-            del loop.create_server  # the instance attribute: the class's method again
+            if own is None:
+                del loop.create_server  # the instance attribute: the class's method again
+            else:
+                loop.create_server = own  # type: ignore[method-assign]
 
     async def main_loop(self) -> None:
         # uvicorn's own loop wakes every 0.1 s to look at `should_exit`; its tick's work
@@ -199,7 +222,7 @@ class HttpEdge:
         sock = _bind(settings.host, settings.http_port, reuse_port)
         # A class per server: the cap is this server's setting, not a process-wide one.
         protocol = type("BoundedH11", (_BoundedH11,),
-                        {"max_connections": settings.max_connections})
+                        {"max_connections": settings.max_connections, "lingering": set()})
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, log_level="warning", access_log=False,
             http=protocol,

@@ -69,18 +69,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 async def knows_flag(binary: Path, flag: str) -> bool:
-    """Whether `binary --help` lists `flag`. False if it cannot tell in time."""
+    """Whether `binary --help` lists `flag`. False if it cannot tell in time; then, or if
+    we are cancelled meanwhile, what it started is killed (a wrapper script's children
+    too: it runs in a session of its own)."""
     try:
         proc = await asyncio.create_subprocess_exec(
             str(binary), "--help", stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True)
     except OSError:
         return False  # its launch will say why, in the ordinary way
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), HELP_TIMEOUT_S)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
+    except BaseException as exc:  # timed out, or cancelled: nothing it started stays
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its session, a wrapper's children too
+        if proc.returncode is None:
+            await asyncio.shield(proc.wait())
+        if not isinstance(exc, TimeoutError):
+            raise
+        log.warning("llama_server_help_unanswered", waited_s=HELP_TIMEOUT_S, flag=flag)
         return False
     # Each option's line starts with its names (`-cram, --cache-ram N`), then two or more
     # spaces and its description.
@@ -141,10 +149,15 @@ class ManagedLlamaServer:
 
     async def start(self) -> None:
         """Launch and wait until /health answers 200; raises RuntimeError if it never does."""
-        # The operator's own setting wins; a build older than the flag would refuse it.
-        own = any(a in ("--cache-ram", "-cram") or a.startswith("--cache-ram=")
-                  for a in self.extra_args)
+        # The operator's own setting wins (an argument, or llama-server's variable for
+        # it); a build older than the flag would refuse it.
+        own = "LLAMA_ARG_CACHE_RAM" in os.environ or any(
+            a in ("--cache-ram", "-cram") or a.startswith(("--cache-ram=", "-cram="))
+            for a in self.extra_args)
         self._ram_cache_off = not own and await knows_flag(self.binary, RAM_CACHE_OFF[0])
+        log.info("llama_server_ram_cache", off=self._ram_cache_off,
+                 reason="operator's setting" if own else
+                 "passed --cache-ram 0" if self._ram_cache_off else "binary lacks the flag")
         await self._launch()
         if not await self.wait_ready(self.ready_timeout_s):
             await self.stop()

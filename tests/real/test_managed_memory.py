@@ -10,11 +10,14 @@ import stat
 from pathlib import Path
 
 import httpx
+import pytest
 
+from rerank_server.managed import llama_server
 from rerank_server.managed.llama_server import ManagedLlamaServer, knows_flag
 from rerank_server.scoring import prompt
 from rerank_server.settings import DEFAULT_INSTRUCTION
 from tests.real.conftest import assets_or_fail
+from tests.waiting import eventually
 
 SLOTS = 4
 
@@ -59,22 +62,55 @@ async def test_scoring_does_not_grow_llama_servers_memory(tmp_path: Path) -> Non
         grown = _resident_mb(managed.pid) - before
     finally:
         await managed.stop()
-    # With the defaults: about 100 MB for these 120 pairs, and on without bound.
+    # With llama-server's defaults: about 130 MB for these 120 pairs, and growing.
     assert grown < 30, f"llama-server grew by {grown:.0f} MB over 120 pairs"
 
 
-async def test_the_operators_own_cache_setting_is_kept(tmp_path: Path) -> None:
+async def _command_run(tmp_path: Path, extra_args: list[str]) -> list[str]:
+    """The command line managed mode started a (real) llama-server with."""
     binary, model = assets_or_fail()
     managed = ManagedLlamaServer(binary, model, slots=1, ctx_per_slot=512,
-                                 extra_args=["--cache-ram", "64"],
-                                 log_path=tmp_path / "llama-server.log")
+                                 extra_args=extra_args, log_path=tmp_path / "llama-server.log")
     await managed.start()
     try:
-        command = managed.command()
+        return managed.command()
     finally:
         await managed.stop()
+
+
+async def test_the_operators_own_cache_setting_is_kept(tmp_path: Path) -> None:
+    command = await _command_run(tmp_path, ["--cache-ram", "64"])
     assert command.count("--cache-ram") == 1
     assert command[command.index("--cache-ram") + 1] == "64"
+
+
+async def test_the_operators_variable_is_kept(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server reads `LLAMA_ARG_CACHE_RAM` too, and an argument would override it."""
+    monkeypatch.setenv("LLAMA_ARG_CACHE_RAM", "64")
+    assert "--cache-ram" not in await _command_run(tmp_path, [])
+
+
+async def test_a_help_that_never_ends_is_given_up_with_what_it_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper whose `--help` hangs, with a child holding its output open: the flag is
+    not passed, and neither the wrapper nor its child outlives the question."""
+    monkeypatch.setattr(llama_server, "HELP_TIMEOUT_S", 0.5)
+    child = tmp_path / "child.pid"
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {child}\nsleep 600\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    assert not await asyncio.wait_for(knows_flag(wrapper, "--cache-ram"), 5)
+    pid = int(child.read_text())
+    assert await eventually(lambda: _dead(pid), 5)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (killed, its new parent yet to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 async def test_a_build_without_the_flag_is_not_given_it(tmp_path: Path) -> None:

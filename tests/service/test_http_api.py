@@ -409,6 +409,27 @@ async def test_connections_past_the_cap_are_answered_503(
     assert served.status_code in (200, 503) and "backend" in served.json()
 
 
+async def test_a_refused_connection_takes_no_place(
+        start_server: StartServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused connection lingers (reading what it sends) uncounted: once a connection
+    under the cap closes, the next client is served though the refused one is still
+    open, as it would not be if refusals kept counting."""
+    monkeypatch.setattr(http_server_module, "REFUSED_LINGER_S", 30.0)
+    server = await start_server(http_port=free_port(), max_connections=2)
+    held = [await asyncio.open_connection("127.0.0.1", server.http_port) for _ in range(2)]
+    refused_reader, refused = await asyncio.open_connection("127.0.0.1", server.http_port)
+    assert (await _hung_up(refused_reader, 5)).startswith(b"HTTP/1.1 503 ")
+    held[0][1].close()
+    await asyncio.sleep(0.2)
+    try:
+        async with httpx.AsyncClient(base_url=base_url(server)) as http:
+            served = await http.get("/health")
+        assert served.status_code in (200, 503) and "backend" in served.json()
+    finally:
+        refused.close()
+        held[1][1].close()
+
+
 async def test_a_request_past_the_cap_gets_its_503_not_a_reset(
         start_server: StartServer) -> None:
     """The refused connection's request is read and dropped before it is closed: closed
