@@ -360,22 +360,24 @@ async def _load(clients: int, seconds: float, port: int, url: str, kind: str, sl
         calls: dict[str, Callable[[int, int, int], Awaitable[int]]] = {
             "direct": lambda h, n, i: direct(http, url, f"load {h} {n} {i} direct", docs),
             "through": lambda h, n, i: _through(connections[n], f"load {h} {n} {i}", docs)}
-        totals = {path: [0, 0, 0.0] for path in calls}  # pairs scored, lost, seconds
+        scored = dict.fromkeys(calls, 0)
+        lost = dict.fromkeys(calls, 0)
+        spent = dict.fromkeys(calls, 0.0)
         spans = []  # each half's rate in the order run: shows a drifting backend
         for half, order in enumerate((("direct", "through"), ("through", "direct"))):
             for path in order:
-                done, lost, took = await rate(partial(calls[path], half), seconds / 2)
+                done, missed, took = await rate(partial(calls[path], half), seconds / 2)
                 spans.append(f"{path} {done / took:.1f}")
-                totals[path][0] += done
-                totals[path][1] += lost
-                totals[path][2] += took
-    direct_rate, through_rate = (totals[p][0] / totals[p][2] for p in ("direct", "through"))
+                scored[path] += done
+                lost[path] += missed
+                spent[path] += took
+    direct_rate, through_rate = (scored[p] / spent[p] for p in ("direct", "through"))
     return {"direct_pairs_per_s": round(direct_rate, 1),
             "through_pairs_per_s": round(through_rate, 1),
             "through_over_direct": round(through_rate / direct_rate, 3) if direct_rate
             else None,
-            "direct_failed_pairs": int(totals["direct"][1]),
-            "through_unscored_pairs": int(totals["through"][1]), "halves": spans}
+            "direct_failed_pairs": lost["direct"], "through_unscored_pairs": lost["through"],
+            "halves": spans}
 
 
 async def throughput(seconds: float, workers: Sequence[int] = (1,)) -> dict[str, Any]:

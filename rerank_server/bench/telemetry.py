@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from rerank_client import AsyncRerankClient
@@ -62,7 +63,10 @@ async def _start(setup: str, backend_url: str, kind: str) -> RunningServer:
 async def telemetry_cost(backend_url: str, requests: int, docs: Sequence[str],
                          kind: str = "chat") -> dict[str, Any]:
     # Logs as a server writes them by default (a JSON line per RPC at info), discarded:
-    # part of every setup's cost, and not the benchmark's output.
+    # part of every setup's cost, and not the benchmark's output. The logging set up
+    # before is put back afterwards (setting it to "warning" left later log lines of
+    # the same process unwritten: in the test suite, those of the tests after it).
+    before = structlog.get_config()
     logs.configure("info", LogFormat.JSON, stream=_Discard())
     servers = {s: await _start(s, backend_url, kind) for s in SETUPS}
     freeze_startup_objects()  # as `server.serve` does
@@ -84,7 +88,7 @@ async def telemetry_cost(backend_url: str, requests: int, docs: Sequence[str],
         for s in SETUPS:
             await clients[s].close()
             await servers[s].stop(grace=0)
-        logs.configure("warning")
+        structlog.configure(**before)
     report: dict[str, Any] = {"backend": kind, "candidates": len(docs), "requests": requests}
     for s in SETUPS:
         report[s] = {"p50_ms": round(statistics.median(latencies[s]) * 1000, 2),

@@ -412,18 +412,16 @@ def _check_unicode(query: RerankQuery, documents: str) -> None:
     """JSON can carry lone surrogates ("\\ud800"), which no UTF-8 encoder takes: refuse them
     here, naming the field, rather than fail later (protobuf already guarantees UTF-8).
     The request id too: it is echoed in the answer, whose encoding would fail (a 500)."""
-    bad = _bad_unicode
-
     def refuse(field: str) -> None:
         raise InvalidRequest(field, "is not valid Unicode (a lone surrogate)")
 
     for field, value in (("query", query.query), ("instruction", query.instruction),
                          ("request_id", query.request_id)):
-        if bad(value):
+        if _bad_unicode(value):
             refuse(field)
     for c in query.candidates:  # a field's name is spelled out only for the one that fails
         for name, value in (("id", c.id), ("text", c.text), ("title", c.title)):
-            if bad(value):
+            if _bad_unicode(value):
                 refuse(f"candidates[{c.index}].{name}")
 
 
