@@ -169,7 +169,7 @@ class Reranker:
 
         # Pairs the cache knows are resolved before anything is sent.
         scope = Scope(self.scorer.kind, self.scorer.model, request.instruction, request.query,
-                      request.max_tokens_per_doc)
+                      request.max_tokens_per_doc, self.scorer.variant)
         looked_up = await self.cache.lookup(scope, documents, bypass=request.bypass_cache)
         hits = looked_up.hits
         ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
@@ -209,11 +209,13 @@ class Reranker:
                     yield released
         outcome.scoring_s = time.perf_counter() - scoring_started
         outcome.scored += len(hits)
-        # Keyed by the model known now: a backend that names its model only in its answers
-        # (llama-server without --model) would otherwise store under "".
+        # Keyed by the model and variant known now: a backend that names its model only in
+        # its answers (llama-server without --model) would otherwise store under "", and
+        # `rerank` scores read as logits from now on under the probabilities' variant.
         self.cache.store(looked_up, Scope(self.scorer.kind, self.scorer.model,
                                           request.instruction, request.query,
-                                          request.max_tokens_per_doc), fresh)
+                                          request.max_tokens_per_doc, self.scorer.variant),
+                         fresh)
 
         # Results whose place was certain were blended and sent during scoring already.
         with telemetry.step("rerank.blend") as span:

@@ -1,9 +1,10 @@
 """The score cache: reranker scores keyed by what determines them, in memory and on disk.
 
 A score depends on the backend kind, the model, the instruction, the query, the exact
-text scored (title plus chosen chunk) and, when a request sets one, its
-`max_tokens_per_doc` (the scorer reads only that much of each document), so the key is a
-SHA-256 over those. Keys are digests: the cache holds no text, in memory or on disk.
+text scored (title plus chosen chunk), when a request sets one, its `max_tokens_per_doc`
+(the scorer reads only that much of each document), and the scorer's variant (its
+prompt's fixed text and settings, the scale it reads scores on), so the key is a SHA-256
+over those. Keys are digests: the cache holds no text, in memory or on disk.
 
 - Memory: least-recently-used, bounded by `--cache-entries` and by age (`--cache-ttl-s`).
 - Disk (optional, `--cache-path`): SQLite, so scores survive a restart. Lookups that
@@ -57,15 +58,16 @@ def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashl
 
 
 def cache_key(backend: str, model: str, instruction: str, query: str, document: str,
-              max_tokens: int | None = None) -> bytes:
-    return _hashing((backend, model, instruction, query, *_limit(max_tokens),
-                     document)).digest()
+              max_tokens: int | None = None, variant: str = "") -> bytes:
+    return _hashing((backend, model, instruction, query,
+                     *_optional(max_tokens, variant), document)).digest()
 
 
-def _limit(max_tokens: int | None) -> tuple[str, ...]:
-    """The token limit as a key part, none without one: the keys of requests that set
-    none are what they were before the limit was keyed."""
-    return (f"max_tokens_per_doc={max_tokens}",) if max_tokens else ()
+def _optional(max_tokens: int | None, variant: str) -> tuple[str, ...]:
+    """The token limit and the scorer's variant as key parts, each only when set: keys
+    without them are what they were before they were keyed."""
+    limit = (f"max_tokens_per_doc={max_tokens}",) if max_tokens else ()
+    return (*limit, f"variant={variant}") if variant else limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +79,17 @@ class Scope:
     instruction: str
     query: str
     max_tokens: int | None = None  # the request's max_tokens_per_doc
+    variant: str = ""  # the scorer's (`Scorer.variant`)
 
     def key(self, document: str) -> bytes:
         return cache_key(self.backend, self.model, self.instruction, self.query, document,
-                         self.max_tokens)
+                         self.max_tokens, self.variant)
 
     def keys(self, documents: Iterable[str]) -> list[bytes]:
         """`key` of each document: the four shared parts are hashed once and the digest
         copied for each document (the same keys in half the time for 40 passages)."""
         shared = _hashing((self.backend, self.model, self.instruction, self.query,
-                           *_limit(self.max_tokens)))
+                           *_optional(self.max_tokens, self.variant)))
         keys = []
         for document in documents:
             data = document.encode()

@@ -83,6 +83,14 @@ class Scorer(Protocol):
     @property
     def model(self) -> str: ...
 
+    @property
+    def variant(self) -> str:
+        """What the scores depend on besides the model and the pair ("" for nothing): the
+        prompt's fixed text and settings, the scale scores are read on. A part of every
+        score-cache key, so that a change of any of them (a release that rewords the
+        prompt, `--no-assistant-prefill`) does not answer from scores of the old one."""
+        ...
+
     async def score(self, request: ScoreRequest, emit: Emit) -> None: ...
 
     def estimate_s(self, pairs: int) -> float:

@@ -33,6 +33,11 @@ class ChatScorer(PooledScorer):
         super().__init__(pool, model)
         self._prefill = assistant_prefill
         self._fit = ContextFit(pool)
+        self._variant = prompt.qwen3_variant(assistant_prefill)
+
+    @property
+    def variant(self) -> str:
+        return self._variant
 
     def payload(self, request: ScoreRequest, document: str) -> dict[str, Any]:
         messages = [

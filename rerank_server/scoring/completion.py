@@ -63,10 +63,15 @@ class CompletionScorer(PooledScorer):
         self._max_batch = max_batch
         self._answer_ids: dict[int, str] | None = None
         self._fit = ContextFit(pool)
+        self._variant = prompt.qwen3_variant(assistant_prefill)
         self._ids_lock = asyncio.Lock()
         # instruction -> (before the query, between query and document, after the
         # document), or None where the template must render each query itself.
         self._frames: OrderedDict[str, tuple[str, str, str] | None] = OrderedDict()
+
+    @property
+    def variant(self) -> str:
+        return self._variant
 
     async def answer_ids(self) -> dict[int, str]:
         """Token id -> "yes" or "no", for every single-token variant; resolved once."""

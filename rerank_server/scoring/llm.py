@@ -39,6 +39,9 @@ def user_prompt(instruction: str, query: str, documents: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+VARIANT = prompt.digest(SYSTEM, user_prompt(*prompt.SLOTS[:2], prompt.SLOTS[2:]))
+
+
 def parse_scores(body: Any, count: int) -> dict[int, float | None]:
     """0-based index -> score for the entries that are well-formed and in range."""
     try:
@@ -100,6 +103,10 @@ class LlmScorer(PooledScorer):
     def __init__(self, pool: BackendPool, *, model: str, max_batch: int = 20) -> None:
         super().__init__(pool, model)  # configured: a chat server may serve several
         self._max_batch = max_batch
+
+    @property
+    def variant(self) -> str:
+        return VARIANT
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:

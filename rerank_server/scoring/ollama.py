@@ -31,6 +31,9 @@ def generate_prompt(instruction: str, query: str, document: str) -> str:
             "Relevance (0-10):")
 
 
+VARIANT = prompt.digest(generate_prompt(*prompt.SLOTS))
+
+
 def relevance(body: Any) -> float:
     text = body.get("response") if isinstance(body, dict) else None
     if not isinstance(text, str):
@@ -48,6 +51,10 @@ class OllamaScorer(PooledScorer):
 
     def __init__(self, pool: BackendPool, *, model: str) -> None:
         super().__init__(pool, model)  # configured: Ollama needs it in every call
+
+    @property
+    def variant(self) -> str:
+        return VARIANT
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def one(i: int) -> PairOutcome:

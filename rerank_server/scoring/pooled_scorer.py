@@ -2,7 +2,7 @@
 
 The name is the configured `--model` when there is one; otherwise the backend's own, read
 from `/v1/models` when the backend comes up and from the `model` field of its answers.
-It goes into responses and into score-cache keys.
+It goes into responses and into score-cache keys, with the scorer's `variant`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ class PooledScorer:
     @property
     def model(self) -> str:
         return self._configured_model or self._reported_model
+
+    @property
+    def variant(self) -> str:
+        """What the scores depend on besides the model and the pair; none by default."""
+        return ""
 
     async def discover_model(self) -> None:
         if not self._configured_model:

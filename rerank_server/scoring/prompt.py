@@ -12,6 +12,7 @@ breaks anything shaped like a control token by putting a space after its opening
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 SYSTEM_PROMPT = (
@@ -40,3 +41,25 @@ def user_message(instruction: str, query: str, document: str) -> str:
     """The user turn, every caller-supplied part neutralized."""
     return (f"<Instruct>: {neutralize(instruction)}\n<Query>: {neutralize(query)}\n"
             f"<Document>: {neutralize(document)}")
+
+
+# Stand-ins for the caller's parts when a prompt's fixed text is digested.
+SLOTS = ("\0instruction", "\0query", "\0document")
+
+
+def digest(*parts: str) -> str:
+    """A short digest of a scorer's fixed prompt text, for its `variant` (a part of every
+    score-cache key): a release that rewords a prompt, or a change of settings that
+    changes it, does not answer from scores the old wording earned."""
+    hashed = hashlib.sha256()
+    for part in parts:
+        hashed.update(part.encode())
+        hashed.update(b"\0")
+    return "prompt " + hashed.hexdigest()[:16]
+
+
+def qwen3_variant(assistant_prefill: bool) -> str:
+    """The `chat` and `completion` scorers' variant: the Qwen3-Reranker prompt, with or
+    without its prefill."""
+    return digest(SYSTEM_PROMPT, user_message(*SLOTS),
+                  ASSISTANT_PREFILL if assistant_prefill else "no prefill")

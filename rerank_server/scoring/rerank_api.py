@@ -47,6 +47,12 @@ class RerankApiScorer(PooledScorer):
         self._max_batch = max_batch
         self._logit_answers = 0  # answers with a score outside 0..1, up to LOGIT_ANSWERS
 
+    @property
+    def variant(self) -> str:
+        """Scores read as logits are keyed apart from the probabilities cached before the
+        switch: the two scales must not meet in one ranking."""
+        return "logits" if self._logit_answers >= LOGIT_ANSWERS else ""
+
     def payload(self, query: str, documents: Sequence[str]) -> dict[str, Any]:
         """The request body, caller text neutralized (a cross-encoder's tokenizer would
         read `[SEP]` in a document as the real separator)."""

@@ -26,6 +26,7 @@ class FunctionScorer:
     fails: Callable[[str], bool] = lambda _doc: False
     kind: str = "function"
     model: str = "hash"
+    variant: str = ""
     seen: list[str] = field(default_factory=list)
     closed: int = 0  # times `aclose` ran
     queued_s: float = 0.0  # what `estimate_s` says the backend's queue holds

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sqlite3
 from pathlib import Path
 
@@ -17,6 +18,10 @@ from rerank_server.ranking.score_cache import (
     _Disk,
     cache_key,
 )
+from rerank_server.scoring import prompt
+from rerank_server.scoring.backend_pool import BackendPool
+from rerank_server.scoring.chat import ChatScorer
+from rerank_server.scoring.completion import CompletionScorer
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 
@@ -178,6 +183,36 @@ async def test_key_covers_the_token_limit(client: AsyncRerankClient,
     assert (await client.rerank("fruit", DOCS)).summary.cached == 0
     assert (await client.rerank("fruit", DOCS, max_tokens_per_doc=16)).summary.cached == 3
     assert (await client.rerank("fruit", DOCS)).summary.cached == 3
+
+
+async def test_a_scorer_with_another_prompt_does_not_answer_from_the_cache(
+        start_server: StartServer, fake_llama: FakeLlamaServer, tmp_path: Path) -> None:
+    """Scores earned with the think-block prefill are not the scores without it: a server
+    restarted with `--no-assistant-prefill` on the same `--cache-path` scores afresh."""
+    path = tmp_path / "scores.sqlite"
+    for prefill, cached in ((True, 0), (False, 0), (True, 3), (False, 3)):
+        server = await start_server(cache_path=str(path), assistant_prefill=prefill)
+        await asyncio.wait_for(server.monitor.ready.wait(), 5)
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+            assert (await client.rerank("fruit", DOCS)).summary.cached == cached
+        await server.stop(grace=0)
+    assert len(fake_llama.requests) == 6
+
+
+def test_the_prompts_text_and_its_settings_are_in_the_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release that rewords a prompt keys its scores apart from the old wording's."""
+    pool = BackendPool(["http://127.0.0.1:1"], concurrency=1, timeout_s=1, kind="chat")
+    variants = {ChatScorer(pool).variant, ChatScorer(pool, assistant_prefill=False).variant,
+                CompletionScorer(pool).variant}
+    assert len(variants) == 2 and "" not in variants  # completion speaks chat's prompt
+    monkeypatch.setattr(prompt, "SYSTEM_PROMPT", prompt.SYSTEM_PROMPT + " Be brief.")
+    assert ChatScorer(pool).variant not in variants
+    scope = Scope("chat", "m", "i", "q")
+    assert scope.keys(DOCS) == [cache_key("chat", "m", "i", "q", d) for d in DOCS]
+    varied = dataclasses.replace(scope, variant=ChatScorer(pool).variant)
+    assert set(varied.keys(DOCS)).isdisjoint(scope.keys(DOCS))
+    assert varied.keys(DOCS) == [varied.key(d) for d in DOCS]
 
 
 async def test_a_write_that_finds_the_disk_locked_does_not_stop_later_writes(

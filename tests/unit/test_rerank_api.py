@@ -35,6 +35,18 @@ def test_a_rerank_backend_that_sent_logits_is_read_as_logits_from_then_on() -> N
     assert _parse(scorer, 0.9, 0.2) == {0: 0.711, 1: 0.55}
 
 
+def test_scores_read_as_logits_are_cached_apart() -> None:
+    """The switch to logits changes the scale: the scores cached before it (0.9 for what
+    now reads 0.711) must not answer from then on."""
+    scorer = _scorer()
+    before = scorer.variant
+    _parse(scorer, 2.0, 0.9)
+    assert scorer.variant == before == ""  # keys as they were for a probability server
+    for _ in range(LOGIT_ANSWERS - 1):
+        _parse(scorer, -3.0, 4.0)
+    assert scorer.variant == "logits"
+
+
 def test_two_scores_for_one_document_give_it_none() -> None:
     assert _parse(_scorer(), 0.9, 0.2, 0.5, indexes=[0, 1, 1]) == {0: 0.9}
 
