@@ -114,6 +114,11 @@ CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    # The source is a PyPI tarball without git: llama.cpp's build info would ask git, and
+    # a build under some other repository (scripts/gpu_run.sh builds in ours) reported
+    # that repository's commit as llama.cpp's in `--version` and every log.
+    "-DLLAMA_BUILD_NUMBER=0",
+    f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_SOURCE.project}-{LLAMA_CPP_SOURCE.version}",
 )
 
 
