@@ -467,12 +467,13 @@ def _text(doc: str | m.Document, rank_fields: list[str] | None) -> str:
     return doc.text or ""
 
 
-def _as_sent(doc: str | m.Document) -> m.ResultDocument:
+def _as_sent(doc: str | m.Document) -> dict[str, Any]:
     """`return_documents`: a document as the caller sent it (an object with all its
-    fields, not the `rank_fields` text the model read), as Cohere's API returns it."""
+    fields, those sent as null too, not the `rank_fields` text the model read), as
+    Cohere's API returns it."""
     if isinstance(doc, str):
-        return m.ResultDocument(text=doc)
-    return m.ResultDocument(**doc.model_dump(exclude_none=True))
+        return {"text": doc}
+    return doc.model_dump(exclude_unset=True)
 
 
 def _default_ids(documents: Sequence[str | m.Document]) -> list[str]:

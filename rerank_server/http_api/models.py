@@ -7,7 +7,7 @@ the hosted APIs do, so clients that send more (Jina's `model`-specific knobs, sa
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,20 +61,16 @@ class CohereRerankRequest(Extras):
     max_chunks_per_doc: int | None = Field(None, description="v1: accepted and ignored.")
 
 
-class ResultDocument(BaseModel):
-    """The document as sent: `text` for a string; for an object, all its fields."""
-
-    model_config = ConfigDict(extra="allow")
-
-    text: str | None = None
-
-
 class CohereResult(BaseModel):
     index: int = Field(description="Position of the document in the request.")
     relevance_score: float = Field(
         description="The final score results are ordered by: the model's score blended "
                     "with the retrieval rank (docs/http.md). Higher is more relevant.")
-    document: ResultDocument | None = None
+    # A plain object, not a model: the answer leaves out fields that are None, and a model
+    # would lose the fields the caller sent as null with them.
+    document: dict[str, Any] | None = Field(
+        None, description="With `return_documents`: the document as sent, `{\"text\": ...}` "
+                          "for a string and every field of an object, nulls included.")
     id: str = Field(description="Extra: the document's id (its index unless given).")
     reranker_score: float | None = Field(
         None, description="Extra: the model's own score on 0..1; absent if not scored.")

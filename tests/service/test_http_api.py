@@ -98,11 +98,12 @@ async def test_tei_shape_and_our_extras(http_server: RunningServer) -> None:
 
 async def test_return_documents_gives_each_document_back_as_sent(
         http_server: RunningServer) -> None:
-    """Object documents come back whole (every field, ours and the caller's), not as the
-    `rank_fields` text the model read; ids given for some documents only are kept, the
-    others default to their index."""
+    """Object documents come back whole (every field, ours and the caller's, those sent
+    as null too), not as the `rank_fields` text the model read; ids given for some
+    documents only are kept, the others default to their index."""
     documents: list[Any] = [
-        {"id": "cats-doc", "title": "Cats", "body": DOCS[0], "tags": "pets", "year": 2024},
+        {"id": "cats-doc", "title": "Cats", "body": DOCS[0], "tags": "pets", "year": 2024,
+         "url": None, "text": None},  # nulls too: the document as sent
         DOCS[1],
         {"title": "Kittens", "body": DOCS[2]}]
     async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
