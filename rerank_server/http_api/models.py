@@ -17,7 +17,7 @@ BlendName = Literal["position_aware", "linear", "rerank_only", "adaptive", "prof
 class Document(BaseModel):
     """A document as an object: `text` (or the `rank_fields`), plus our optional extras."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     text: str | None = Field(None, description="The document text.")
     title: str | None = Field(None, description="Extra: a title, read before the text.")
@@ -29,6 +29,11 @@ class Document(BaseModel):
 
 class Extras(BaseModel):
     """What rerank-server adds to the Cohere request; all optional."""
+
+    # Strict, as every request model here: JSON's own types only, so `"top_n": "2"`,
+    # `2.0` or `true`, and `"return_documents": "yes"` are refused, named, rather than
+    # read as something the caller may not have meant (an int is still a float).
+    model_config = ConfigDict(strict=True)
 
     instruction: str | None = Field(None, description="Task instruction for the scorer.")
     blend_strategy: BlendName | None = Field(
@@ -43,7 +48,7 @@ class Extras(BaseModel):
 
 
 class CohereRerankRequest(Extras):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     query: str = Field(description="The search query.")
     documents: list[str | Document] = Field(
@@ -111,7 +116,7 @@ class CohereRerankResponse(BaseModel):
 
 
 class TeiRerankRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     query: str
     texts: list[str]

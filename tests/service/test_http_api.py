@@ -138,6 +138,13 @@ async def test_return_documents_gives_each_document_back_as_sent(
     ({"query": "q", "documents": [1]}, 422, "documents[0]"),
     ({"query": "q"}, 422, "documents: Field required"),
     ({"query": "q", "documents": ["a"], "blend_strategy": "magic"}, 422, "blend_strategy"),
+    # JSON's own types, not what a string or a float might be read as.
+    ({"query": "q", "documents": ["a"], "top_n": "2"}, 422,
+     "top_n: Input should be a valid integer"),
+    ({"query": "q", "documents": ["a"], "return_documents": "yes"}, 422,
+     "return_documents: Input should be a valid boolean"),
+    ({"query": "q", "documents": [{"text": "a", "retrieval_rank": 1.0}]}, 422,
+     "documents[0].retrieval_rank: Input should be a valid integer"),
 ])
 async def test_errors_are_json_and_name_the_field(http_server: RunningServer,
                                                   body: dict[str, Any], status: int,
