@@ -43,6 +43,7 @@ from pathlib import Path
 
 import structlog
 
+from .api.grpc_server import check_free
 from .errors import BindError, ConfigError
 from .loops import loop_factory
 from .managed.llama_server import start_managed
@@ -143,7 +144,13 @@ async def _supervise(settings: Settings, count: int) -> None:
 
 def _reserve(stack: contextlib.ExitStack, host: str, port: int, setting: str) -> int:
     """Bind (never listen) `host:port` with SO_REUSEPORT on every address it resolves to,
-    held until the stack closes; the port, resolved when 0."""
+    held until the stack closes; the port, resolved when 0.
+
+    First a bind without SO_REUSEPORT: the reservation alone would share the port with
+    any program of this user that holds it with SO_REUSEPORT (another rerank-server
+    with workers, any gRPC server on default options), and the kernel would then split
+    the connections between the two."""
+    check_free(host, port, setting)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

@@ -84,9 +84,11 @@ def _credentials(tls: CertificateFiles) -> grpc.ServerCredentials:
         configuration(), fetch, require_client_authentication=tls.mutual)
 
 
-def _check_free(host: str, port: int) -> None:
-    """Raise BindError if `host:port` cannot be bound, before grpc tries: grpc would log
-    its own multi-line error to stderr first."""
+def check_free(host: str, port: int, setting: str = "--port / RERANK_PORT") -> None:
+    """Raise BindError, naming `setting`, if `host:port` cannot be bound, before grpc
+    tries: grpc would log its own multi-line error to stderr first. The probe sets no
+    SO_REUSEPORT, so a port that another program holds with it (a gRPC server on
+    default options does) is found taken too."""
     if port == 0:
         return
     try:
@@ -99,8 +101,7 @@ def _check_free(host: str, port: int) -> None:
             try:
                 probe.bind(address)
             except OSError as exc:
-                raise BindError("--port / RERANK_PORT", host_port(host, port),
-                                exc.strerror or "") from None
+                raise BindError(setting, host_port(host, port), exc.strerror or "") from None
 
 
 class GrpcEdge:
@@ -148,7 +149,7 @@ class GrpcEdge:
                      reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
         if not reuse_port:
-            _check_free(settings.host, settings.port)
+            check_free(settings.host, settings.port)
         try:
             port = (server.add_secure_port(settings.address, _credentials(tls))
                     if tls is not None else server.add_insecure_port(settings.address))

@@ -218,24 +218,30 @@ def supervisor_samples(text: str, name: str) -> list[float]:
             if s.name == name and "worker" not in s.labels]
 
 
-@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+@pytest.mark.parametrize(("flag", "shared"), [("--port", False), ("--metrics-port", False),
+                                             ("--port", True), ("--http-port", True)])
 def test_a_port_in_use_is_one_line_naming_the_flag(fake_llama: FakeLlamaServer,
-                                                   flag: str) -> None:
-    ports = {"--port": "0", "--metrics-port": "0"}
-    with _listening() as taken:
+                                                   flag: str, shared: bool) -> None:
+    """`shared`: the port's holder set SO_REUSEPORT (a gRPC server on default options,
+    another rerank-server's workers), which the workers' own reservation would have
+    joined, splitting the port's connections between the two programs."""
+    ports = {"--port": "0", "--metrics-port": "0", "--http-port": "0"}
+    with _listening(shared) as taken:
         ports[flag] = str(taken)
         done = subprocess.run(
             [sys.executable, "-m", "rerank_server", "--workers", "2", "--backend-url",
-             fake_llama.url, "--http-port", "0", *(x for kv in ports.items() for x in kv)],
+             fake_llama.url, *(x for kv in ports.items() for x in kv)],
             capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"{flag} / RERANK_" in done.stderr and "Traceback" not in done.stderr
 
 
 @contextlib.contextmanager
-def _listening() -> Iterator[int]:
+def _listening(shared: bool = False) -> Iterator[int]:
     import socket
     with socket.socket() as sock:
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield sock.getsockname()[1]
