@@ -201,8 +201,9 @@ class Settings:
 
     # --- score cache (docs/api.md, "Score cache")
     cache_entries: int = field(default=50_000, metadata=_opt(
-        "Reranker scores kept in memory (least recently used go first); 0 turns the "
-        "cache off.", minimum=0, group="cache"))
+        "Reranker scores kept in memory (least recently used go first); 0 keeps none "
+        "there: the cache is off, unless --cache-path keeps it on disk.", minimum=0,
+        group="cache"))
     cache_ttl_s: float = field(default=3600.0, metadata=_opt(
         "How long a cached score is used.", minimum=0, group="cache"))
     cache_path: str = field(default="", metadata=_opt(

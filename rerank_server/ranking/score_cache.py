@@ -245,15 +245,20 @@ class ScoreCache:
 
 def _open_disk(path: Path, ttl_s: float, clock: Callable[[], float]) -> _Disk | None:
     """The disk side, or None (memory only) when the file is not a database SQLite can
-    use: a cache must not keep the server from starting. It is left in place for the
-    operator (workers sharing it would race to replace it)."""
+    use, or its directory cannot be made: a cache must not keep the server from
+    starting. A file is left in place for the operator (workers sharing it would race
+    to replace it)."""
     try:
         return _Disk(path, ttl_s, clock)
     except sqlite3.DatabaseError as exc:
         log.error("score_cache_file_unusable", path=str(path), error=type(exc).__name__,
                   detail=str(exc), action="memory only; delete or move the file to cache "
                                           "on disk again")
-        return None
+    except OSError as exc:  # no permission for the directory, a read-only file system
+        log.error("score_cache_file_unusable", path=str(path), error=type(exc).__name__,
+                  detail=exc.strerror or str(exc),
+                  action="memory only; give --cache-path a directory this user can write")
+    return None
 
 
 def _written(write: asyncio.Future[None] | Future[None]) -> None:
@@ -275,15 +280,36 @@ class _Disk:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
                                    timeout=self.BUSY_TIMEOUT_S)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # A cache: a power cut may lose the last few writes (WAL keeps the file whole),
-        # and a commit need not wait for the disk.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
-                         "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID")
-        self._reader = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                                       timeout=self.BUSY_TIMEOUT_S)
+        try:
+            self._set_up()
+            self._reader = sqlite3.connect(path, check_same_thread=False,
+                                           isolation_level=None, timeout=self.BUSY_TIMEOUT_S)
+        except BaseException:
+            self._db.close()
+            raise
         self._read_lock = threading.Lock()  # lookups may come from several threads
+
+    def _set_up(self) -> None:
+        """WAL and the table. Workers opening a new file together contend for it, and
+        SQLite's busy timeout does not wait out the switch to WAL: a busy or locked
+        database is tried again until BUSY_TIMEOUT_S has passed (it failed at once, and
+        the worker ran without the disk cache until it was restarted)."""
+        deadline = time.monotonic() + self.BUSY_TIMEOUT_S
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                # A cache: a power cut may lose the last few writes (WAL keeps the file
+                # whole), and a commit need not wait for the disk.
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.execute("CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
+                                 "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID")
+                return
+            except sqlite3.OperationalError as exc:
+                code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code
+                if code not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) \
+                        or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def get_many(self, keys: list[bytes]) -> dict[bytes, tuple[float, float]]:
         oldest = self._clock() - self._ttl_s

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import dataclasses
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -309,3 +311,41 @@ async def test_a_cache_file_that_is_not_a_database_leaves_the_cache_in_memory(
     assert await cache.get_many([key]) == {key: 0.5}
     await cache.aclose()
     assert await asyncio.to_thread(path.read_bytes) == b"\xff" * 8192  # left for the operator
+
+
+async def test_a_cache_directory_that_cannot_be_made_leaves_the_cache_in_memory(
+        start_server: StartServer, tmp_path: Path) -> None:
+    """A --cache-path whose directory cannot be made (here a file is in its way; as
+    often: no permission, a read-only file system) does not keep the server from
+    starting with a traceback: it serves, and caches in memory."""
+    blocker = tmp_path / "not-a-directory"
+    await asyncio.to_thread(blocker.write_bytes, b"")
+    server = await start_server(cache_path=str(blocker / "scores.sqlite"))
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        await client.rerank("fruit", DOCS)
+        assert (await client.rerank("fruit", DOCS)).summary.cached == 3
+
+
+def test_processes_opening_a_new_cache_file_together_all_keep_it(tmp_path: Path) -> None:
+    """Workers starting together on a new --cache-path contend for the switch to WAL,
+    which SQLite's busy timeout does not wait out: about one opening in a hundred failed
+    at once, leaving that worker without the disk cache until it was restarted. (Threads
+    stand in for the processes: each opening is a connection of its own.)"""
+    failed: list[BaseException] = []
+
+    def open_disk(path: Path, start: threading.Barrier) -> None:
+        start.wait()
+        try:
+            _Disk(path, 60, time.time).close()
+        except sqlite3.DatabaseError as exc:
+            failed.append(exc)
+
+    for trial in range(100):
+        start = threading.Barrier(6)
+        path = tmp_path / f"scores-{trial}.sqlite"
+        openers = [threading.Thread(target=open_disk, args=(path, start)) for _ in range(6)]
+        for opener in openers:
+            opener.start()
+        for opener in openers:
+            opener.join()
+    assert failed == []
