@@ -216,13 +216,12 @@ async def serve(settings: Settings, reuse_port: bool = False,
              blend=settings.blend_strategy.value,
              blend_profiles=running.reranker.blends.profiles.source, version=__version__)
     try:
-        with stop_signals() as stop_requested:
+        # A second signal from here on ends the process at once (a worker's SIGTERM:
+        # ignored).
+        with stop_signals(keep_term=drain_through_repeats) as stop_requested:
             if ready is not None:
                 ready(running)
             await stop_requested.wait()
-        # A second signal from here on ends the process at once (a worker's: ignored).
-        if drain_through_repeats:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.info("shutting_down", grace_period_s=settings.grace_period_s)
     finally:
         await running.stop()
@@ -246,9 +245,12 @@ def freeze_startup_objects() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals() -> Iterator[asyncio.Event]:
+def stop_signals(keep_term: bool = False) -> Iterator[asyncio.Event]:
     """An event that SIGTERM or SIGINT sets while inside (their default action, ending
-    the process at once, is back on leaving)."""
+    the process at once, is back on leaving). `keep_term`: SIGTERM stays caught on
+    leaving, and does nothing. (Setting SIG_IGN after leaving left a few microseconds
+    in which SIGTERM's default action was back: a worker's second SIGTERM, from its
+    supervisor a moment after systemd's, could land there and kill its drain.)"""
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -256,5 +258,12 @@ def stop_signals() -> Iterator[asyncio.Event]:
     try:
         yield stop_requested
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        loop.remove_signal_handler(signal.SIGINT)
+        if keep_term:
+            loop.add_signal_handler(signal.SIGTERM, _ignored)  # replaces the one above
+        else:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+def _ignored() -> None:
+    """A signal caught so that its default action does not end the process."""
