@@ -44,6 +44,13 @@ from ..observability.metrics import CACHE_RESULT, Metrics
 log = structlog.get_logger(__name__)
 
 PURGE_EVERY_S = 600.0
+# Requests' writes waiting for the disk at most; past it a request's scores stay in memory
+# only. One writer thread commits some hundreds a second, alone; workers sharing a file
+# take turns at its lock, each write waiting up to BUSY_TIMEOUT_S: without a bound, a
+# server busier than its disk queued writes (and their scores) without end, and flushed
+# them all at shutdown.
+MAX_PENDING_WRITES = 64
+BEHIND_LOG_EVERY_S = 60.0
 
 
 def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashlib._Hash:
@@ -126,6 +133,8 @@ class ScoreCache:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="score-cache-writer") \
             if self._disk is not None else None
         self._writes: set[asyncio.Future[None]] = set()
+        self._left_out = 0  # writes not queued, the disk behind (MAX_PENDING_WRITES)
+        self._behind_logged = -BEHIND_LOG_EVERY_S
         self._purged = -PURGE_EVERY_S  # expired rows go at start-up, then every so often
         self._purge(clock())
 
@@ -207,11 +216,22 @@ class ScoreCache:
                 memory.popitem(last=False)
         if self._disk is not None:
             self._purge(now)
+            if len(self._writes) >= MAX_PENDING_WRITES:
+                self._behind(now)
+                return
             write = asyncio.get_running_loop().run_in_executor(
                 self._writer, self._disk.put_many, dict(scores), now)
             self._writes.add(write)
             write.add_done_callback(_written)
             write.add_done_callback(self._writes.discard)
+
+    def _behind(self, now: float) -> None:
+        """A write left out: counted, and logged at most every BEHIND_LOG_EVERY_S."""
+        self._left_out += 1
+        if now - self._behind_logged >= BEHIND_LOG_EVERY_S:
+            self._behind_logged = now
+            log.warning("score_cache_disk_error", op="write", error="WritesBehind",
+                        pending=len(self._writes), left_out=self._left_out)
 
     async def flush(self) -> None:
         """Wait until every score stored so far is on disk (or failed to get there)."""

@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog.testing
 from rerank_client import AsyncRerankClient
 
 from rerank_server.ranking.score_cache import (
+    MAX_PENDING_WRITES,
     PURGE_EVERY_S,
     Scope,
     ScoreCache,
@@ -349,3 +351,31 @@ def test_processes_opening_a_new_cache_file_together_all_keep_it(tmp_path: Path)
         for opener in openers:
             opener.join()
     assert failed == []
+
+
+async def test_writes_a_busy_disk_cannot_take_are_left_out_not_queued(
+        tmp_path: Path) -> None:
+    """Another process holding the file's lock: requests' writes wait for the disk at
+    most MAX_PENDING_WRITES deep; the scores after that stay in memory only (they were
+    queued without end, as was the memory holding them)."""
+    path = tmp_path / "scores.db"
+    cache = ScoreCache(1000, 3600, path=path)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another worker writing, for the busy timeout
+    keys = [cache_key("chat", "m", "i", "q", str(n)) for n in range(MAX_PENDING_WRITES + 20)]
+    try:
+        with structlog.testing.capture_logs() as logged:
+            for key in keys:
+                cache.put_many({key: 0.5})
+        assert len(cache._writes) == MAX_PENDING_WRITES
+        assert await cache.get_many(keys) == {key: 0.5 for key in keys}  # memory has all
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    await cache.flush()
+    behind = [e for e in logged if e.get("error") == "WritesBehind"]
+    assert len(behind) == 1 and behind[0]["left_out"] == 1  # logged once, at the first
+    disk = ScoreCache(0, 3600, path=path)
+    assert len(await disk.get_many(keys)) == MAX_PENDING_WRITES
+    await disk.aclose()
+    await cache.aclose()
