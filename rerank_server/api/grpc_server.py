@@ -108,8 +108,9 @@ class GrpcEdge:
     """A started gRPC server and its health service; `aclose` drains and stops it."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 port: int, grace_s: float) -> None:
+                 port: int, grace_s: float, service: RerankService | None = None) -> None:
         self.server = server
+        self.service = service
         self.health = health_servicer
         self.port = port
         self.grace_s = grace_s  # in-flight calls get this long on `aclose`
@@ -160,7 +161,7 @@ class GrpcEdge:
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, _SERVING)
-        return cls(server, health_servicer, port, settings.grace_period_s)
+        return cls(server, health_servicer, port, settings.grace_period_s, service)
 
     async def report_backend(self, component: str, up: bool) -> None:
         """The backend monitor's callback (`scoring.monitor.Report`)."""
@@ -169,4 +170,6 @@ class GrpcEdge:
     async def aclose(self) -> None:
         """NOT_SERVING, refuse new calls, give in-flight ones `grace_s`, then cancel them."""
         await self.health.enter_graceful_shutdown()
+        if self.service is not None:
+            self.service.drain()
         await self.server.stop(self.grace_s)

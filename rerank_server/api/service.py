@@ -23,6 +23,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 import grpc
+import structlog
 from google.protobuf.message import DecodeError
 
 from ..domain import RankedCandidate, RerankQuery, RerankSummary
@@ -30,9 +31,11 @@ from ..errors import InvalidRequest
 from ..observability.logs import rpc_answered, rpc_cancelled, rpc_failed
 from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
+from ..scoring.budget import StopSignal
 from . import convert
 from .pb import rerank_pb2 as pb
 
+log = structlog.get_logger(__name__)
 
 class _Seen:
     """What is known of a call's request for its log line, even if it fails early."""
@@ -83,6 +86,12 @@ class RerankService:
         self._batch_concurrency = batch_concurrency
         self.inflight = inflight
         self._max_message_bytes = max_message_bytes
+        self._draining = StopSignal()
+
+    def drain(self) -> None:
+        """Shutdown begins: `RerankBatch` streams stop reading requests, answer those they
+        have, and end (UNAVAILABLE, naming the first request not read)."""
+        self._draining.set()
 
     def _answer(self, rpc: str, results: list[RankedCandidate], summary: RerankSummary,
                 with_text: bool) -> pb.RerankResponse:
@@ -185,6 +194,8 @@ class RerankService:
         done: asyncio.Queue[pb.RerankResponse] = asyncio.Queue(self._batch_concurrency)
         slots = asyncio.Semaphore(self._batch_concurrency)
         tasks: set[asyncio.Task[None]] = set()
+        reading, cut = True, False  # cut: reading stopped by the server's shutdown
+        position = 0  # requests read
 
         async def one(raw: bytes, position: int) -> None:
             started, seen = time.perf_counter(), _Seen()
@@ -214,17 +225,35 @@ class RerankService:
                 slots.release()
 
         async def feed() -> None:
-            position = 0
-            async for raw in requests:
-                await slots.acquire()
-                task = asyncio.create_task(one(raw, position))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                position += 1
+            nonlocal position, reading
+            try:
+                async for raw in requests:
+                    await slots.acquire()
+                    task = asyncio.create_task(one(raw, position))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    position += 1
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not cut or current is None or current.cancelling() != 1:
+                    raise  # the call's own end, not (only) the drain
+                current.uncancel()
+            reading = False
             if tasks:
                 await asyncio.gather(*tasks)
 
+        def stop_reading() -> None:
+            # A stream the client keeps open would otherwise take requests until the
+            # grace period ran out, and then be cancelled with them.
+            nonlocal cut
+            if reading and not cut:
+                cut = True
+                feeder.cancel()
+
         feeder = asyncio.create_task(feed())
+        stop_listening = self._draining.subscribe(stop_reading)
+        if self._draining.is_set():
+            stop_reading()
         try:
             # Until the feeder is done and every answer is out. No sentinel in the queue:
             # a feeder cancelled while the queue is full must not wait to put one.
@@ -236,7 +265,14 @@ class RerankService:
                 else:
                     getter.cancel()
             await feeder  # surfaces a broken request stream
+            if cut:
+                log.info("batch_stream_drained", read=position)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                    f"the server is shutting down: requests[{position}] and any after it "
+                    "were not read (every request before it was answered); send them "
+                    "again, to another server"))
         finally:
+            stop_listening()
             for task in (feeder, *tasks):
                 task.cancel()
 

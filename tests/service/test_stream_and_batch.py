@@ -12,6 +12,7 @@ from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.server import RunningServer
 from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
 
 DOCS = [Candidate(id=f"d{i}", text=f"document {i}") for i in range(8)]
 
@@ -116,3 +117,47 @@ async def test_a_batch_error_without_an_id_names_its_position(server: RunningSer
     [refused] = [a for a in answers if a.HasField("error")]
     assert refused.request_id == ""
     assert refused.error.message.startswith("requests[1].query: ")
+
+
+async def test_a_batch_stream_left_open_ends_when_the_server_stops(
+        server: RunningServer, fake_llama: FakeLlamaServer) -> None:
+    """A client that keeps its RerankBatch stream open (more requests may come): on
+    shutdown the server stops reading, answers the requests it has in full, and ends the
+    stream UNAVAILABLE naming the first request it did not read. Before, the stream
+    took requests until the grace period ran out, was cancelled with them, and held the
+    shutdown for the whole grace period."""
+    fake_llama.latency_s = 0.5
+    more = asyncio.Event()  # never set: the client has nothing more to send yet
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.RerankerStub(channel)
+
+        async def requests():  # type: ignore[no-untyped-def]
+            for i in range(2):
+                yield pb.RerankRequest(request_id=f"r{i}", query="q", candidates=[
+                    pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+            await more.wait()
+
+        call = stub.RerankBatch(requests())
+        answers = []
+
+        async def read() -> None:
+            async for answer in call:
+                answers.append(answer)
+
+        reading = asyncio.ensure_future(read())
+        assert await eventually(lambda: fake_llama.in_flight >= 2, 5)
+        started = time.monotonic()
+        await server.stop(grace=10)
+        stopped_in = time.monotonic() - started
+        try:
+            await reading
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+        else:
+            raise AssertionError("the stream ended OK, with requests maybe unread")
+    assert sorted(a.request_id for a in answers) == ["r0", "r1"]
+    assert all(a.reranked and a.counts.scored == 3 and not a.HasField("degraded")
+               for a in answers)
+    assert code is grpc.StatusCode.UNAVAILABLE
+    assert details.startswith("the server is shutting down: requests[2] and any after it")
+    assert stopped_in < 3  # not the grace period's 10 s

@@ -78,7 +78,10 @@ class RerankerServicer:
         """Many requests over one stream. Each response is sent as soon as its request
         completes, so responses can come back in another order than the requests: match
         them by `request_id`. A request that is invalid gets a response with `error` set;
-        the stream and the other requests go on.
+        the stream and the other requests go on. When the server shuts down it stops
+        reading, answers the requests it has read, and ends a stream still open with
+        UNAVAILABLE naming the first request it did not read (`requests[N]`): send that one
+        and those after it again, to another server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,7 +60,10 @@ class RerankerStub:
     """Many requests over one stream. Each response is sent as soon as its request
     completes, so responses can come back in another order than the requests: match
     them by `request_id`. A request that is invalid gets a response with `error` set;
-    the stream and the other requests go on.
+    the stream and the other requests go on. When the server shuts down it stops
+    reading, answers the requests it has read, and ends a stream still open with
+    UNAVAILABLE naming the first request it did not read (`requests[N]`): send that one
+    and those after it again, to another server.
     """
 
 @_typing.type_check_only
@@ -80,7 +83,10 @@ class RerankerAsyncStub(RerankerStub):
     """Many requests over one stream. Each response is sent as soon as its request
     completes, so responses can come back in another order than the requests: match
     them by `request_id`. A request that is invalid gets a response with `error` set;
-    the stream and the other requests go on.
+    the stream and the other requests go on. When the server shuts down it stops
+    reading, answers the requests it has read, and ends a stream still open with
+    UNAVAILABLE naming the first request it did not read (`requests[N]`): send that one
+    and those after it again, to another server.
     """
 
 class RerankerServicer(metaclass=_abc_1.ABCMeta):
@@ -115,7 +121,10 @@ class RerankerServicer(metaclass=_abc_1.ABCMeta):
         """Many requests over one stream. Each response is sent as soon as its request
         completes, so responses can come back in another order than the requests: match
         them by `request_id`. A request that is invalid gets a response with `error` set;
-        the stream and the other requests go on.
+        the stream and the other requests go on. When the server shuts down it stops
+        reading, answers the requests it has read, and ends a stream still open with
+        UNAVAILABLE naming the first request it did not read (`requests[N]`): send that one
+        and those after it again, to another server.
         """
 
 def add_RerankerServicer_to_server(servicer: RerankerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
