@@ -85,8 +85,9 @@ class Settings:
     max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_opt(
         "Largest request or response message in bytes.", minimum=1024))
     max_inflight_bytes: int = field(default=64 * 1024 * 1024, metadata=_opt(
-        "Request bytes being worked on at once, over all calls; a request that would pass "
-        "it is refused with RESOURCE_EXHAUSTED (memory stays bounded: docs/reliability.md).",
+        "Request bytes being worked on at once, over all calls (a worker's: each has its "
+        "own); a request that would pass it is refused with RESOURCE_EXHAUSTED (memory "
+        "stays bounded: docs/reliability.md).",
         minimum=1024))
     workers: int = field(default=1, metadata=_opt(
         "Server processes sharing --port and --http-port (SO_REUSEPORT); --concurrency is "
