@@ -56,6 +56,7 @@ from .base import Failure
 
 USER_AGENT = f"rerank-server/{__version__}"
 HEALTH_TIMEOUT_S = 3.0  # a health poll or metadata GET, whole: head and body
+SIDE_CONNECTIONS = 2  # the side client's: health polls, `/props`, `/v1/models`
 SIDE_MAX_BYTES = 1024 * 1024  # a metadata answer (/v1/models, /props) read at most
 HEALTH_MAX_BYTES = 64 * 1024  # a health answer, read whole so its connection is kept
 ABANDON_MIN_S = 1.0        # an abandoned call may always run this long
@@ -198,8 +199,9 @@ class HttpBackend:
         base = httpx.URL(self.base_url)
         self._address = (base.host, base.port or 80)
         self._side_client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),
+            limits=httpx.Limits(max_connections=SIDE_CONNECTIONS, max_keepalive_connections=1),
             timeout=httpx.Timeout(HEALTH_TIMEOUT_S))
+        self._side_slots = asyncio.Semaphore(SIDE_CONNECTIONS)  # see `_side_get`
         self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
         self._calls: dict[asyncio.Future[Any], float] = {}  # call on the wire -> sent at
@@ -374,9 +376,17 @@ class HttpBackend:
         """Status and body (at most `max_bytes` of it, sent and decoded) of a GET on the
         side client, all within HEALTH_TIMEOUT_S. httpx's timeouts bound each read, not
         the whole: a `/health` sent a byte a second held the monitor's poll, and so
-        every instance's health, for good; and its decoding has no bound."""
-        async with asyncio.timeout(HEALTH_TIMEOUT_S), self._side_client.stream(
-                "GET", self.base_url + path, headers=self._headers) as response:
+        every instance's health, for good; and its decoding has no bound.
+
+        At most SIDE_CONNECTIONS at once, waiting here rather than in httpcore's pool: a
+        request cancelled (by the timeout) while it waited there for a connection could
+        leave that connection counted as in use for good (encode/httpcore#1093). Health
+        polls, `/props` and `/v1/models` overlapping against a backend that stopped
+        answering leaked both, and once it answered again every health poll still
+        failed, so the instance stayed down until the process restarted."""
+        async with asyncio.timeout(HEALTH_TIMEOUT_S), self._side_slots, \
+                self._side_client.stream("GET", self.base_url + path,
+                                         headers=self._headers) as response:
             return await _read_bounded(response, max_bytes)
 
     def record_malformed(self) -> None:

@@ -530,3 +530,28 @@ async def test_health_and_metadata_gets_are_bounded_in_time_and_size(
     await slow.aclose()
     await big.aclose()
     assert elapsed < 2.0
+
+
+async def test_side_requests_cut_short_leave_no_connection_behind(
+        raw: Callable[[Handler], Awaitable[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A health poll, `/props` and `/v1/models` overlapping against a backend that has
+    stopped answering, each cut short by its timeout: one cancelled while it waited for
+    one of the side client's two connections left that connection counted as in use for
+    good (within about four rounds), so once the backend answered again every health
+    poll still failed and the instance stayed down until a restart."""
+    monkeypatch.setattr(http_module, "HEALTH_TIMEOUT_S", 0.1)
+    answering = asyncio.Event()
+
+    async def hung_then_up(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _n: int,
+                           ) -> None:
+        await answering.wait()
+        w.write(_answer(b'{"status": "ok"}'))
+        await w.drain()
+
+    backend = HttpBackend(await raw(hung_then_up), 2, 5.0)
+    for _ in range(20):
+        assert (await asyncio.gather(backend.health(), backend.get_json("/props"),
+                                     backend.get_json("/v1/models"))) == [False, None, None]
+    answering.set()
+    assert await backend.health() is True
+    await backend.aclose()
