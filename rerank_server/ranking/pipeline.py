@@ -181,8 +181,15 @@ class Reranker:
         pending = [i for i in range(len(documents)) if i not in hits]
         fresh: dict[int, float] = {}  # position in `documents` -> score, for the cache
         scoring_started = time.perf_counter()
-        budget = budget_s(request.timeout_s, deadline_remaining_s, self._loop_lag(),
-                          self.active)
+        # Counted from the request's arrival: chunking (a large request's, on the one
+        # chunking thread, can wait behind another's) and the cache lookup took their part
+        # of the deadline and of the timeout already. Not subtracted, a request that
+        # spent 0.6 s before scoring answered 0.6 s after a 1 s deadline.
+        elapsed = scoring_started - started
+        budget = budget_s(request.timeout_s - elapsed,
+                          None if deadline_remaining_s is None
+                          else deadline_remaining_s - elapsed,
+                          self._loop_lag(), self.active)
         overloaded = _overloaded(self.scorer.estimate_s(len(pending)), budget) \
             if pending else None
         if overloaded is not None:

@@ -63,3 +63,24 @@ async def test_many_long_documents_of_short_sentences_leave_the_server_responsiv
     # With the search on the event loop, no check is even sent while it runs.
     assert len(gaps) > 3 and max(gaps) < 1.0, \
         f"{len(gaps)} health checks during the request, the longest {max(gaps):.2f} s"
+
+
+async def test_a_deadline_counts_the_time_spent_before_scoring(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    """Cutting 30 long documents takes a while (0.5 s or so here) before any pair is
+    sent; against a backend that never answers, the request must still answer, in
+    retrieval order, within the caller's 3 s deadline. The scoring budget was the whole
+    deadline counted from when scoring began, so the answer came that much too late:
+    DEADLINE_EXCEEDED, no answer at all."""
+    server = await start_server(max_candidates=100)
+    fake_llama.latency_s = 60.0
+    query = " ".join(f"w{i:03d}" for i in range(800))
+    doc = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        sent = time.monotonic()
+        answer = await client.rerank(query, [doc] * 30, bypass_cache=True, timeout=3.0)
+        took = time.monotonic() - sent
+    assert answer.summary.degraded_code == "timeout" and not answer.reranked
+    before_scoring_ms = answer.summary.total_ms - answer.summary.scoring_ms
+    assert before_scoring_ms > 100, "too fast to show anything: use longer documents"
+    assert took < 3.0
