@@ -60,6 +60,12 @@ class Reranker:
         # Set when the server shuts down: pairs still outstanding are given up at once.
         self.stopping = StopSignal()
         self.active = 0  # requests in the pipeline now
+        # Pairs admitted to scoring and not yet come back. Admission reads the backend's
+        # queue, which a request's pairs reach only some turns of the loop after it was
+        # admitted: a burst of requests arriving together each saw the same near-empty
+        # queue, all were admitted, and all timed out instead of being answered
+        # OVERLOADED at once.
+        self.outstanding_pairs = 0
 
     def stop_scoring_after(self, seconds: float) -> None:
         """Shutdown: in `seconds`, every request still waiting for scores answers with what
@@ -190,7 +196,8 @@ class Reranker:
                           None if deadline_remaining_s is None
                           else deadline_remaining_s - elapsed,
                           self._loop_lag(), self.active)
-        overloaded = _overloaded(self.scorer.estimate_s(len(pending)), budget) \
+        overloaded = _overloaded(self.scorer.estimate_s(len(pending),
+                                                        self.outstanding_pairs), budget) \
             if pending else None
         if overloaded is not None:
             ranking.fail_outstanding()  # answered at once, in retrieval order
@@ -198,22 +205,30 @@ class Reranker:
         if pending:
             pairs = ScoreRequest(request.query, request.instruction,
                                  [documents[i] for i in pending], request.max_tokens_per_doc)
-            async for arrived in score_within(self.scorer, pairs, budget, telemetry.tracer,
-                                              self.stopping, request_span):
-                resolved = []
-                for pair in arrived:
-                    i = pending[pair.pair]
-                    resolved.append((scored_set[i].index, pair.score))
-                    if pair.failure is None and pair.score is not None:
-                        fresh[i] = pair.score
-                        outcome.scored += 1
-                    else:
-                        kind = pair.failure or Failure.MALFORMED
-                        outcome.failures[kind] += 1
-                        outcome.details.setdefault(kind, pair.detail)
-                ranking.resolve_all(resolved)
-                if released := emitter.take(ranking.release()):
-                    yield released
+            left = len(pending)  # counted in `outstanding_pairs` until back
+            self.outstanding_pairs += left
+            try:
+                async for arrived in score_within(self.scorer, pairs, budget,
+                                                  telemetry.tracer, self.stopping,
+                                                  request_span):
+                    self.outstanding_pairs -= len(arrived)
+                    left -= len(arrived)
+                    resolved = []
+                    for pair in arrived:
+                        i = pending[pair.pair]
+                        resolved.append((scored_set[i].index, pair.score))
+                        if pair.failure is None and pair.score is not None:
+                            fresh[i] = pair.score
+                            outcome.scored += 1
+                        else:
+                            kind = pair.failure or Failure.MALFORMED
+                            outcome.failures[kind] += 1
+                            outcome.details.setdefault(kind, pair.detail)
+                    ranking.resolve_all(resolved)
+                    if released := emitter.take(ranking.release()):
+                        yield released
+            finally:
+                self.outstanding_pairs -= left
         outcome.scoring_s = time.perf_counter() - scoring_started
         outcome.scored += len(hits)
         # Keyed by the model and variant known now: a backend that names its model only in

@@ -163,9 +163,10 @@ class BackendPool:
         finally:
             _PINNED.reset(token)
 
-    def estimate_s(self, pairs: int, per_call: int = 1) -> float:
+    def estimate_s(self, pairs: int, per_call: int = 1, outstanding: int = 0) -> float:
         """Seconds until `pairs` more pairs would be scored, `per_call` pairs to a call; 0
-        with no latency sample yet.
+        with no latency sample yet. Behind the pairs queued and in flight, or behind
+        `outstanding` if that is more (`Scorer.estimate_s`).
 
         The pairs queued and in flight drain over the available slots at the recent
         per-pair latency; then this request's own calls run, as many at once as there are
@@ -180,7 +181,8 @@ class BackendPool:
             return 0.0
         rate = sum(rates) / len(rates)
         slots = sum(e.http.concurrency for e in ready)
-        waiting = sum(e.http.queued_pairs + e.http.in_flight_pairs for e in ready)
+        waiting = max(sum(e.http.queued_pairs + e.http.in_flight_pairs for e in ready),
+                      outstanding)
         calls = -(-pairs // per_call)
         rounds = -(-calls // slots)
         return waiting * rate / slots + rounds * min(pairs, per_call) * rate

@@ -93,9 +93,12 @@ class Scorer(Protocol):
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None: ...
 
-    def estimate_s(self, pairs: int) -> float:
+    def estimate_s(self, pairs: int, outstanding: int = 0) -> float:
         """Seconds until `pairs` more pairs would be scored, behind the work already queued
-        and in flight (0 when unknown). Admission compares it with a request's budget."""
+        and in flight (0 when unknown), or behind `outstanding` pairs if that is more (the
+        caller's count of pairs it has admitted and not yet seen scored, some of which
+        may not have reached the scorer yet). Admission compares it with a request's
+        budget."""
         ...
 
     async def discover_model(self) -> None:

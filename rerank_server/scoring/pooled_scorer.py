@@ -35,8 +35,8 @@ class PooledScorer:
         if not self._configured_model:
             self._reported_model = await served_model(self._pool) or self._reported_model
 
-    def estimate_s(self, pairs: int) -> float:
-        return self._pool.estimate_s(pairs, self._max_batch)
+    def estimate_s(self, pairs: int, outstanding: int = 0) -> float:
+        return self._pool.estimate_s(pairs, self._max_batch, outstanding)
 
     def note_model(self, reported: Any) -> None:
         """Remember the model an answer names (llama-server names its file path)."""

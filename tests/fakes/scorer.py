@@ -42,7 +42,7 @@ class FunctionScorer:
     async def discover_model(self) -> None:
         pass
 
-    def estimate_s(self, pairs: int) -> float:
+    def estimate_s(self, pairs: int, outstanding: int = 0) -> float:
         return self.queued_s  # in process: as busy as the test says
 
     async def aclose(self) -> None:

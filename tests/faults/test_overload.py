@@ -12,6 +12,7 @@ import statistics
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rerank_client import AsyncRerankClient, RerankError
@@ -19,6 +20,13 @@ from rerank_client.types import build_request
 
 from rerank_server.api import grpc_server, interceptors
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
+from rerank_server.domain import Candidate, DegradedCode, RerankQuery
+from rerank_server.managed.llama_server import free_port
+from rerank_server.ranking.pipeline import Reranker
+from rerank_server.scoring.backend_pool import BackendPool
+from rerank_server.scoring.chat import ChatScorer
+from rerank_server.server import request_rules
+from rerank_server.settings import Settings
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 from tests.server_process import server_process
@@ -83,6 +91,56 @@ async def test_overload_is_answered_fast_never_by_a_deadline(
     assert p50["overloaded"] < 0.5, "overload was not answered at once"
     assert outcomes["reranked"] > 0 and outcomes["overloaded"] > 0, dict(outcomes)
     assert max(health_ms) < 1000, "gRPC health was slow under load"
+
+
+async def test_a_burst_arriving_together_is_answered_overloaded_not_by_timeouts(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    """30 JSON requests at once, each of 5 pairs with a 2 s deadline, against a backend
+    that scores 10 pairs/s: a few can be scored in time, the rest must be told
+    OVERLOADED at once. Admission read the backend's queue, which a request's pairs
+    reach only some turns of the event loop after admission, so requests taken up in the
+    same turn all saw it empty and were all admitted, to wait out their budgets."""
+    fake_llama.latency_s = 0.2
+    server = await start_server(concurrency=2, cache_entries=0, http_port=free_port())
+    url = f"http://127.0.0.1:{server.http_port}/v1/rerank"
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=40)) as http:
+        await http.post(url, json={"query": "warm-up", "documents": DOCS[:5]})
+        replies = await asyncio.gather(*(
+            http.post(url, json={"query": f"q {n}", "documents": DOCS[:5], "timeout_ms": 2000})
+            for n in range(30)))
+    kinds = collections.Counter(
+        (r.json()["meta"].get("degraded") or {}).get("code", "reranked") for r in replies)
+    assert kinds["timeout"] == 0 and kinds["partial"] == 0, kinds
+    assert kinds["overloaded"] >= 20 and kinds["reranked"] >= 2, kinds
+
+
+async def test_a_burst_taken_up_in_one_turn_of_the_loop_is_not_all_admitted(
+        fake_llama: FakeLlamaServer) -> None:
+    """Requests taken up together (a burst read in one turn of the event loop, clients
+    all retrying after their `Retry-After`) each passed admission before any of their
+    pairs had reached the backend's queue, so all saw it empty: against a backend of 10
+    pairs/s, 26 of 30 five-pair requests with a 2 s deadline were admitted and timed out.
+    Pairs admitted and not yet back count now, so the rest are told OVERLOADED at once."""
+    fake_llama.latency_s = 0.2
+    pool = BackendPool([fake_llama.url], concurrency=2, timeout_s=10, kind="chat")
+    reranker = Reranker(request_rules(Settings(min_candidates=2)), ChatScorer(pool))
+
+    def query(n: int) -> RerankQuery:
+        return RerankQuery(request_id=f"r{n}", query=f"q {n}", timeout_s=30.0,
+                           candidates=tuple(Candidate(id=f"d{i}", text=f"doc {n} {i}",
+                                                      index=i, retrieval_rank=i + 1)
+                                            for i in range(5)))
+
+    try:
+        await reranker.answer(query(-1), 5.0)  # the latency sample admission reads
+        answers = await asyncio.gather(*(reranker.answer(query(n), 2.0) for n in range(30)))
+    finally:
+        await pool.aclose()
+    codes = collections.Counter(s.degraded.code if s.degraded else "reranked"
+                                for _, s in answers)
+    assert codes[DegradedCode.TIMEOUT] == 0 and codes[DegradedCode.PARTIAL] == 0, codes
+    assert codes[DegradedCode.OVERLOADED] >= 20 and codes["reranked"] >= 2, codes
+    assert reranker.outstanding_pairs == 0
 
 
 async def test_a_stream_its_client_never_reads_gives_its_place_back(
