@@ -43,6 +43,8 @@ MIN_SEPARATION = 0.05
 INSTANCE_PROBE_TIMEOUT_S = 5.0
 MIN_WAIT_S = 0.05  # the monitor's shortest sleep between looks at the pool
 DEGENERATE_BELOW = 1e-6
+REPROBE_S = 5.0  # a probe that did not score is tried again after this, doubling,
+REPROBE_MAX_S = 60.0  # to at most this, while the backend stays up
 
 BACKEND = ""
 DISCRIMINATES = "discriminates"
@@ -115,6 +117,7 @@ class BackendMonitor:
         self._task: asyncio.Task[None] | None = None
         self._probes: dict[str, asyncio.Task[None]] = {}  # instance name -> its probe
         self._came_up: asyncio.Task[None] | None = None
+        self._reprobe: asyncio.Task[None] | None = None  # while the probe has not scored
 
     @property
     def backend_up(self) -> bool | None:
@@ -125,8 +128,8 @@ class BackendMonitor:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self._came_up, *self._probes.values())
-                 if t is not None]
+        tasks = [t for t in (self._task, self._came_up, self._reprobe,
+                             *self._probes.values()) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -168,8 +171,8 @@ class BackendMonitor:
         """Poll every instance's `/health`, then `tick`, and wait for what a backend that
         came up sets off (its model's name, the probe)."""
         await self._check()
-        if self._came_up is not None:
-            await self._came_up
+        if self._came_up is not None:  # cancelled if the backend went down meanwhile
+            await asyncio.gather(self._came_up, return_exceptions=True)
 
     async def _check(self) -> None:
         await asyncio.gather(*(self._poll(e) for e in self._pool.endpoints))
@@ -187,6 +190,12 @@ class BackendMonitor:
         if up == self._up:
             return
         self._up = up
+        # What the last coming up set off is stale either way: a probe finishing after the
+        # backend went down would report it SERVING.
+        for task in (self._came_up, self._reprobe):
+            if task is not None:
+                task.cancel()
+        self._reprobe = None
         if not up:
             log.warning("backend_down", backend=self._scorer.kind)
             await self._set(backend=False, discriminates=False)
@@ -202,11 +211,28 @@ class BackendMonitor:
         if not self._run_probe:
             await self._set(backend=True, discriminates=True)
             return
+        if not await self._probe_and_set():
+            self._reprobe = asyncio.create_task(self._probe_until_scored())
+
+    async def _probe_and_set(self) -> bool:
+        """The sanity probe, reported; whether it scored."""
         result = await probe(self._scorer, self._instruction)
         self.last_probe = result
         self._report(result)
         await self._set(backend=result.scored, discriminates=result.discriminates)
         self.probed.set()
+        return result.scored
+
+    async def _probe_until_scored(self) -> None:
+        """The probe again, less often each time, until it scores or the backend goes
+        down: one that failed (a hiccup as the backend came up) held `backend`
+        NOT_SERVING for as long as the pool stayed up, while requests reranked."""
+        wait_s = REPROBE_S
+        while True:
+            await asyncio.sleep(wait_s)
+            if await self._probe_and_set():
+                return
+            wait_s = min(wait_s * 2, REPROBE_MAX_S)
 
     async def _poll(self, endpoint: Endpoint) -> None:
         polled = await endpoint.http.health()

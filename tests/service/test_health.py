@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from rerank_server.scoring import monitor
 from rerank_server.server import build_server
 from rerank_server.settings import Settings
 from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -65,3 +68,25 @@ async def test_reflection_lists_services_and_can_be_turned_off(
             else:
                 assert enabled and "rerank.v1.Reranker" in names
         await server.stop(grace=0)
+
+
+async def test_a_probe_that_failed_once_is_tried_again(
+        fake_llama: FakeLlamaServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe as the backend comes up failing once (a hiccup) left `backend`
+    NOT_SERVING for as long as the pool stayed up, while requests reranked: dashboards
+    and alerts saw a dead backend. It is tried again until it scores."""
+    monkeypatch.setattr(monitor, "REPROBE_S", 0.2)
+    fake_llama.scores = {"Paris": 0.95, "Photosynthesis": 0.02}
+    fake_llama.failing_markers = ("Paris", "Photosynthesis")
+    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, health_interval_s=0.1)
+    server = await build_server(settings)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        await server.monitor.probed.wait()
+        assert await _status(channel, "rerank.v1.Reranker/backend") == NOT_SERVING
+        fake_llama.failing_markers = ()
+        async def backend_serving() -> bool:
+            return await _status(channel, "rerank.v1.Reranker/backend") == SERVING
+
+        assert await eventually(backend_serving, 5)
+        assert await _status(channel, "rerank.v1.Reranker/backend/discriminates") == SERVING
+    await server.stop(grace=0)
