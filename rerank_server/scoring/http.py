@@ -318,6 +318,11 @@ class HttpBackend:
         self.pair_s = _ewma(self.pair_s, elapsed / pairs)
         return (None,)
 
+    @property
+    def timeout_s(self) -> float:
+        """The longest a call is given (`--backend-timeout-s`)."""
+        return self._timeout_s
+
     def leash_s(self) -> float:
         """How long after it was sent an abandoned call may still run."""
         if self.latency_s is None:

@@ -53,6 +53,18 @@ Report = Callable[[str, bool], Awaitable[None]]
 """`report(component, up)`: `BACKEND`, `DISCRIMINATES`, or an instance's `HOST:PORT`."""
 
 
+def _probe_window_s(endpoint: Endpoint) -> float:
+    """How long a re-admission probe waits. A slow model is not a dead one: as long as a
+    real call would be given (the abandon leash: 4x its recent latency, at most the call
+    timeout), so an instance whose calls take longer than 5 s can still come back. And
+    twice that for each probe that failed in a row, up to the call timeout: the latency
+    is what answered calls showed, and an instance that slowed down (every call since
+    abandoned, none answered to say so) never fitted in a window sized by its old pace."""
+    window = max(INSTANCE_PROBE_TIMEOUT_S, endpoint.http.leash_s())
+    doubled = window * 2.0 ** min(max(endpoint.ejections_in_row - 1, 0), 16)
+    return min(doubled, max(window, endpoint.http.timeout_s))
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     relevant: float | None
@@ -246,12 +258,7 @@ class BackendMonitor:
         request = ScoreRequest(PROBE_QUERY, self._instruction, [PROBE_RELEVANT])
         try:
             with self._pool.pinned(endpoint):
-                # A slow model is not a dead one: the probe waits as long as a real call
-                # would be given (the abandon leash: 4x its recent latency, at most the
-                # call timeout), so an instance whose calls take longer than 5 s can
-                # still come back.
-                async with asyncio.timeout(max(INSTANCE_PROBE_TIMEOUT_S,
-                                               endpoint.http.leash_s())):
+                async with asyncio.timeout(_probe_window_s(endpoint)):
                     await self._scorer.score(request, outcomes.append)
         except TimeoutError:
             pass
