@@ -72,41 +72,22 @@ async def test_hung_backend_is_ejected_then_recovers_within_5_s(
     assert await eventually(is_serving, 1)
 
 
+@pytest.mark.parametrize(("before_s", "after_s"), [(0.3, 0.8), (0.05, 1.5)])
 async def test_a_slow_but_alive_backend_comes_back_after_ejection(
         start_server: StartServer, fake_llama: FakeLlamaServer,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its calls take longer than the fixed probe window (5 s in production, 0.5 s here):
-    the re-admission probe waits as long as a real call would be given (the leash, from
-    the latency the instance showed before it hung), so the instance comes back instead
-    of staying ejected while it is merely slow."""
+        monkeypatch: pytest.MonkeyPatch, before_s: float, after_s: float) -> None:
+    """It answered in `before_s`, hung until ejected, and now answers in `after_s`,
+    longer than the fixed probe window (5 s in production, 0.5 s here).
+
+    - 0.3 -> 0.8 s: the re-admission probe waits as long as a real call would be given
+      (the leash, 1.2 s from the latency the instance showed before it hung), so the
+      instance comes back instead of staying ejected while it is merely slow.
+    - 0.05 -> 1.5 s: a window sized by its old pace (the leash's 1 s floor) never saw
+      an answer, and no answered call could teach the new one: the instance stayed out
+      for good although requests with a budget of seconds would have been served. Each
+      failed probe in a row now doubles the window."""
     monkeypatch.setattr(monitor, "INSTANCE_PROBE_TIMEOUT_S", 0.5)
-    fake_llama.latency_s = 0.3  # recent latency 0.3 s: a leash of 1.2 s
-    server = await start_server(concurrency=2, health_interval_s=0.5, eject_base_s=0.5,
-                                eject_max_s=1.0)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
-        assert (await client.rerank("warm up", DOCS, timeout=10)).reranked
-        fake_llama.mode = HANG
-        answer = await client.rerank("hung", DOCS, timeout=1.0)
-        while answer.summary.degraded_code != "backend_unavailable":
-            answer = await client.rerank(f"hung {time.monotonic()}", DOCS, timeout=1.0)
-        fake_llama.latency_s = 0.8  # answers again, but slower than the probe window
-        fake_llama.unhang()
-
-        async def reranked() -> bool:
-            return (await client.rerank(f"q {time.monotonic()}", DOCS, timeout=5)).reranked
-
-        assert await eventually(reranked, 10), "a slow instance was never re-admitted"
-
-
-async def test_an_instance_that_came_back_slower_than_it_was_is_readmitted(
-        start_server: StartServer, fake_llama: FakeLlamaServer,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """It answered in 0.05 s, hung, and now answers in 1.5 s: the probe window sized by
-    its old pace (the 1 s leash floor) never saw an answer, no answered call could teach
-    the new one, and the instance stayed out for good although requests with a budget
-    of seconds would have been served. Each failed probe now doubles the window."""
-    monkeypatch.setattr(monitor, "INSTANCE_PROBE_TIMEOUT_S", 0.5)
-    fake_llama.latency_s = 0.05
+    fake_llama.latency_s = before_s
     server = await start_server(concurrency=4, health_interval_s=0.5, eject_base_s=0.5,
                                 eject_max_s=1.0)
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
@@ -115,11 +96,11 @@ async def test_an_instance_that_came_back_slower_than_it_was_is_readmitted(
         answer = await client.rerank("hung", DOCS, timeout=1.0)
         while answer.summary.degraded_code != "backend_unavailable":
             answer = await client.rerank(f"hung {time.monotonic()}", DOCS, timeout=1.0)
-        fake_llama.latency_s = 1.5
+        fake_llama.latency_s = after_s  # answers again, but slower than the probe window
         fake_llama.unhang()
 
         async def reranked() -> bool:
             return (await client.rerank(f"q {time.monotonic()}", DOCS, timeout=8)).reranked
 
         assert await eventually(reranked, 20, poll_s=0.5), \
-            "an instance slower than before was never re-admitted"
+            "a slow instance was never re-admitted"
