@@ -264,7 +264,10 @@ class RerankService:
                     yield getter.result()
                 else:
                     getter.cancel()
-            await feeder  # surfaces a broken request stream
+            # Surfaces a broken request stream. A feeder cut before its first step (the
+            # drain began as the call did) never ran its body to take the cut in.
+            if not (cut and feeder.cancelled()):
+                await feeder
             if cut:
                 log.info("batch_stream_drained", read=position)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, (

@@ -7,9 +7,21 @@ the hosted APIs do, so clients that send more (Jina's `model`-specific knobs, sa
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _integral(value: object) -> object:
+    """A float with nothing after the point as the int it is: Python's `json.dumps` writes
+    `1.5 * 1000` as `1500.0`, and strict mode alone would refuse it."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# A request's whole numbers: strict (no "2", no true), but 2.0 is 2.
+Count = Annotated[int, BeforeValidator(_integral)]
 
 BlendName = Literal["position_aware", "linear", "rerank_only", "adaptive", "profile"]
 
@@ -23,7 +35,7 @@ class Document(BaseModel):
     title: str | None = Field(None, description="Extra: a title, read before the text.")
     id: str | None = Field(None, description="Extra: your id for it; default its index.")
     retrieval_score: float | None = Field(None, description="Extra: its retrieval score.")
-    retrieval_rank: int | None = Field(
+    retrieval_rank: Count | None = Field(
         None, ge=1, description="Extra: its retrieval rank; default its position + 1.")
 
 
@@ -40,8 +52,8 @@ class Extras(BaseModel):
         None, description="How the model's score and the retrieval rank combine "
                           "(docs/blending.md); default: the server's.")
     request_id: str | None = Field(None, description="Echoed as `id`; generated if unset.")
-    max_candidates: int | None = Field(None, ge=1, description="Documents scored at most.")
-    timeout_ms: int | None = Field(None, ge=1, description="Time budget for this request.")
+    max_candidates: Count | None = Field(None, ge=1, description="Documents scored at most.")
+    timeout_ms: Count | None = Field(None, ge=1, description="Time budget for this request.")
     always_score: bool = Field(
         False, description="Score even when the blend gives the reranker no weight, to get "
                            "`reranker_score`s (docs/blending.md).")
@@ -55,15 +67,15 @@ class CohereRerankRequest(Extras):
         description="Candidates in retrieval order, as strings or objects.")
     model: str | None = Field(
         None, description="Accepted for compatibility; the server scores with its model.")
-    top_n: int | None = Field(None, ge=0, description="Results to return; default all.")
+    top_n: Count | None = Field(None, ge=0, description="Results to return; default all.")
     return_documents: bool = Field(False, description="Include each document's text.")
     rank_fields: list[str] | None = Field(
         None, max_length=64,  # read for every document: a long list is work per document
         description="v1: the fields of object documents to read, as `field: value` "
                     "(at most 64).")
-    max_tokens_per_doc: int | None = Field(
+    max_tokens_per_doc: Count | None = Field(
         None, ge=1, description="Most tokens of each document the model reads.")
-    max_chunks_per_doc: int | None = Field(None, description="v1: accepted and ignored.")
+    max_chunks_per_doc: Count | None = Field(None, description="v1: accepted and ignored.")
 
 
 class CohereResult(BaseModel):

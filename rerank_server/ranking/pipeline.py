@@ -231,13 +231,15 @@ class Reranker:
                 self.outstanding_pairs -= left
         outcome.scoring_s = time.perf_counter() - scoring_started
         outcome.scored += len(hits)
-        # Keyed by the model and variant known now: a backend that names its model only in
-        # its answers (llama-server without --model) would otherwise store under "", and
-        # `rerank` scores read as logits from now on under the probabilities' variant.
-        self.cache.store(looked_up, Scope(self.scorer.kind, self.scorer.model,
-                                          request.instruction, request.query,
-                                          request.max_tokens_per_doc, self.scorer.variant),
-                         fresh)
+        # Keyed by the model known now: a backend that names its model only in its answers
+        # (llama-server without --model) would otherwise store under "". Not stored when
+        # the variant changed meanwhile: `rerank` answers read as probabilities before the
+        # switch to logits would land under the logits' key.
+        if self.scorer.variant == scope.variant:
+            self.cache.store(looked_up, Scope(self.scorer.kind, self.scorer.model,
+                                              request.instruction, request.query,
+                                              request.max_tokens_per_doc, scope.variant),
+                             fresh)
 
         # Results whose place was certain were blended and sent during scoring already.
         with telemetry.step("rerank.blend") as span:

@@ -271,9 +271,11 @@ def _open_disk(path: Path, ttl_s: float, clock: Callable[[], float]) -> _Disk | 
     try:
         return _Disk(path, ttl_s, clock)
     except sqlite3.DatabaseError as exc:
+        # Also a directory this user cannot write (SQLite cannot open the file there).
         log.error("score_cache_file_unusable", path=str(path), error=type(exc).__name__,
-                  detail=str(exc), action="memory only; delete or move the file to cache "
-                                          "on disk again")
+                  detail=str(exc), action="memory only; to cache on disk again, delete or "
+                  "move a file that is not a SQLite database, or give --cache-path a "
+                  "directory this user can write")
     except OSError as exc:  # no permission for the directory, a read-only file system
         log.error("score_cache_file_unusable", path=str(path), error=type(exc).__name__,
                   detail=exc.strerror or str(exc),

@@ -143,7 +143,7 @@ async def test_return_documents_gives_each_document_back_as_sent(
      "top_n: Input should be a valid integer"),
     ({"query": "q", "documents": ["a"], "return_documents": "yes"}, 422,
      "return_documents: Input should be a valid boolean"),
-    ({"query": "q", "documents": [{"text": "a", "retrieval_rank": 1.0}]}, 422,
+    ({"query": "q", "documents": [{"text": "a", "retrieval_rank": 1.5}]}, 422,
      "documents[0].retrieval_rank: Input should be a valid integer"),
 ])
 async def test_errors_are_json_and_name_the_field(http_server: RunningServer,
@@ -154,6 +154,18 @@ async def test_errors_are_json_and_name_the_field(http_server: RunningServer,
                                 headers={"Authorization": f"Bearer {TOKEN}"})
     assert reply.status_code == status
     assert reply.json()["message"].startswith(message), reply.json()
+
+
+async def test_a_whole_number_written_as_a_float_is_accepted(
+        http_server: RunningServer) -> None:
+    """Python's `json.dumps` writes `1.5 * 1000` as `1500.0`: strict types, but not that
+    strict."""
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/v1/rerank", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json={"query": "cats", "documents": DOCS, "top_n": 2.0,
+                                      "timeout_ms": 1500.0})
+    assert reply.status_code == 200, reply.json()
+    assert len(reply.json()["results"]) == 2
 
 
 async def test_health_is_open_models_need_a_token_openapi_lists_the_routes(

@@ -14,6 +14,8 @@ import pytest
 import structlog.testing
 from rerank_client import AsyncRerankClient
 
+from rerank_server.domain import Candidate, RerankQuery
+from rerank_server.ranking.pipeline import Reranker
 from rerank_server.ranking.score_cache import (
     MAX_PENDING_WRITES,
     PURGE_EVERY_S,
@@ -24,10 +26,14 @@ from rerank_server.ranking.score_cache import (
 )
 from rerank_server.scoring import prompt
 from rerank_server.scoring.backend_pool import BackendPool
+from rerank_server.scoring.base import Emit, ScoreRequest
 from rerank_server.scoring.chat import ChatScorer
 from rerank_server.scoring.completion import CompletionScorer
+from rerank_server.server import request_rules
+from rerank_server.settings import Settings
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
+from tests.fakes.scorer import FunctionScorer
 
 DOCS = ["apples are red", "bananas are yellow", "cherries are dark"]
 
@@ -379,3 +385,26 @@ async def test_writes_a_busy_disk_cannot_take_are_left_out_not_queued(
     assert len(await disk.get_many(keys)) == MAX_PENDING_WRITES
     await disk.aclose()
     await cache.aclose()
+
+
+async def test_scores_of_a_request_that_spanned_a_change_of_variant_are_not_stored(
+        ) -> None:
+    """A `rerank` backend's switch to logits in the middle of a request: the answers it
+    read before the switch are on the probability scale, and stored under the new
+    variant's keys they would meet logits in later rankings."""
+    class Switching(FunctionScorer):
+        async def score(self, request: ScoreRequest, emit: Emit) -> None:
+            await super().score(request, emit)
+            self.variant = "logits"  # the third logit answer arrived meanwhile
+
+    def query(n: int) -> RerankQuery:
+        return RerankQuery(request_id=f"r{n}", query="q", timeout_s=10.0, candidates=tuple(
+            Candidate(id=str(i), text=d, index=i, retrieval_rank=i + 1)
+            for i, d in enumerate(DOCS)))
+
+    for scorer, stored in ((FunctionScorer(), True), (Switching(), False)):
+        reranker = Reranker(request_rules(Settings(min_candidates=2)), scorer,
+                            cache=ScoreCache(100, 3600))
+        await reranker.answer(query(1))
+        _, summary = await reranker.answer(query(2))
+        assert (summary.cached == len(DOCS)) is stored

@@ -161,3 +161,24 @@ async def test_a_batch_stream_left_open_ends_when_the_server_stops(
     assert code is grpc.StatusCode.UNAVAILABLE
     assert details.startswith("the server is shutting down: requests[2] and any after it")
     assert stopped_in < 3  # not the grace period's 10 s
+
+
+async def test_a_batch_stream_opened_as_the_drain_begins_ends_unavailable(
+        server: RunningServer) -> None:
+    """A stream whose handler starts as shutdown begins is cut before it has read a
+    thing: it must still end UNAVAILABLE naming `requests[0]` (the cut came before the
+    feeder's first step, so it never took the cut in, and the call ended CANCELLED)."""
+    assert server.edge.service is not None
+    server.edge.service.drain()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.RerankerStub(channel)
+        request = pb.RerankRequest(request_id="r0", query="q", candidates=[
+            pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+        try:
+            answers = [a async for a in stub.RerankBatch(iter([request]), timeout=10)]
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+        else:
+            raise AssertionError(f"the stream ended OK, {len(answers)} answers")
+    assert code is grpc.StatusCode.UNAVAILABLE
+    assert details.startswith("the server is shutting down: requests[0] and any after it")
