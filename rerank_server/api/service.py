@@ -37,6 +37,7 @@ from .pb import rerank_pb2 as pb
 
 log = structlog.get_logger(__name__)
 
+
 class _Seen:
     """What is known of a call's request for its log line, even if it fails early."""
 

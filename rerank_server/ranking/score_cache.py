@@ -44,8 +44,8 @@ from ..observability.metrics import CACHE_RESULT, Metrics
 log = structlog.get_logger(__name__)
 
 PURGE_EVERY_S = 600.0
-# Requests' writes waiting for the disk at most; past it a request's scores stay in memory
-# only. One writer thread commits some hundreds a second, alone; workers sharing a file
+# Requests' writes waiting for the disk at most; past it a request's scores are not written
+# to disk. One writer thread commits some hundreds a second, alone; workers sharing a file
 # take turns at its lock, each write waiting up to BUSY_TIMEOUT_S: without a bound, a
 # server busier than its disk queued writes (and their scores) without end, and flushed
 # them all at shutdown.
