@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
@@ -236,10 +237,9 @@ class Reranker:
         # the variant changed meanwhile: `rerank` answers read as probabilities before the
         # switch to logits would land under the logits' key.
         if self.scorer.variant == scope.variant:
-            self.cache.store(looked_up, Scope(self.scorer.kind, self.scorer.model,
-                                              request.instruction, request.query,
-                                              request.max_tokens_per_doc, scope.variant),
-                             fresh)
+            model = self.scorer.model
+            self.cache.store(looked_up, scope if model == scope.model
+                             else dataclasses.replace(scope, model=model), fresh)
 
         # Results whose place was certain were blended and sent during scoring already.
         with telemetry.step("rerank.blend") as span:

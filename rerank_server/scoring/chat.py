@@ -35,10 +35,6 @@ class ChatScorer(PooledScorer):
         self._fit = ContextFit(pool)
         self._variant = prompt.qwen3_variant(assistant_prefill)
 
-    @property
-    def variant(self) -> str:
-        return self._variant
-
     def payload(self, request: ScoreRequest, document: str) -> dict[str, Any]:
         messages = [
             {"role": "system", "content": prompt.SYSTEM_PROMPT},

@@ -69,10 +69,6 @@ class CompletionScorer(PooledScorer):
         # document), or None where the template must render each query itself.
         self._frames: OrderedDict[str, tuple[str, str, str] | None] = OrderedDict()
 
-    @property
-    def variant(self) -> str:
-        return self._variant
-
     async def answer_ids(self) -> dict[int, str]:
         """Token id -> "yes" or "no", for every single-token variant; resolved once."""
         async with self._ids_lock:

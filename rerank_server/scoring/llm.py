@@ -103,10 +103,7 @@ class LlmScorer(PooledScorer):
     def __init__(self, pool: BackendPool, *, model: str, max_batch: int = 20) -> None:
         super().__init__(pool, model)  # configured: a chat server may serve several
         self._max_batch = max_batch
-
-    @property
-    def variant(self) -> str:
-        return VARIANT
+        self._variant = VARIANT
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:

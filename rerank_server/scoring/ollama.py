@@ -51,10 +51,7 @@ class OllamaScorer(PooledScorer):
 
     def __init__(self, pool: BackendPool, *, model: str) -> None:
         super().__init__(pool, model)  # configured: Ollama needs it in every call
-
-    @property
-    def variant(self) -> str:
-        return VARIANT
+        self._variant = VARIANT
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def one(i: int) -> PairOutcome:

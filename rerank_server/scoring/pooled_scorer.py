@@ -21,6 +21,7 @@ class PooledScorer:
         self._pool = pool
         self._configured_model = model
         self._reported_model = ""
+        self._variant = ""  # what a scorer's scores depend on besides model and pair
 
     @property
     def model(self) -> str:
@@ -28,8 +29,9 @@ class PooledScorer:
 
     @property
     def variant(self) -> str:
-        """What the scores depend on besides the model and the pair; none by default."""
-        return ""
+        """What the scores depend on besides the model and the pair (`Scorer.variant`):
+        its prompt's fixed text, set by each scorer that has one; none by default."""
+        return self._variant
 
     async def discover_model(self) -> None:
         if not self._configured_model:

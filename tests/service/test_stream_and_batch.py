@@ -17,6 +17,11 @@ from tests.waiting import eventually
 DOCS = [Candidate(id=f"d{i}", text=f"document {i}") for i in range(8)]
 
 
+def _three_candidates(request_id: str) -> pb.RerankRequest:
+    return pb.RerankRequest(request_id=request_id, query="q", candidates=[
+        pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+
+
 async def test_stream_matches_unary_order(
         client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
     fake_llama.scores = {f"document {i}": s for i, s in
@@ -91,8 +96,7 @@ async def test_batch_of_many_requests_over_one_stream(server: RunningServer) -> 
 
         async def requests():  # type: ignore[no-untyped-def]
             for i in range(20):
-                yield pb.RerankRequest(request_id=f"r{i}", query="q", candidates=[
-                    pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+                yield _three_candidates(f"r{i}")
                 await asyncio.sleep(0)
 
         ids = [r.request_id async for r in stub.RerankBatch(requests())]
@@ -105,8 +109,7 @@ async def test_a_batch_error_without_an_id_names_its_position(server: RunningSer
     did not decode always did."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.RerankerStub(channel)
-        good = pb.RerankRequest(request_id="ok", query="q", candidates=[
-            pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+        good = _three_candidates("ok")
         bad = pb.RerankRequest(query="", candidates=[pb.Candidate(id="0", text="t")])
 
         async def requests():  # type: ignore[no-untyped-def]
@@ -133,8 +136,7 @@ async def test_a_batch_stream_left_open_ends_when_the_server_stops(
 
         async def requests():  # type: ignore[no-untyped-def]
             for i in range(2):
-                yield pb.RerankRequest(request_id=f"r{i}", query="q", candidates=[
-                    pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+                yield _three_candidates(f"r{i}")
             await more.wait()
 
         call = stub.RerankBatch(requests())
@@ -172,8 +174,7 @@ async def test_a_batch_stream_opened_as_the_drain_begins_ends_unavailable(
     server.edge.service.drain()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.RerankerStub(channel)
-        request = pb.RerankRequest(request_id="r0", query="q", candidates=[
-            pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+        request = _three_candidates("r0")
         try:
             answers = [a async for a in stub.RerankBatch(iter([request]), timeout=10)]
         except grpc.aio.AioRpcError as exc:
