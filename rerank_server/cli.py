@@ -1,7 +1,9 @@
 """`rerank-server`: run the server (the default), or a subcommand (`SUBCOMMANDS`).
 
 Errors a user can fix (a bad setting, a port in use, a missing optional extra) end with
-one line on stderr naming what to change, and exit status 2; never a traceback.
+one line on stderr naming what to change, and exit status 2; something the server needs
+that would not start or build (managed mode's llama-server) with one line and status 1;
+never a traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import settings
-from .errors import BindError, ConfigError
+from .errors import BindError, ConfigError, StartError
 from .loops import loop_factory
 from .observability import logs
 from .workers import run
@@ -83,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BindError, ConfigError) as exc:
         print(f"rerank-server: error: {exc}", file=sys.stderr)
         return 2
+    except StartError as exc:
+        print(f"rerank-server: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,7 +1,9 @@
 """Errors raised on purpose, each with one meaning for whoever catches it.
 
 `InvalidRequest` is the caller's fault: the edge answers INVALID_ARGUMENT. `ConfigError`
-and `BindError` are the operator's: the command prints one line and exits 2.
+and `BindError` are the operator's: the command prints one line and exits 2. `StartError`
+is something the server needs that would not start (managed mode's llama-server, its
+build): one line naming where to look, exit 1.
 """
 
 from __future__ import annotations
@@ -33,3 +35,8 @@ class BindError(OSError):
                          "server using that port?")
         self.setting = setting
         self.address = address
+
+
+class StartError(RuntimeError):
+    """Something the server runs or builds before serving failed; the message says what
+    and where its output went."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -327,6 +329,11 @@ class Settings:
                               "--tls-key")
         if self.http_port and self.http_port == self.port:
             raise ConfigError("--http-port / RERANK_HTTP_PORT: must differ from --port")
+        try:
+            shlex.split(self.llama_args)
+        except ValueError as exc:  # checked now, not after minutes of building assets
+            raise ConfigError(f"--llama-args / {env_name('llama_args')}: cannot split it "
+                              f"into arguments ({exc})") from None
         if self.backend in (BackendKind.OLLAMA, BackendKind.LLM) and not self.model:
             raise ConfigError(f"--model / {env_name('model')}: the {self.backend} backend "
                               "needs a model name")
@@ -379,9 +386,14 @@ def _convert(kind: type[Any], raw: str, source: str) -> Any:
             raise ValueError(raw)
         if issubclass(kind, Enum):
             return kind(raw.strip().lower())
-        if kind is Path:
+        if issubclass(kind, Path):  # the default's type: PosixPath
+            if not raw.strip():  # Path("") is the working directory, never what was meant
+                raise ValueError(raw)
             return Path(raw).expanduser()
-        return kind(raw)
+        value = kind(raw)
+        if kind is float and not math.isfinite(value):  # nan passes every bound check
+            raise ValueError(raw)
+        return value
     except ValueError:
         choices = ""
         if issubclass(kind, Enum):

@@ -29,6 +29,8 @@ is kept, so an interrupted build resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -40,10 +42,11 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import StartError
 from ..settings import default_cache_dir
 
 
@@ -122,7 +125,7 @@ CMAKE_FLAGS = (
 )
 
 
-class AssetError(RuntimeError):
+class AssetError(StartError):
     """An asset could not be prepared; the message says which and what to do."""
 
 
@@ -187,8 +190,16 @@ def prepare_model(cache: Path, model: ModelFile = STAND_IN_MODEL) -> Path:
     return target
 
 
+def _native() -> bool:
+    return os.environ.get("RERANK_LLAMA_NATIVE", "1") != "0"
+
+
 def cached_llama_server(cache: Path) -> Path:
-    return cache / "llama.cpp" / LLAMA_CPP_SOURCE.version / "llama-server"
+    """Where the build lives: a portable one (`RERANK_LLAMA_NATIVE=0`) apart from a
+    native one, so neither is taken for the other (a native binary copied to an older
+    CPU dies of SIGILL at start)."""
+    flavour = "" if _native() else "-portable"
+    return cache / "llama.cpp" / f"{LLAMA_CPP_SOURCE.version}{flavour}" / "llama-server"
 
 
 def llama_source(cache: Path) -> Path:
@@ -311,7 +322,7 @@ def build_llama_server(cache: Path, jobs: int | None = None) -> Path:
                              "apt-get install cmake g++) or pass --llama-server PATH")
     source = llama_source(cache)
     build = source.parent / "cmake-build"
-    native = os.environ.get("RERANK_LLAMA_NATIVE", "1") != "0"
+    native = _native()
     flags = [*CMAKE_FLAGS, f"-DGGML_NATIVE={'ON' if native else 'OFF'}"]
     say("configuring llama.cpp (CMake)")
     _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
@@ -356,9 +367,15 @@ def llama_server_version(binary: Path) -> str:
 def resolve_llama_server(explicit: Path | None, cache: Path, build: bool) -> Path:
     """The binary to run: the one given, then one on PATH, then the cached (or new) build."""
     if explicit is not None:
-        if not os.access(explicit, os.X_OK):
+        # Absolute: exec looks a bare relative name ("llama-server", even "./x" once it is
+        # a Path) up on PATH, where os.access looked in the working directory.
+        found = explicit if os.access(explicit, os.X_OK) and explicit.is_file() else None
+        if found is None and os.sep not in str(explicit):
+            found = Path(shutil.which(str(explicit)) or explicit)
+            found = found if os.access(found, os.X_OK) and found.is_file() else None
+        if found is None:
             raise AssetError(f"--llama-server {explicit}: not an executable file")
-        return explicit
+        return found.absolute()
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
@@ -383,12 +400,40 @@ def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool) -> Pa
                      "prepare`), or pass --model-path FILE.gguf")
 
 
+@contextlib.contextmanager
+def cache_lock(cache: Path) -> Iterator[None]:
+    """Held while assets are prepared, so that runs sharing a cache (`make run` beside
+    `make test-assets`, two servers starting) take turns instead of building and
+    downloading into the same temporary paths together. A cache that cannot hold the lock
+    file (read-only, prepared in an image) is only read, and needs none."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        handle = (cache / ".lock").open("a")
+    except OSError:
+        yield
+        return
+    with handle:  # closing it releases the lock, as does the process ending
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another run preparing {cache} to finish")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def prepare(cache: Path, llama_server: Path | None = None,
             model: Path | None = None, embedding: bool = False,
             rank_head: bool = False) -> Assets:
     """Everything managed mode needs (with `embedding`, the MiniLM GGUF; with `rank_head`,
     MiniLM with an untrained rank head for `llama-server --rerank`); prints what it did
     and records it in manifest.json."""
+    with cache_lock(cache):
+        return _prepare(cache, llama_server, model, embedding, rank_head)
+
+
+def _prepare(cache: Path, llama_server: Path | None = None,
+             model: Path | None = None, embedding: bool = False,
+             rank_head: bool = False) -> Assets:
     say(f"cache: {cache}")
     binary = resolve_llama_server(llama_server, cache, build=True)
     version = llama_server_version(binary)

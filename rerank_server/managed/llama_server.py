@@ -13,7 +13,14 @@ the binary knows the flag and `--llama-args` does not set it: see there why.
 
 The child runs in its own session so a terminal's Ctrl-C reaches only us (we stop it in
 order), and on Linux it is sent SIGTERM if we die without stopping it
-(PR_SET_PDEATHSIG), so no llama-server outlives the server.
+(PR_SET_PDEATHSIG), so no llama-server outlives the server. Signals go to its whole
+process group, so a wrapper script's llama-server is stopped with the wrapper; the
+parent-death signal reaches the direct child only, so a wrapper should `exec` it.
+
+A restart that cannot be launched (the binary gone mid-upgrade, fork refused) or whose
+port another program took while it was down is retried with the same back-off; the
+supervisor never ends before `stop()`. Health polls to the child never go through a proxy
+named in the environment: it is on loopback.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pathlib import Path
 import httpx
 import structlog
 
+from ..errors import StartError
 from ..observability.instruments import Adder
 from ..settings import Settings
 from . import assets
@@ -66,6 +74,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _port_taken(port: int) -> bool:
+    """Whether something listens on our loopback `port` now. With SO_REUSEADDR, as
+    llama-server binds: the connections of the one just killed, in TIME_WAIT, do not
+    count."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    """`sig` to the child's process group (it leads its own session), so what a wrapper
+    script started goes too; only while the child has not been reaped, since its pid,
+    and so the group's id, may be reused after."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
 
 
 async def knows_flag(binary: Path, flag: str) -> bool:
@@ -158,15 +188,24 @@ class ManagedLlamaServer:
         log.info("llama_server_ram_cache", off=self._ram_cache_off,
                  reason="operator's setting" if own else
                  "passed --cache-ram 0" if self._ram_cache_off else "binary lacks the flag")
-        await self._launch()
+        try:
+            await self._launch()
+        except OSError as exc:
+            raise StartError(f"cannot start llama-server {self.binary}: {exc}") from None
         if not await self.wait_ready(self.ready_timeout_s):
+            code = self._proc.returncode if self._proc else None
             await self.stop()
-            raise RuntimeError(f"llama-server did not become ready within "
-                               f"{self.ready_timeout_s:.0f} s; see {self.log_path}")
+            why = (f"exited with code {code} while starting" if code is not None else
+                   f"did not become ready within {self.ready_timeout_s:.0f} s")
+            raise StartError(f"llama-server {why}; see {self.log_path}")
         self._supervisor = asyncio.create_task(self._supervise())
+        self._supervisor.add_done_callback(_report_end)
 
     async def _launch(self) -> None:
-        stdout = self.log_path.open("ab") if self.log_path else None
+        stdout = None
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)  # removed meanwhile?
+            stdout = self.log_path.open("ab")
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.command(), stdin=asyncio.subprocess.DEVNULL,
@@ -182,7 +221,7 @@ class ManagedLlamaServer:
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.returncode is not None:
                     return False
@@ -194,31 +233,49 @@ class ManagedLlamaServer:
 
     async def _supervise(self) -> None:
         backoff = BACKOFF_START_S
+        running = True  # start() launched it
         while not self._stopping:
-            assert self._proc is not None
-            started = time.monotonic()
-            code = await self._until_exit()
-            if self._stopping:
-                return
-            if time.monotonic() - started > STABLE_AFTER_S:
-                backoff = BACKOFF_START_S
-            log.warning("llama_server_exited", exit_code=code, restart_in_s=backoff)
+            if running:
+                started = time.monotonic()
+                code = await self._until_exit()
+                if self._stopping:
+                    return
+                if time.monotonic() - started > STABLE_AFTER_S:
+                    backoff = BACKOFF_START_S
+                log.warning("llama_server_exited", exit_code=code, restart_in_s=backoff)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            wait, backoff = backoff, min(backoff * 2, BACKOFF_MAX_S)
             if self._stopping:
                 return
             self.restarts += 1
             if self._restart_counter is not None:
                 self._restart_counter.add(1)
+            running = await self._restart(wait)
+
+    async def _restart(self, backoff_s: float) -> bool:
+        """Launch again and wait for it to be ready: whether a child was launched (and so
+        is to be waited on); one never ready is killed."""
+        if _port_taken(self.port):
+            # Launched, it would fail to bind while the other program's /health answered
+            # ours: taken for ready, and scored by whatever that program is.
+            log.error("llama_server_port_taken", port=self.port, retry_in_s=backoff_s * 2)
+            return False
+        try:
             await self._launch()
-            if await self.wait_ready(self.ready_timeout_s):
-                log.info("llama_server_ready", pid=self.pid, restarts=self.restarts)
-            elif self._proc.returncode is None:
-                # Alive but never healthy (stuck loading, say): as good as dead, and it
-                # would otherwise stay so, since only an exit brought a restart.
-                log.warning("llama_server_not_ready", pid=self._proc.pid,
-                            waited_s=self.ready_timeout_s)
-                await self._kill()
+        except OSError as exc:
+            log.error("llama_server_launch_failed", binary=str(self.binary),
+                      error=f"{type(exc).__name__}: {exc}", retry_in_s=backoff_s * 2)
+            return False
+        assert self._proc is not None
+        if await self.wait_ready(self.ready_timeout_s):
+            log.info("llama_server_ready", pid=self.pid, restarts=self.restarts)
+        elif self._proc.returncode is None:
+            # Alive but never healthy (stuck loading, say): as good as dead, and it
+            # would otherwise stay so, since only an exit brought a restart.
+            log.warning("llama_server_not_ready", pid=self._proc.pid,
+                        waited_s=self.ready_timeout_s)
+            await self._kill()
+        return True
 
     async def _until_exit(self) -> int:
         """Wait for the running child to exit: its exit code. One whose `/health` has not
@@ -231,7 +288,7 @@ class ManagedLlamaServer:
         async with contextlib.AsyncExitStack() as cleanup:
             cleanup.callback(exited.cancel)
             client = await cleanup.enter_async_context(
-                httpx.AsyncClient(timeout=LIVENESS_TIMEOUT_S))
+                httpx.AsyncClient(timeout=LIVENESS_TIMEOUT_S, trust_env=False))
             while True:
                 if (await asyncio.wait({exited}, timeout=self.liveness_every_s))[0]:
                     return exited.result()
@@ -247,8 +304,7 @@ class ManagedLlamaServer:
 
     async def _kill(self) -> None:
         assert self._proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            self._proc.kill()
+        _signal_group(self._proc, signal.SIGKILL)
         await self._proc.wait()
 
     async def stop(self) -> None:
@@ -260,15 +316,20 @@ class ManagedLlamaServer:
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
+        _signal_group(proc, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            _signal_group(proc, signal.SIGKILL)
             await proc.wait()
         log.info("llama_server_stopped", exit_code=proc.returncode)
+
+
+def _report_end(task: asyncio.Task[None]) -> None:
+    """The supervisor ends only by `stop()`: anything else would leave the backend down
+    for good without a word, so it is logged."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("llama_server_supervisor_failed", error=repr(task.exception()))
 
 
 def split_args(raw: str) -> list[str]:
@@ -305,8 +366,9 @@ async def start_managed(settings: Settings, restart_counter: Adder | None = None
 
 
 def _resolve_assets(cache: Path, llama_server: str, model_path: str) -> tuple[Path, Path]:
-    binary = assets.resolve_llama_server(Path(llama_server) if llama_server else None, cache,
-                                         build=True)
-    model = assets.resolve_model(Path(model_path) if model_path else None, cache,
-                                 fetch_missing=True)
+    with assets.cache_lock(cache):
+        binary = assets.resolve_llama_server(Path(llama_server) if llama_server else None,
+                                             cache, build=True)
+        model = assets.resolve_model(Path(model_path) if model_path else None, cache,
+                                     fetch_missing=True)
     return binary, model

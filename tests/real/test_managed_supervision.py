@@ -7,12 +7,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import pytest
 import structlog
 
+from rerank_server.errors import StartError
 from rerank_server.managed.llama_server import ManagedLlamaServer
 from tests.real.conftest import assets_or_fail
 from tests.waiting import eventually
@@ -93,3 +96,94 @@ async def test_a_restart_that_never_gets_ready_is_killed_and_tried_again(
         assert _gone(stuck["pid"])
         assert (tmp_path / "launches").read_text().strip() == "3"
         assert managed.restarts == 2
+
+
+def _wrapper(tmp_path: Path, binary: Path, body: str) -> Path:
+    """A `llama-server` script in `tmp_path` that answers `--help` from `binary` and
+    launches with `body`."""
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text("#!/bin/sh\n"
+                       f'if [ "$1" = --help ]; then exec "{binary}" --help; fi\n' + body)
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+async def test_a_restart_that_cannot_be_launched_is_tried_again(tmp_path: Path) -> None:
+    """The binary is gone when llama-server must be restarted (an upgrade replacing it,
+    say): the launch fails, is logged and retried with the back-off, and once the binary
+    is back the next restart serves. The supervisor used to end with the launch's
+    FileNotFoundError, unlogged, and never restart anything again."""
+    binary, _ = assets_or_fail()
+    wrapper = _wrapper(tmp_path, binary, f'exec "{binary}" "$@"\n')
+    async with _started(wrapper, tmp_path) as managed:
+        first = managed.pid
+        assert first is not None
+        with structlog.testing.capture_logs() as logged:
+            wrapper.rename(tmp_path / "away")
+            os.kill(first, signal.SIGKILL)
+            assert await eventually(
+                lambda: any(e["event"] == "llama_server_launch_failed" for e in logged), 30)
+            (tmp_path / "away").rename(wrapper)
+            assert await eventually(lambda: _healthy(managed, first), 60, poll_s=0.2)
+        failed = next(e for e in logged if e["event"] == "llama_server_launch_failed")
+        assert "FileNotFoundError" in failed["error"]
+
+
+async def test_stopping_stops_what_a_wrapper_script_started(tmp_path: Path) -> None:
+    """A wrapper that runs llama-server as its child (no `exec`): stopping the managed
+    server stops both, so nothing is left serving on the port. Only the wrapper used to
+    be signalled, and its llama-server served on."""
+    binary, _ = assets_or_fail()
+    wrapper = _wrapper(tmp_path, binary, f'"{binary}" "$@"\necho "exited $?"\n')
+    async with _started(wrapper, tmp_path) as managed:
+        url = managed.url
+        assert managed.pid is not None
+    async with httpx.AsyncClient(timeout=1) as http:
+        with contextlib.suppress(httpx.TransportError):
+            await http.get(url + "/health")
+            raise AssertionError("llama-server still answers after stop()")
+
+
+async def test_a_port_taken_while_llama_server_was_down_is_waited_for(
+        tmp_path: Path) -> None:
+    """Another program listens on the port while llama-server is down: no launch (it
+    could not bind, and the other program's /health would pass for its readiness); once
+    the port is free again, a restart serves there."""
+    binary, _ = assets_or_fail()
+    async with _started(binary, tmp_path) as managed:
+        first = managed.pid
+        assert first is not None
+        with structlog.testing.capture_logs() as logged:
+            os.kill(first, signal.SIGKILL)
+            assert await eventually(lambda: managed.pid is None, 10)
+            squatter = socket.socket()
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with squatter:
+                squatter.bind(("127.0.0.1", managed.port))
+                squatter.listen()
+                assert await eventually(
+                    lambda: any(e["event"] == "llama_server_port_taken" for e in logged), 30)
+            assert await eventually(lambda: _healthy(managed, first), 60, poll_s=0.2)
+
+
+async def test_a_llama_server_that_exits_at_start_is_one_line_with_its_code(
+        tmp_path: Path) -> None:
+    """A child that exits straight away is reported as such, with its exit code, at
+    once: not as "did not become ready within 120 s"."""
+    binary, _ = assets_or_fail()
+    wrapper = _wrapper(tmp_path, binary, "exit 3\n")
+    with pytest.raises(StartError, match="exited with code 3 while starting"):
+        async with _started(wrapper, tmp_path):
+            pass
+
+
+async def test_a_proxy_in_the_environment_does_not_hide_the_child(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP_PROXY (set for the downloads, say) sent the readiness polls of the child on
+    127.0.0.1 to the proxy: a healthy llama-server "did not become ready"."""
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead.getsockname()[1]}")
+        binary, _ = assets_or_fail()
+        async with _started(binary, tmp_path, ready_timeout_s=30) as managed:
+            assert managed.pid is not None

@@ -126,6 +126,42 @@ def test_bad_setting_exits_2_with_message() -> None:
     assert "--concurrency / RERANK_CONCURRENCY" in proc.stderr
 
 
+def test_a_managed_llama_server_that_cannot_start_is_one_line_and_exit_1(
+        tmp_path: pytest.TempPathFactory) -> None:
+    """Managed mode's start failures (a binary that is not there, a child that exits at
+    once) used to end in a traceback."""
+    crashing = tmp_path / "llama-server"  # type: ignore[operator]
+    crashing.write_text("#!/bin/sh\nexit 7\n")
+    crashing.chmod(0o755)
+    for binary, message in (("/nonexistent/llama-server", "not an executable file"),
+                            (str(crashing), "llama-server exited with code 7 while starting")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "rerank_server", "--managed", "--llama-server", binary,
+             "--port", str(free_port()), "--http-port", "0", "--metrics-port", "0"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)})
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert "rerank-server: error: " in proc.stderr and message in proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tls-cert", "c.pem", "--tls-key", "k.pem", "q", "d"], "need tls_ca"),
+    (["--tls-ca", "/nonexistent/ca.pem", "q", "d"], "/nonexistent/ca.pem"),
+    (["--file", "/nonexistent/c.jsonl", "q"], "--file /nonexistent/c.jsonl"),
+])
+def test_rerank_client_cli_command_line_mistakes_are_one_line(
+        argv: list[str], message: str) -> None:
+    """Found while building the call, not by the server: one line, exit 1, no
+    traceback (a ValueError, a FileNotFoundError used to escape)."""
+    proc = subprocess.run([sys.executable, "-m", "rerank_client.cli",
+                           "--target", f"127.0.0.1:{free_port()}", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("rerank-client: ") and "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
 async def test_rerank_client_cli_prints_ranked_table(
         server: RunningServer, fake_llama: FakeLlamaServer,
         capsys: pytest.CaptureFixture[str]) -> None:

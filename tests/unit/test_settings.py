@@ -43,6 +43,13 @@ def test_every_setting_has_flag_and_env_in_help() -> None:
     ({"RERANK_BACKEND": "nope"}, "RERANK_BACKEND: cannot read 'nope'"),
     ({"RERANK_LOG_LEVEL": "loud"}, "--log-level"),
     ({"RERANK_DISABLED": "maybe"}, "RERANK_DISABLED"),
+    # nan passes every bound check (nan < 0 is false) and then breaks what reads it
+    ({"RERANK_GRACE_PERIOD_S": "nan"}, "RERANK_GRACE_PERIOD_S: cannot read 'nan'"),
+    ({"RERANK_LLAMA_READY_TIMEOUT_S": "inf"}, "RERANK_LLAMA_READY_TIMEOUT_S"),
+    # Path("") is the working directory: the cache would land wherever the server started
+    ({"RERANK_CACHE_DIR": ""}, "RERANK_CACHE_DIR: cannot read ''"),
+    # split at start, not after minutes of building the assets
+    ({"RERANK_LLAMA_ARGS": '-t "4'}, "--llama-args / RERANK_LLAMA_ARGS: cannot split"),
 ])
 def test_bad_values_name_the_setting(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace("/", ".")):

@@ -102,8 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.file == "-":
             candidates += _read_jsonl(sys.stdin)
         else:
-            with open(args.file, encoding="utf-8") as fh:
-                candidates += _read_jsonl(fh)
+            try:
+                with open(args.file, encoding="utf-8") as fh:
+                    candidates += _read_jsonl(fh)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SystemExit(f"rerank-client: --file {args.file}: {exc}") from None
     options: dict[str, Any] = {"top_k": args.top_k, "instruction": args.instruction,
                                "blend_strategy": args.blend,
                                "always_score": args.always_score}
@@ -118,6 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _print_stream(client, args, candidates, texts, options)
             answer = client.rerank(args.query, candidates, timeout=args.timeout, **options)
     except RerankError as exc:
+        print(f"rerank-client: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, OSError) as exc:
+        # The command line's fault, found while building the call: a TLS file that is not
+        # there, a client certificate without its CA, a candidate field of the wrong type.
         print(f"rerank-client: {exc}", file=sys.stderr)
         return 1
     _print_answer(answer, texts, args.json)

@@ -1,0 +1,86 @@
+"""Finding managed mode's binary, and sharing one cache between runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rerank_server.managed import assets
+
+
+def _executable(path: Path) -> Path:
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_relative_llama_server_is_the_file_it_names_not_one_on_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--llama-server ./x` (a Path drops the `./`) used to reach exec as "x", which exec
+    looks up on PATH: a FileNotFoundError, or silently some other llama-server."""
+    ours = _executable(tmp_path / "llama-server")
+    elsewhere = tmp_path / "bin"
+    elsewhere.mkdir()
+    _executable(elsewhere / "llama-server")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(elsewhere))
+    found = assets.resolve_llama_server(Path("./llama-server"), tmp_path, build=False)
+    assert found == ours and found.is_absolute()
+
+
+def test_a_bare_name_not_in_the_working_directory_is_looked_up_on_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    on_path = _executable(tmp_path / "my-llama")
+    monkeypatch.chdir(tmp_path.parent)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert assets.resolve_llama_server(Path("my-llama"), tmp_path, build=False) == on_path
+    with pytest.raises(assets.AssetError, match="--llama-server nowhere: not an executable"):
+        assets.resolve_llama_server(Path("nowhere"), tmp_path, build=False)
+
+
+def test_a_portable_build_is_kept_apart_from_a_native_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native (-march=native) binary found where a portable one was asked for can die
+    of SIGILL on another CPU: the two never share a path."""
+    monkeypatch.delenv("RERANK_LLAMA_NATIVE", raising=False)
+    native = assets.cached_llama_server(tmp_path)
+    monkeypatch.setenv("RERANK_LLAMA_NATIVE", "0")
+    assert assets.cached_llama_server(tmp_path) != native
+
+
+def test_runs_preparing_one_cache_take_turns(tmp_path: Path) -> None:
+    """Two runs sharing a cache (a server starting while `make test-assets` builds) used
+    to write the same temporary paths together; the second now waits for the first."""
+    order: list[str] = []
+    first_in = threading.Event()
+
+    def first() -> None:
+        with assets.cache_lock(tmp_path):
+            first_in.set()
+            order.append("first in")
+            time.sleep(0.5)
+            order.append("first out")
+
+    def second() -> None:
+        first_in.wait()
+        with assets.cache_lock(tmp_path):
+            order.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert order == ["first in", "first out", "second in"]
+
+
+def test_a_cache_that_cannot_hold_the_lock_is_read_without_one(tmp_path: Path) -> None:
+    """A cache where the lock file cannot be made (read-only, prepared in an image; here
+    a path under a file) is only read: no lock, no error."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with assets.cache_lock(blocker / "cache"):
+        pass
