@@ -127,9 +127,10 @@ def check_deployment(where: str, deployment: dict[str, Any],
         port = int(env.get(env_name("port"), DEFAULTS.port))
         grace = float(env.get(env_name("grace_period_s"), DEFAULTS.grace_period_s))
         host = env.get(env_name("host"), DEFAULTS.host)
-        problems.check(pod.get("terminationGracePeriodSeconds", 30) > grace, where,
-                       f"terminationGracePeriodSeconds must exceed RERANK_GRACE_PERIOD_S "
-                       f"({grace})")
+        drain = _prestop_sleep(container) + grace
+        problems.check(pod.get("terminationGracePeriodSeconds", 30) > drain, where,
+                       f"terminationGracePeriodSeconds must exceed rerank-server's preStop "
+                       f"sleep + RERANK_GRACE_PERIOD_S ({drain:g})")
         check_probes(where, container, port, host, problems)
         declared = {p["containerPort"] for p in container.get("ports", [])}
         metrics_port = int(env.get(env_name("metrics_port"), DEFAULTS.metrics_port))
@@ -143,11 +144,40 @@ def check_deployment(where: str, deployment: dict[str, Any],
                            "declared")
         check_secrets(where, pod, container, env, problems)
         check_security(where, pod, container, problems)
+    drains = [_prestop_sleep(c) + float(container_env(c, config_maps, where, problems).get(
+        env_name("grace_period_s"), DEFAULTS.grace_period_s)) for c in ours]
     for container in pod["containers"]:
         if "llama.cpp" in container["image"]:
-            check_llama_args(f"{where} container {container['name']}",
-                             container.get("command", []) + container.get("args", []),
-                             problems)
+            at = f"{where} container {container['name']}"
+            args = container.get("command", []) + container.get("args", [])
+            check_llama_args(at, args, problems)
+            check_llama_probes(at, container, args, problems)
+            # All containers get SIGTERM at once: one that stops at once leaves the drain
+            # nothing to score with.
+            problems.check(_prestop_sleep(container) >= max(drains, default=0), at,
+                           "llama-server needs a preStop sleep of at least rerank-server's "
+                           f"preStop + RERANK_GRACE_PERIOD_S ({max(drains, default=0):g} s) "
+                           "so that requests in flight are scored while it drains")
+
+
+def _prestop_sleep(container: dict[str, Any]) -> float:
+    """Seconds of a `preStop` exec `sleep N` (0 without one)."""
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get(
+        "command", [])
+    return float(command[1]) if command[:1] == ["sleep"] and len(command) == 2 else 0.0
+
+
+def check_llama_probes(where: str, container: dict[str, Any], args: list[str],
+                       problems: Problems) -> None:
+    """The kubelet's tcpSocket and httpGet probes go to the pod's IP: a llama-server on
+    loopback needs exec probes."""
+    if _flag(args, "--host") not in ("127.0.0.1", "localhost"):
+        return
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(kind, {})
+        problems.check(not ({"tcpSocket", "httpGet", "grpc"} & probe.keys()), where,
+                       f"{kind}: the kubelet cannot reach a llama-server listening on "
+                       "127.0.0.1; probe with an exec (curl 127.0.0.1:PORT/health)")
 
 
 def check_llama_args(where: str, args: list[str], problems: Problems) -> None:
@@ -276,6 +306,9 @@ def _inherited(stages: list[Stage], stage: Stage, keyword: str) -> list[str]:
     return [arg for s in reversed(chain) for kw, arg in s.instructions if kw == keyword]
 
 
+NATIVE = "RERANK_LLAMA_NATIVE"  # read by `rerank-server prepare` and managed mode only
+
+
 def check_dockerfile(problems: Problems) -> None:
     where = "deploy/Dockerfile"
     stages = dockerfile_stages((ROOT / where).read_text())
@@ -285,6 +318,7 @@ def check_dockerfile(problems: Problems) -> None:
     scripts = (ROOT / "pyproject.toml").read_text()
     problems.check('rerank-server = "rerank_server.cli:main"' in scripts, where,
                    "the rerank-server console script is gone from pyproject.toml")
+    by_name = {s.name: s for s in stages}
     for stage in stages:
         if stage.name not in ("runtime", "all-in-one"):
             continue
@@ -304,8 +338,14 @@ def check_dockerfile(problems: Problems) -> None:
         exposed = {int(p) for arg in _inherited(stages, stage, "EXPOSE") for p in arg.split()}
         env = _env_instructions(_inherited(stages, stage, "ENV"))
         for key in env:
-            problems.check(not key.startswith(ENV_PREFIX) or key in SETTINGS, at,
-                           f"{key} is not a setting")
+            problems.check(not key.startswith(ENV_PREFIX) or key in SETTINGS
+                           or key == NATIVE, at, f"{key} is not a setting")
+        if any(kw == "COPY" and "--from=llama-build" in arg for kw, arg in stage.instructions):
+            # The build's flavour is part of where it is kept (assets.cached_llama_server).
+            built = _env_instructions(_inherited(stages, by_name["llama-build"], "ENV"))
+            problems.check(env.get(NATIVE, "1") == built.get(NATIVE, "1"), at,
+                           f"{NATIVE} must be as in the llama-build stage, or the server "
+                           "looks for the build elsewhere")
         for setting in ("port", "metrics_port", "http_port"):
             port = int(env.get(env_name(setting), getattr(DEFAULTS, setting)))
             problems.check(port == 0 or port in exposed, at,
