@@ -71,13 +71,14 @@ def _credentials(tls: CertificateFiles) -> grpc.ServerCredentials:
 
     def fetch() -> grpc.ServerCertificateConfiguration | None:
         # grpc calls this before each handshake: None keeps the current certificate.
-        if not tls.changed():
+        times = tls.changed()
+        if times is None:
             return None
         try:
             fresh = configuration()
         except OSError:
             return None  # half-written: the next handshake tries again
-        tls.loaded()
+        tls.loaded(times)
         return fresh
 
     return grpc.dynamic_ssl_server_credentials(

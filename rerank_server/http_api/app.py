@@ -125,6 +125,12 @@ class _Gate:
         if path not in RERANK_PATHS:
             await self._app(scope, receive, send)
             return
+        if scope["method"] == "POST" and not _json_type(headers.get("content-type")):
+            # FastAPI would read the body as form data and say only that it is not an
+            # object (curl's -d sends application/x-www-form-urlencoded).
+            await self._refuse(scope, send, 415, "Content-Type must be application/json",
+                               {})
+            return
         if await self._busy(scope, send):
             return
         body = await self._read_body(scope, headers, receive, send)
@@ -232,6 +238,13 @@ async def _refuse(send: Send, status: int, message: str,
         {"type": "http"}, _no_body, send)
 
 
+def _json_type(content_type: str | None) -> bool:
+    """`application/json`, parameters aside (`; charset=utf-8`), or a `+json` type."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                            and media.endswith("+json"))
+
+
 async def _no_body() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
 
@@ -269,8 +282,12 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         return JSONResponse({"message": exc.detail}, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"message": _validation_message(exc.errors())}, 422)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message = _validation_message(exc.errors())
+        # Its `rpc` line, as every other refusal of a rerank request but the 401 has.
+        rpc_failed(f"{request.method} {request.url.path}", "", time.perf_counter(), "422",
+                   ValueError(message), internal=False)
+        return JSONResponse({"message": message}, 422)
 
     def check_count(rpc: str, field: str, count: int) -> None:
         """The candidate cap, before any candidate is built."""
@@ -356,9 +373,17 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     async def health() -> JSONResponse:
         up = backend_up()
         state = "starting" if up is None else "up" if up else "down"
+        # Open to all, so with tokens on it keeps the model's name to `/v1/models`.
+        model = "" if tokens.enabled else reranker.scorer.model
         body = m.Health(status="ok" if up else "unavailable", backend=state,  # type: ignore[arg-type]
-                        model=reranker.scorer.model)
+                        model=model)
         return JSONResponse(body.model_dump(), 200 if up else 503)
+
+    # Some load balancers probe with HEAD (uvicorn leaves the body out). A route of its
+    # own: one route with both methods gives the OpenAPI document a duplicate operation.
+    @app.head("/health", include_in_schema=False)
+    async def health_head() -> JSONResponse:
+        return await health()
 
     @app.get("/v1/models", response_model=m.ModelList, tags=["operations"],
              responses={401: {"model": m.Error}})

@@ -11,12 +11,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+INT64_MAX = 2**63 - 1  # the proto's widest integer field
+
 
 def _integral(value: object) -> object:
     """A float with nothing after the point as the int it is: Python's `json.dumps` writes
-    `1.5 * 1000` as `1500.0`, and strict mode alone would refuse it."""
+    `1.5 * 1000` as `1500.0`, and strict mode alone would refuse it. No whole number
+    beyond 64 bits: JSON has no bound, and one of 400 digits overflowed float arithmetic
+    (a 500 instead of a 422 naming the field)."""
     if type(value) is float and value.is_integer():
-        return int(value)
+        value = int(value)
+    if type(value) is int and abs(value) > INT64_MAX:
+        raise ValueError(f"must be at most {INT64_MAX} in size")
     return value
 
 

@@ -226,7 +226,9 @@ class HttpEdge:
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, log_level="warning", access_log=False,
             http=protocol,
-            timeout_graceful_shutdown=max(int(settings.grace_period_s), 1),
+            # The grace period as it is (uvicorn waits with it as a float): rounded down to
+            # whole seconds it cut requests short of what the gRPC edge allows them.
+            timeout_graceful_shutdown=settings.grace_period_s,  # type: ignore[arg-type]
             ssl_certfile=str(tls.cert) if tls else None,
             ssl_keyfile=str(tls.key) if tls else None,
             ssl_ca_certs=str(tls.client_ca) if tls and tls.client_ca else None,
@@ -279,7 +281,8 @@ async def _reload_certificates(config: uvicorn.Config, tls: CertificateFiles) ->
     live.sni_callback = switch
     while True:
         await asyncio.sleep(RELOAD_EVERY_S)
-        if not tls.changed():
+        times = tls.changed()
+        if times is None:
             continue
         try:
             fresh = tls.server_context()
@@ -287,5 +290,5 @@ async def _reload_certificates(config: uvicorn.Config, tls: CertificateFiles) ->
             log.warning("tls_certificate_reload_failed", error=type(exc).__name__)
             continue
         current = fresh
-        tls.loaded()
+        tls.loaded(times)
         log.info("tls_certificate_reloaded", port="http")

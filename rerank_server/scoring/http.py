@@ -119,12 +119,14 @@ async def _read_bounded(response: httpx.Response, limit: int) -> tuple[int, byte
     return response.status_code, transport.decoded(response.headers.raw, bytes(body), limit)
 
 
-def new_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+def new_client(concurrency: int, timeout_s: float, loopback: bool = False,
+               ) -> httpx.AsyncClient:
     """The pooled client for backends off the lean transport (`https://`, proxied): its
     pool is never smaller than the semaphore, so at most `concurrency` calls are on the
-    wire (`HttpBackend`'s slots)."""
+    wire (`HttpBackend`'s slots). To `loopback`, never through a proxy."""
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s))
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s),
+                             trust_env=not loopback)
 
 
 Outcome = Callable[["BackendCallError | None"], None]
@@ -195,12 +197,14 @@ class HttpBackend:
         # transport, proxies and TLS settings.
         self._lean = transport.LeanTransport(max_idle=concurrency) \
             if transport.wanted(self.base_url) else None
-        self._client = new_client(concurrency, timeout_s) if self._lean is None else None
+        self._client = new_client(concurrency, timeout_s, transport.loopback(self.base_url)) \
+            if self._lean is None else None
         base = httpx.URL(self.base_url)
         self._address = (base.host, base.port or 80)
         self._side_client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=SIDE_CONNECTIONS, max_keepalive_connections=1),
-            timeout=httpx.Timeout(HEALTH_TIMEOUT_S))
+            timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
+            trust_env=not transport.loopback(self.base_url))
         self._side_slots = asyncio.Semaphore(SIDE_CONNECTIONS)  # see `_side_get`
         self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)

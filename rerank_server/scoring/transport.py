@@ -45,11 +45,13 @@ transport (`new_client` in `http.py` chooses).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import zlib
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import NamedTuple, cast
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -424,8 +426,22 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
 
 
 def wanted(base_url: str, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether `base_url` gets this transport: plain HTTP with no proxy configured."""
+    """Whether `base_url` gets this transport: plain HTTP with no proxy configured, or
+    to loopback, which no proxy can be meant for (`loopback`)."""
     env = os.environ if environ is None else environ
     proxied = any(env.get(name) for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY",
                                              "all_proxy"))
-    return base_url.startswith("http://") and not proxied
+    return base_url.startswith("http://") and (not proxied or loopback(base_url))
+
+
+def loopback(base_url: str) -> bool:
+    """Whether `base_url` is on this machine's loopback: a proxy elsewhere cannot reach
+    it, so a proxy in the environment (HTTP_PROXY, set for the model downloads, say)
+    must not be used for it; httpx would, unless NO_PROXY named it."""
+    host = (urlsplit(base_url).hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,11 +1,14 @@
 """TLS certificate files (`--tls-cert`, `--tls-key`, `--tls-client-ca`), re-read on change.
 
 Certificates are replaced without a restart: each edge asks `CertificateFiles.changed()`
-(cheap: file modification times), loads the new files into a fresh context for new
-connections, and only then calls `loaded()`; existing connections keep the certificate
-they were made with. A cert-manager or a mounted Secret that rotates the files is enough.
-A file pair caught half-written (new certificate, old key) fails to load: the old context
-stays in use, and since `loaded()` was not called the next check tries again.
+(cheap: file modification times, taken before the files are read), loads the new files
+into a fresh context for new connections, and only then calls `loaded()` with those
+times, so that a file replaced while it was being read counts as changed again (with the
+times taken after the read, that replacement went unseen until the next one); existing
+connections keep the certificate they were made with. A cert-manager or a mounted
+Secret that rotates the files is enough. A file pair caught half-written (new
+certificate, old key) fails to load: the old context stays in use, and since `loaded()`
+was not called the next check tries again.
 """
 
 from __future__ import annotations
@@ -54,13 +57,16 @@ class CertificateFiles:
         except OSError:
             return self._seen  # being replaced: keep what works
 
-    def changed(self) -> bool:
-        """Whether any file changed since the last successful load."""
-        return self._times() != self._seen
+    def changed(self) -> tuple[int, ...] | None:
+        """The files' times when any changed since the last successful load, else None:
+        read the files after this, and hand the times to `loaded()`."""
+        times = self._times()
+        return times if times != self._seen else None
 
-    def loaded(self) -> None:
-        """The files as they are now were loaded: stop reporting them as changed."""
-        self._seen = self._times()
+    def loaded(self, times: tuple[int, ...] | None = None) -> None:
+        """The files as they were at `times` (`changed()`'s; default: now) were loaded:
+        stop reporting them as changed."""
+        self._seen = self._times() if times is None else times
 
     def server_context(self) -> ssl.SSLContext:
         """A server-side context with these files (for the HTTP edge)."""

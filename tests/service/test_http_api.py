@@ -186,6 +186,43 @@ async def test_health_is_open_models_need_a_token_openapi_lists_the_routes(
         spec["paths"])
 
 
+async def test_a_body_that_is_not_json_by_its_type_gets_415_naming_the_type(
+        http_server: RunningServer) -> None:
+    """curl's `-d` sends application/x-www-form-urlencoded: FastAPI read such a body as
+    a form and answered 422 "Input should be a valid dictionary"."""
+    body = json.dumps({"query": "cats", "documents": DOCS}).encode()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        form = await http.post("/v1/rerank", content=body, headers={
+            **auth, "Content-Type": "application/x-www-form-urlencoded"})
+        untyped = await http.post("/rerank", content=body, headers=auth)
+        charset = await http.post("/v1/rerank", content=body, headers={
+            **auth, "Content-Type": "application/json; charset=utf-8"})
+    assert form.status_code == 415 and untyped.status_code == 415
+    assert form.json()["message"] == "Content-Type must be application/json"
+    assert charset.status_code == 200
+
+
+async def test_health_answers_head_and_keeps_the_model_for_token_holders(
+        start_server: StartServer, http_server: RunningServer) -> None:
+    """Some load balancers probe with HEAD. `/health` is open, so with tokens on the
+    model's name is left to `/v1/models`, which needs one (docs/security.md)."""
+    open_server = await start_server(http_port=free_port())
+    async with httpx.AsyncClient() as http:
+        assert await eventually(lambda: _up(http, base_url(http_server)), 10)
+        assert await eventually(lambda: _up(http, base_url(open_server)), 10)
+        head = await http.head(base_url(http_server) + "/health")
+        guarded = await http.get(base_url(http_server) + "/health")
+        unguarded = await http.get(base_url(open_server) + "/health")
+    assert head.status_code == 200 and head.content == b""
+    assert guarded.json()["model"] == ""
+    assert unguarded.json()["model"] == "fake-reranker.gguf"
+
+
+async def _up(http: httpx.AsyncClient, url: str) -> bool:
+    return (await http.get(url + "/health")).status_code == 200
+
+
 async def test_health_says_503_while_the_backend_is_down(
         start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
     fake_llama.kill()
@@ -289,6 +326,16 @@ async def test_http_errors_name_the_field_as_the_client_wrote_it(
     # Nested past msgspec's depth under a field nobody reads: a 422, not a 500.
     ('{"query": "q", "documents": ["a"], "x": ' + "[" * 1000 + "]" * 1000 + "}",
      "body: nested too deeply"),
+    # A document object of many fields, refused before the standard library and pydantic
+    # build it twice more (1.3 million fields: 333 MiB and 3 s of blocked loop).
+    ('{"query": "q", "documents": [{"text": "a", '
+     + ", ".join(f'"k{i}": 0' for i in range(300)) + "}]}",
+     "documents[0]: expected `object` of length <= 256"),
+    # Integers past 64 bits overflowed float arithmetic: a 500, one after scoring.
+    ('{"query": "q", "documents": ["a"], "timeout_ms": 1' + "0" * 400 + "}",
+     "timeout_ms: Value error, must be at most 9223372036854775807"),
+    ('{"query": "q", "documents": [{"text": "a", "retrieval_rank": 1' + "0" * 400 + "}]}",
+     "documents[0].retrieval_rank: Value error, must be at most"),
 ])
 async def test_bad_bodies_get_a_422_that_says_what_is_wrong(
         http_server: RunningServer, body: str, message: str) -> None:
@@ -375,6 +422,7 @@ async def test_a_body_that_never_arrives_is_refused_in_time(
     server = await start_server(http_port=free_port(), auth_tokens=TOKEN)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
     writer.write(b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                 b"Content-Type: application/json\r\n"
                  b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n{")
     await writer.drain()
     answer = await asyncio.wait_for(reader.read(), 10)  # to the end: the server hangs up
@@ -570,3 +618,48 @@ async def test_a_request_id_over_its_limit_is_not_logged(
     out = capsys.readouterr().out
     assert reply.status_code == 422 and reply.json()["message"].startswith("request_id: ")
     assert "R" * 600 not in out and '"request_id":""' in out
+
+
+async def test_every_refusal_of_a_rerank_request_has_its_log_line(
+        http_server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refusals by pydantic's validation (a wrong type, an unknown blend) had no `rpc`
+    line, where the shape check's and the rules' had (docs/http.md)."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    capsys.readouterr()
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        for body in ({"query": "q", "documents": ["a"], "top_n": "x"},
+                     {"query": "q", "documents": ["a"], "blend_strategy": "magic"}):
+            assert (await http.post("/v1/rerank", json=body, headers=auth)).status_code == 422
+        tei = await http.post("/rerank", json={"query": "q", "texts": ["a", 5]}, headers=auth)
+    assert tei.status_code == 422
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("{") and '"event":"rpc"' in line]
+    assert [(e["rpc"], e["status"], e["error"].split(":")[0]) for e in lines] == [
+        ("POST /v1/rerank", "422", "top_n"), ("POST /v1/rerank", "422", "blend_strategy"),
+        ("POST /rerank", "422", "texts[1]")]
+
+
+async def test_a_grace_period_of_part_seconds_is_kept_whole(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    """uvicorn was given the grace period cut to whole seconds: 1.9 s became 1 s, and a
+    request due at 1.4 s was cancelled into a plain-text 500."""
+    fake_llama.latency_s = 1.4
+    server = await start_server(http_port=free_port(), grace_period_s=1.9)
+    async with httpx.AsyncClient(base_url=base_url(server), timeout=10) as http:
+        call = asyncio.create_task(http.post("/v1/rerank", json={
+            "query": "cats", "documents": DOCS, "timeout_ms": 5000}))
+        await asyncio.sleep(0.2)  # the call is now waiting on the backend
+        await server.stop(grace=1.9)
+        reply = await call
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["meta"]["reranked"] is True
+
+
+async def test_bad_utf8_is_placed_by_its_byte_in_the_body(http_server: RunningServer) -> None:
+    """The offset was counted from the start of the string holding it ("at byte 1")."""
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/v1/rerank", content=b'{"query":"q","documents":["a\xff"]}',
+                                headers={"Authorization": f"Bearer {TOKEN}",
+                                         "Content-Type": "application/json"})
+    assert reply.status_code == 422
+    assert reply.json()["message"] == "body: not valid UTF-8 at byte 28"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from rerank_client.cli import main as client_main
 from rerank_server.api import healthcheck
 from rerank_server.http_api import server as http_server_module
 from rerank_server.managed.llama_server import free_port
+from rerank_server.security.tls import CertificateFiles
 from rerank_server.server import RunningServer
 from rerank_server.settings import Settings
 from tests.conftest import StartServer
@@ -226,3 +228,22 @@ async def test_rerank_client_cli_sends_its_token_over_tls(
             "q", "alpha", "beta", "gamma"]
     assert await asyncio.to_thread(client_main, ["--token", TOKEN, *argv]) == 0
     assert await asyncio.to_thread(client_main, argv) != 0  # no token: refused
+
+
+def test_a_certificate_replaced_while_it_was_read_is_read_again(tmp_path: Path) -> None:
+    """The times a reload marks as seen are those from before it read the files: a file
+    replaced during the read still counts as changed. (They were taken after the read,
+    and such a replacement went unnoticed until the next one.)"""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_text("old")
+    key.write_text("old")
+    files = CertificateFiles.from_paths(str(cert), str(key))
+    assert files is not None and files.changed() is None
+    cert.write_text("new")
+    times = files.changed()
+    assert times is not None
+    files.read()  # the reload reads the files ...
+    cert.write_text("newer")  # ... and meanwhile they are replaced again
+    os.utime(cert, ns=(times[0] + 1_000_000, times[0] + 1_000_000))
+    files.loaded(times)
+    assert files.changed() is not None

@@ -14,12 +14,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
+from rerank_client import AsyncRerankClient
 
 from rerank_server.scoring import http as http_module
 from rerank_server.scoring import transport as lean
 from rerank_server.scoring.base import Failure
 from rerank_server.scoring.http import BackendCallError, HttpBackend
 from rerank_server.scoring.transport import LeanTransport, wanted
+from tests.conftest import StartServer
+from tests.fakes.llama import FakeLlamaServer
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -352,6 +355,25 @@ def test_plain_http_without_a_proxy_only() -> None:
     assert wanted("http://127.0.0.1:8080", {})
     assert not wanted("https://api.example.com", {})
     assert not wanted("http://llama:8080", {"HTTP_PROXY": "http://proxy:3128"})
+    # no proxy can reach our loopback: one in the environment is not for it
+    assert wanted("http://127.0.0.1:8080", {"HTTP_PROXY": "http://proxy:3128"})
+    assert wanted("http://localhost:8080", {"ALL_PROXY": "http://proxy:3128"})
+
+
+async def test_a_proxy_in_the_environment_is_not_used_for_a_loopback_backend(
+        start_server: StartServer, fake_llama: FakeLlamaServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP_PROXY set for the downloads (say) sent the calls and health polls for a
+    backend on 127.0.0.1 to the proxy: every answer degraded. (Upper case only: gRPC's
+    own client, the test's, reads the lower-case name.)"""
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead.getsockname()[1]}")
+        monkeypatch.setenv("ALL_PROXY", f"http://127.0.0.1:{dead.getsockname()[1]}")
+        running = await start_server()
+        async with AsyncRerankClient(f"127.0.0.1:{running.port}") as client:
+            answer = await client.rerank("q", ["a", "b", "c"], timeout=10)
+    assert answer.reranked
 
 
 async def test_http_backend_sends_what_a_model_server_expects(
