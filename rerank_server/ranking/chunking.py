@@ -11,6 +11,12 @@ A term's weight is its inverse document frequency over the request's candidates,
 query word every candidate contains ("the", "what") counts for little and a rare one
 decides. Repeats count with diminishing returns (log). Ties go to the earliest window, so
 the choice is deterministic; with no query term anywhere, the document's start wins.
+
+Scripts written without spaces between words (Chinese, Japanese; Korean's long words
+too) are matched on their characters and overlapping character pairs, the usual bigram
+approach of search engines for them, and their sentences end at 。！？ as well: read as
+one "word" per run of characters, such a query never matched, and the window was always
+the document's start.
 """
 
 from __future__ import annotations
@@ -22,9 +28,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..domain import Candidate
 
-_WORD = re.compile(r"\w+", re.UNICODE)
-# Sentence ends: ., ! or ? followed by space, or any line break run.
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*")
+# Han, kana, Hangul (and their compatibility forms): matched by character, not by word.
+_CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_WORD = re.compile(rf"[^\W{_CJK_CHARS}]+")
+_CJK = re.compile(rf"[{_CJK_CHARS}]")
+_CJK_PAIR = re.compile(rf"(?=([{_CJK_CHARS}]{{2}}))")  # overlapping pairs, found in C
+# Sentence ends: ., ! or ? followed by space, a full-width or Arabic or Devanagari end
+# (no space follows those), or any line break run.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？؟।])\s*|\n\s*")
+# Where a sentence longer than the window may be wrapped: any space, the ideographic too.
+_WRAP_AT = (" ", "\t", "\u3000", "\u00a0")
 _TIE = 1e-9
 PIECES_PER_WINDOW = 16
 # Longer texts to cut than this in one request are cut off the event loop (`pipeline`):
@@ -33,8 +46,24 @@ CHUNK_ON_LOOP_CHARS = 128 * 1024
 
 
 def terms(text: str) -> list[str]:
-    """Lower-cased word tokens; single characters carry too little to match on."""
-    return [t for t in _WORD.findall(text.lower()) if len(t) > 1]
+    """Lower-cased word tokens, single letters left out (they carry too little to match
+    on); then the CJK characters and their overlapping pairs."""
+    lowered = text.lower()
+    return [t for t in _WORD.findall(lowered) if len(t) > 1] + _cjk_terms(lowered)
+
+
+def _cjk_terms(lowered: str) -> list[str]:
+    return _CJK.findall(lowered) + _CJK_PAIR.findall(lowered)
+
+
+def _words(lowered: str, cjk: bool) -> list[str]:
+    """The tokens of a (lower-cased) document that a query's terms can match; the CJK
+    ones only when the query has any (`cjk`), a second pass otherwise spent for nothing."""
+    return _WORD.findall(lowered) + _cjk_terms(lowered) if cjk else _WORD.findall(lowered)
+
+
+def _has_cjk(weights: Mapping[str, float]) -> bool:
+    return any(_CJK.match(t) for t in weights)
 
 
 def query_term_weights(query: str, documents: Iterable[str]) -> dict[str, float]:
@@ -44,11 +73,12 @@ def query_term_weights(query: str, documents: Iterable[str]) -> dict[str, float]
         return {}
     doc_freq: Counter[str] = Counter()
     n = 0
+    cjk = _has_cjk(dict.fromkeys(query_terms, 0.0))
     for doc in documents:
         n += 1
         # The words as a set straight from the pattern (the query's terms are already
         # longer than one character): one pass in C over what can be 128 KiB.
-        doc_freq.update(query_terms.intersection(_WORD.findall(doc.lower())))
+        doc_freq.update(query_terms.intersection(_words(doc.lower(), cjk)))
     return {t: math.log(1.0 + (n - doc_freq[t] + 0.5) / (doc_freq[t] + 0.5)) for t in query_terms}
 
 
@@ -64,15 +94,16 @@ def _pieces(text: str, max_chars: int) -> list[tuple[int, int]]:
     each found by a match in Python; the regex engine now skips the short ones.)"""
     floor = max(1, max_chars // PIECES_PER_WINDOW)
     out: list[tuple[int, int]] = []
-    lead = _SENTENCE_END.match(text)  # a text that opens with line breaks
-    pos, n = (lead.end() if lead else 0), len(text)
+    # From the first character that is not a space: a text that opened with a window's
+    # worth of spaces had a blank first piece, the window chosen when nothing matched.
+    pos, n = len(text) - len(text.lstrip()), len(text)
     while pos < n:
         match = _SENTENCE_END.search(text, pos + floor)
         end, after = (match.start(), match.end()) if match else (n, n)
         s = pos
         while end - s > max_chars:
             # Hard-wrap at the last space inside the limit, or mid-word if there is none.
-            cut = text.rfind(" ", s + 1, s + max_chars + 1)
+            cut = max(text.rfind(space, s + 1, s + max_chars + 1) for space in _WRAP_AT)
             cut = cut if cut > s else s + max_chars
             out.append((s, cut))
             s = cut
@@ -135,8 +166,9 @@ def _piece_counts(text: str, pieces: Sequence[tuple[int, int]],
                   weights: Mapping[str, float]) -> list[dict[str, int]]:
     """The query terms in each piece, counted (a piece without any: an empty dict)."""
     counts: list[dict[str, int]] = []
+    cjk = _has_cjk(weights)
     for s, e in pieces:
-        found = [t for t in _WORD.findall(text[s:e].lower()) if t in weights]
+        found = [t for t in _words(text[s:e].lower(), cjk) if t in weights]
         counts.append(Counter(found) if found else {})
     return counts
 

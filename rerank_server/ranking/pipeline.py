@@ -203,6 +203,7 @@ class Reranker:
         if overloaded is not None:
             ranking.fail_outstanding()  # answered at once, in retrieval order
             pending = []
+            outcome.submitted = len(hits)  # what was not sent was not submitted
         if pending:
             pairs = ScoreRequest(request.query, request.instruction,
                                  [documents[i] for i in pending], request.max_tokens_per_doc)

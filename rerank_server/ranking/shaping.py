@@ -139,8 +139,11 @@ def _merged(query: Request, sources: list[_Source], everything: list[Candidate],
             k = query.fusion_k
             for src in sources:
                 ranks = [m.retrieval_rank for m in members if source_of[m.index] is src]
-                if ranks:
+                if ranks and src.weight > 0:  # a list of weight 0 counts for nothing
                     score += src.weight / (k + min(ranks)) + rank_bonus(min(ranks))
+            # Rounded so that equal sums added in another order (x, y, z each first in
+            # one of three lists) tie, and the tie-break below decides, not the last bit.
+            score = round(score, 12)
         # Most groups are one occurrence, already marked with its list (`_sources`).
         merged.append((best if best.found_in == names
                        else best._replace(found_in=names), score))
@@ -202,7 +205,7 @@ def _groups(candidates: list[Candidate], dedup_key: str) -> list[list[Candidate]
     first_by: dict[tuple[str, str], int] = {}
     for i, c in enumerate(candidates):
         keys = [("id", c.id)]
-        if dedup_key and dedup_key in c.metadata:
+        if dedup_key and c.metadata.get(dedup_key):  # an empty value is no value
             keys.append(("key", c.metadata[dedup_key]))
         for key in keys:
             j = first_by.setdefault(key, i)
@@ -234,11 +237,12 @@ def apply_threshold(ordered: list[Candidate], spec: ThresholdSpec, top_k: int,
     scores = sorted(c.normalized_score or 0.0 for c in ordered)
     t, steps, reached_floor = start, 0, False
     while len(scores) - bisect.bisect_left(scores, t - _EPS) < need:
-        lower = round(t - step, 9)
-        if lower < floor - _EPS:
+        if t <= floor + _EPS:
             reached_floor = True
             break
-        t, steps = lower, steps + 1
+        # The last step lands on the floor itself: stepping only by whole steps, a floor
+        # between two of them was never tried, and what passed it was dropped.
+        t, steps = max(round(t - step, 9), floor), steps + 1
     kept = passing(t)
     if not kept and ordered:
         # At the floor with nothing passing: keep the best found rather than nothing.

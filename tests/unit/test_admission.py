@@ -73,4 +73,6 @@ def test_a_queue_in_the_headroom_is_answered_overloaded_at_once() -> None:
     assert summary.degraded is not None and summary.degraded.code is DegradedCode.OVERLOADED
     assert "past 90% of the 1.0 s budget" in summary.degraded.message
     assert scorer.seen == []  # nothing was sent
+    # ... so nothing counts as submitted (it used to: 5 submitted, 0 scored, 0 failed)
+    assert (summary.submitted, summary.scored, summary.failed) == (0, 0, 0)
     assert [r.candidate.id for r in results] == [f"d{i}" for i in range(5)]  # retrieval order

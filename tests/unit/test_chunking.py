@@ -56,3 +56,28 @@ def test_chunk_is_a_bounded_substring(text: str, query: str, limit: int) -> None
     assert len(chunk) <= limit
     if len(text) <= limit:
         assert chunk == text
+
+
+def test_chinese_and_japanese_are_matched_by_their_characters() -> None:
+    """No spaces between words: each run of characters was one "word", so a query never
+    matched one, and the window was always the document's start."""
+    filler_zh = "今天天气很好，我们去公园散步。" * 20
+    relevant_zh = "火山爆发是因为岩浆上升到地表。"
+    text = filler_zh + relevant_zh + filler_zh
+    chunk = select_chunks("火山为什么会爆发", [text], 100)[0]
+    assert relevant_zh in chunk and len(chunk) <= 100
+    filler_ja = "今日はとても良い天気でした。" * 20
+    relevant_ja = "猫は肉を食べる動物です。"
+    chunk = select_chunks("猫は何を食べますか", [filler_ja + relevant_ja + filler_ja], 60)[0]
+    assert relevant_ja in chunk
+    # ... and a sentence ends at 。, so the window starts on a sentence
+    assert chunk.startswith(("今日", "猫"))
+
+
+def test_a_text_that_opens_with_spaces_is_not_scored_as_blank() -> None:
+    """Only leading line breaks were skipped: a window's worth of spaces (or no-break
+    spaces) made a blank first piece, the window taken when no query term matched."""
+    for space in (" ", "\u00a0"):
+        text = space * 120 + "Real text that says something. " * 10
+        chunk = best_chunk(text, 100, {"zebra": 1.0})
+        assert chunk.strip() and chunk.startswith("Real text")

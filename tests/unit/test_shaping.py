@@ -107,6 +107,36 @@ def test_dedup_key_merges_different_ids_keeping_the_best_ranked() -> None:
     assert shaped.deduplicated == 1
 
 
+def test_an_empty_dedup_key_value_merges_nothing() -> None:
+    """`url: ""` is no url: b, c and d used to merge into one."""
+    meta = [{"url": "x"}, {"url": ""}, {"url": ""}, {"url": ""}, {}]
+    shaped = shape(resolve(query(candidates=cands("abcde", metadata=meta),
+                                 dedup_key="url"), RULES))
+    assert [c.id for c in shaped.candidates] == ["a", "b", "c", "d", "e"]
+    assert shaped.deduplicated == 0
+
+
+def test_a_list_of_weight_zero_counts_for_nothing() -> None:
+    """Its rank bonus (.05 for rank 1) used to count without its weight, and lifted d from
+    fourth to second."""
+    q = query(lists=(RankedList("main", cands("abcd")),
+                     RankedList("ignored", cands("d", 4), weight=0.0)))
+    shaped = shape(resolve(q, RULES))
+    assert [c.id for c in shaped.candidates] == ["a", "b", "c", "d"]
+    assert shaped.candidates[3].found_in == ("main", "ignored")
+
+
+def test_equal_fused_scores_tie_and_the_tie_break_decides() -> None:
+    """Three lists, each led by another of x, y, z: mathematically equal sums, added in
+    other orders, differed in the last bit and ordered y, z, x; the documented tie-break
+    (best rank in any list, then the earlier index) gives x, y, z."""
+    lists = (RankedList("l1", cands("xyz")), RankedList("l2", cands("yzx", 3)),
+             RankedList("l3", cands("zxy", 6)))
+    shaped = shape(resolve(query(lists=lists), RULES))
+    assert [c.id for c in shaped.candidates] == ["x", "y", "z"]
+    assert len({c.normalized_score for c in shaped.candidates}) == 1
+
+
 def test_dedup_links_groups_through_ids_and_keys() -> None:
     """a~b share a key; b appears again in another list; one document in the end."""
     lists = (RankedList("v", cands("ab", metadata=[{"k": "1"}, {"k": "1"}])),
@@ -149,6 +179,19 @@ def test_adaptive_threshold_stops_at_the_floor_and_keeps_what_passed() -> None:
     assert shaped.threshold.threshold == pytest.approx(0.35)
     assert shaped.threshold.steps == 8
     assert shaped.threshold.reached_floor
+    assert [c.id for c in shaped.candidates] == ["a", "b", "c"]
+
+
+def test_adaptive_threshold_tries_a_floor_between_two_steps() -> None:
+    """start .75, step .3: .45, then the floor .35 itself, where b and c pass. The floor
+    used to be tried only when the steps landed on it: `a` alone was kept, at .45, and
+    the report said the floor was reached."""
+    spec = ThresholdSpec(ThresholdMode.ADAPTIVE, start=0.75, step=0.3, floor=0.35)
+    q = query(candidates=scored([0.5, 0.4, 0.38, 0.1]), top_k=4, threshold=spec)
+    shaped = shape(resolve(q, RULES))
+    assert shaped.threshold is not None
+    assert shaped.threshold.threshold == pytest.approx(0.35)
+    assert shaped.threshold.steps == 2 and shaped.threshold.reached_floor
     assert [c.id for c in shaped.candidates] == ["a", "b", "c"]
 
 

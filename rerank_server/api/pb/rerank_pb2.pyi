@@ -54,14 +54,15 @@ class _BlendStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlendSt
     BLEND_STRATEGY_ADAPTIVE: _BlendStrategy.ValueType  # 4
     """Trust the reranker as far as its scores in this request carry evidence: the weight
     of its (request-normalized) score grows with the spread of its scores, from 0 (the
-    retrieval order) to 1 (the reranker's order). Results stream only once every pair is
-    scored. See docs/blending.md.
+    retrieval order) to 1 (the reranker's order). A result streams once no score still
+    outstanding could move it (the weight is bounded as pairs arrive). See
+    docs/blending.md.
     """
     BLEND_STRATEGY_PROFILE: _BlendStrategy.ValueType  # 5
     """The adaptive blend with parameters fitted offline for the server's backend and
     model (a blend profile, `--blend-profile`); `blend_profile` in the answer names it.
     With no profile for the model, the answer is blended by ADAPTIVE and says so in
-    `blend_strategy`. Results stream only once every pair is scored.
+    `blend_strategy`. Results stream as for ADAPTIVE.
     """
 
 class BlendStrategy(_BlendStrategy, metaclass=_BlendStrategyEnumTypeWrapper):
@@ -81,14 +82,15 @@ BLEND_STRATEGY_RERANK_ONLY: BlendStrategy.ValueType  # 3
 BLEND_STRATEGY_ADAPTIVE: BlendStrategy.ValueType  # 4
 """Trust the reranker as far as its scores in this request carry evidence: the weight
 of its (request-normalized) score grows with the spread of its scores, from 0 (the
-retrieval order) to 1 (the reranker's order). Results stream only once every pair is
-scored. See docs/blending.md.
+retrieval order) to 1 (the reranker's order). A result streams once no score still
+outstanding could move it (the weight is bounded as pairs arrive). See
+docs/blending.md.
 """
 BLEND_STRATEGY_PROFILE: BlendStrategy.ValueType  # 5
 """The adaptive blend with parameters fitted offline for the server's backend and
 model (a blend profile, `--blend-profile`); `blend_profile` in the answer names it.
 With no profile for the model, the answer is blended by ADAPTIVE and says so in
-`blend_strategy`. Results stream only once every pair is scored.
+`blend_strategy`. Results stream as for ADAPTIVE.
 """
 Global___BlendStrategy: _TypeAlias = BlendStrategy  # noqa: Y015
 
@@ -127,7 +129,7 @@ class _DegradedReasonCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_De
     DEGRADED_REASON_CODE_BACKEND_UNAVAILABLE: _DegradedReasonCode.ValueType  # 1
     """The scoring backend could not be reached (connection refused, DNS, reset)."""
     DEGRADED_REASON_CODE_TIMEOUT: _DegradedReasonCode.ValueType  # 2
-    """The time budget ran out before every pair was scored."""
+    """The time budget ran out before any pair was scored (PARTIAL when some were)."""
     DEGRADED_REASON_CODE_MALFORMED_RESPONSE: _DegradedReasonCode.ValueType  # 3
     """The backend answered, but not in a shape that yields a score."""
     DEGRADED_REASON_CODE_BACKEND_ERROR: _DegradedReasonCode.ValueType  # 4
@@ -166,7 +168,7 @@ DEGRADED_REASON_CODE_UNSPECIFIED: DegradedReasonCode.ValueType  # 0
 DEGRADED_REASON_CODE_BACKEND_UNAVAILABLE: DegradedReasonCode.ValueType  # 1
 """The scoring backend could not be reached (connection refused, DNS, reset)."""
 DEGRADED_REASON_CODE_TIMEOUT: DegradedReasonCode.ValueType  # 2
-"""The time budget ran out before every pair was scored."""
+"""The time budget ran out before any pair was scored (PARTIAL when some were)."""
 DEGRADED_REASON_CODE_MALFORMED_RESPONSE: DegradedReasonCode.ValueType  # 3
 """The backend answered, but not in a shape that yields a score."""
 DEGRADED_REASON_CODE_BACKEND_ERROR: DegradedReasonCode.ValueType  # 4
@@ -786,7 +788,9 @@ class ThresholdReport(_message.Message):
     steps: _builtins.int
     """How many times the adaptive threshold was lowered (0 for a fixed one)."""
     passed: _builtins.int
-    """Candidates that passed it."""
+    """Candidates kept: those that passed it or, when none passed the floor, the best
+    kept in their place (`reached_floor`).
+    """
     reached_floor: _builtins.bool
     """The adaptive threshold reached its floor without enough candidates passing."""
     def __init__(
