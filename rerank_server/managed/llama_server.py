@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -120,19 +121,28 @@ async def knows_flag(binary: Path, flag: str) -> bool:
             raise
         log.warning("llama_server_help_unanswered", waited_s=HELP_TIMEOUT_S, flag=flag)
         return False
-    # Each option's line starts with its names (`-cram, --cache-ram N`), then two or more
-    # spaces and its description.
+    # Each option's line starts with its names (`-cram, --cache-ram N`, or padded:
+    # `-c,    --ctx-size N`), then its argument and description: the names are the
+    # leading words that start with a dash.
     for line in out.decode(errors="replace").splitlines():
-        names = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
-        if names.startswith("-") and flag in re.split(r"[,\s]+", names):
-            return True
+        for word in re.split(r"[,\s]+", line.strip()):
+            if not word.startswith("-"):
+                break
+            if word == flag:
+                return True
     return False
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform == "linux":
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# Loaded here, once: loading a library in the child, between fork and exec, can deadlock
+# on a lock another of our threads held at the fork.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above: no signal
+            os._exit(1)
 
 
 class ManagedLlamaServer:
@@ -210,7 +220,7 @@ class ManagedLlamaServer:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.command(), stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout or asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()))
         finally:
             if stdout:
                 stdout.close()

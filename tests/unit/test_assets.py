@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rerank_server.managed import assets
+from rerank_server.managed.llama_server import knows_flag
 
 
 def _executable(path: Path) -> Path:
@@ -84,3 +85,20 @@ def test_a_cache_that_cannot_hold_the_lock_is_read_without_one(tmp_path: Path) -
     blocker.write_text("")
     with assets.cache_lock(blocker / "cache"):
         pass
+
+
+async def test_flags_are_found_however_their_short_names_are_padded(tmp_path: Path) -> None:
+    """llama-server pads short names to line up (`-c,    --ctx-size N`): only flags whose
+    short name happened to fill the column were found."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\ncat <<'EOF'\n"
+                    "-c,    --ctx-size N                     size of the prompt context\n"
+                    "-cram, --cache-ram N                    set the maximum cache size\n"
+                    "--ui,  --webui, --no-ui, --no-webui     whether to enable the Web UI\n"
+                    "                                        when set without -np, ...\n"
+                    "EOF\n")
+    fake.chmod(0o755)
+    for flag in ("--ctx-size", "-c", "--cache-ram", "--no-webui"):
+        assert await knows_flag(fake, flag), flag
+    for flag in ("-np", "N", "--nothing"):
+        assert not await knows_flag(fake, flag), flag
