@@ -310,6 +310,9 @@ class Settings:
             lo, hi = f.metadata.get("minimum"), f.metadata.get("maximum")
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
+            if not math.isfinite(value):  # nan passes every bound check; built in code
+                raise ConfigError(f"{flag_name(f.name)} / {env_name(f.name)}: must be a "
+                                  f"finite number, got {value}")
             if (lo is not None and value < lo) or (hi is not None and value > hi):
                 bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
                 raise ConfigError(f"{flag_name(f.name)} / {env_name(f.name)}: must be "

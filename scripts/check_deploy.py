@@ -161,10 +161,18 @@ def check_deployment(where: str, deployment: dict[str, Any],
 
 
 def _prestop_sleep(container: dict[str, Any]) -> float:
-    """Seconds of a `preStop` exec `sleep N` (0 without one)."""
-    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get(
-        "command", [])
-    return float(command[1]) if command[:1] == ["sleep"] and len(command) == 2 else 0.0
+    """Seconds of a `preStop` that sleeps: an exec `sleep N` (`N`, `Ns`), or the `sleep`
+    action of Kubernetes 1.30; 0 for any other hook, or none."""
+    pre_stop = container.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in pre_stop:
+        return float(pre_stop["sleep"].get("seconds", 0))
+    command = pre_stop.get("exec", {}).get("command", [])
+    if command[:1] != ["sleep"] or len(command) != 2:
+        return 0.0
+    try:
+        return float(str(command[1]).removesuffix("s"))
+    except ValueError:
+        return 0.0
 
 
 def check_llama_probes(where: str, container: dict[str, Any], args: list[str],

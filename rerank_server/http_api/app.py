@@ -126,8 +126,9 @@ class _Gate:
             await self._app(scope, receive, send)
             return
         if scope["method"] == "POST" and not _json_type(headers.get("content-type")):
-            # FastAPI would read the body as form data and say only that it is not an
-            # object (curl's -d sends application/x-www-form-urlencoded).
+            # FastAPI would not parse it as JSON, and say only that the body is not an
+            # object (curl's -d sends application/x-www-form-urlencoded). Refused from the
+            # head, as the 401 is: the body is not read into the budget.
             await self._refuse(scope, send, 415, "Content-Type must be application/json",
                                {})
             return

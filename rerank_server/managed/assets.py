@@ -410,6 +410,8 @@ def cache_lock(cache: Path) -> Iterator[None]:
         cache.mkdir(parents=True, exist_ok=True)
         handle = (cache / ".lock").open("a")
     except OSError:
+        handle = None
+    if handle is None:
         yield
         return
     with handle:  # closing it releases the lock, as does the process ending
@@ -475,8 +477,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rerank-server prepare",
         description="Build or find llama-server and fetch the stand-in model into the cache.")
+    # As the server reads it: an empty RERANK_CACHE_DIR is refused, not the default.
+    from_env = os.environ.get("RERANK_CACHE_DIR")
+    if from_env is not None and not from_env.strip():
+        print("rerank-server prepare: error: RERANK_CACHE_DIR is empty; unset it for the "
+              f"default ({default_cache_dir()})", file=sys.stderr)
+        return 2
     parser.add_argument("--cache-dir", type=Path,
-                        default=Path(os.environ.get("RERANK_CACHE_DIR") or default_cache_dir()))
+                        default=Path(from_env or default_cache_dir()))
     parser.add_argument("--llama-server", type=Path,
                         default=os.environ.get("RERANK_LLAMA_SERVER") or None)
     parser.add_argument("--model-path", type=Path,

@@ -78,25 +78,62 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _port_taken(port: int) -> bool:
-    """Whether something listens on our loopback `port` now. With SO_REUSEADDR, as
-    llama-server binds: the connections of the one just killed, in TIME_WAIT, do not
-    count."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """Whether something listens on our loopback `port` now: a connection is taken. (A
+    trial bind would also count the connections of the server just killed, in TIME_WAIT,
+    or not, depending on how that server bound.) Unknown, say out of file descriptors:
+    not taken, and the launch finds out."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """`sig` to the child's process group (it leads its own session, so the group's id
+    is its pid), so that what a wrapper script started goes too: whether any of the
+    group was there. Linux gives no new process that id while one of the group lives."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that changed its user: there all the same
+        return True
+    return True
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of the group is still running. Zombies do not count: where
+    nothing reaps orphans (a container whose first process is ours, without an init),
+    a wrapper's llama-server stays one after it has exited."""
+    if not Path("/proc/self/stat").exists():
+        return _signal_group(pgid, 0)  # signal 0: only whether any is there
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # pid (comm) state ppid pgrp ...: the name may hold spaces and parentheses
+        state, _ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
             return True
     return False
 
 
-def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
-    """`sig` to the child's process group (it leads its own session), so what a wrapper
-    script started goes too; only while the child has not been reaped, since its pid,
-    and so the group's id, may be reused after."""
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+async def _group_gone(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """Wait until the child has exited and nothing of its group is left (a wrapper's
+    llama-server outlives the wrapper by its own shutdown): whether that happened within
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        await asyncio.wait_for(proc.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    while _group_running(proc.pid):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def knows_flag(binary: Path, flag: str) -> bool:
@@ -188,7 +225,7 @@ class ManagedLlamaServer:
                 *self.extra_args]
 
     async def start(self) -> None:
-        """Launch and wait until /health answers 200; raises RuntimeError if it never does."""
+        """Launch and wait until /health answers 200; raises StartError if it never does."""
         # The operator's own setting wins (an argument, or llama-server's variable for
         # it); a build older than the flag would refuse it.
         own = "LLAMA_ARG_CACHE_RAM" in os.environ or any(
@@ -254,27 +291,28 @@ class ManagedLlamaServer:
                     backoff = BACKOFF_START_S
                 log.warning("llama_server_exited", exit_code=code, restart_in_s=backoff)
             await asyncio.sleep(backoff)
-            wait, backoff = backoff, min(backoff * 2, BACKOFF_MAX_S)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
             if self._stopping:
                 return
             self.restarts += 1
             if self._restart_counter is not None:
                 self._restart_counter.add(1)
-            running = await self._restart(wait)
+            running = await self._restart(backoff)
 
     async def _restart(self, backoff_s: float) -> bool:
         """Launch again and wait for it to be ready: whether a child was launched (and so
-        is to be waited on); one never ready is killed."""
+        is to be waited on); one never ready is killed. `backoff_s`: the wait before the
+        next try, should this one not launch."""
         if _port_taken(self.port):
             # Launched, it would fail to bind while the other program's /health answered
             # ours: taken for ready, and scored by whatever that program is.
-            log.error("llama_server_port_taken", port=self.port, retry_in_s=backoff_s * 2)
+            log.error("llama_server_port_taken", port=self.port, retry_in_s=backoff_s)
             return False
         try:
             await self._launch()
         except OSError as exc:
             log.error("llama_server_launch_failed", binary=str(self.binary),
-                      error=f"{type(exc).__name__}: {exc}", retry_in_s=backoff_s * 2)
+                      error=f"{type(exc).__name__}: {exc}", retry_in_s=backoff_s)
             return False
         assert self._proc is not None
         if await self.wait_ready(self.ready_timeout_s):
@@ -314,8 +352,8 @@ class ManagedLlamaServer:
 
     async def _kill(self) -> None:
         assert self._proc is not None
-        _signal_group(self._proc, signal.SIGKILL)
-        await self._proc.wait()
+        _signal_group(self._proc.pid, signal.SIGKILL)
+        await _group_gone(self._proc, STOP_TIMEOUT_S)
 
     async def stop(self) -> None:
         """Stop supervising, then SIGTERM the child (SIGKILL after STOP_TIMEOUT_S)."""
@@ -324,14 +362,12 @@ class ManagedLlamaServer:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
         proc = self._proc
-        if proc is None or proc.returncode is not None:
+        # Its group even once it has exited: a wrapper's llama-server may be left.
+        if proc is None or not _signal_group(proc.pid, signal.SIGTERM):
             return
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
-        except TimeoutError:
-            _signal_group(proc, signal.SIGKILL)
-            await proc.wait()
+        if not await _group_gone(proc, STOP_TIMEOUT_S):
+            _signal_group(proc.pid, signal.SIGKILL)
+            await _group_gone(proc, STOP_TIMEOUT_S)
         log.info("llama_server_stopped", exit_code=proc.returncode)
 
 

@@ -14,9 +14,11 @@ the choice is deterministic; with no query term anywhere, the document's start w
 
 Scripts written without spaces between words (Chinese, Japanese; Korean's long words
 too) are matched on their characters and overlapping character pairs, the usual bigram
-approach of search engines for them, and their sentences end at 。！？ as well: read as
-one "word" per run of characters, such a query never matched, and the window was always
-the document's start.
+approach of search engines for them (counted in the text directly: the query has few
+such terms, where tokenizing every character of a document was 15 times the work), and
+sentences end at 。！？ (and Arabic ؟, Devanagari ।) as well: read as one "word" per run
+of characters, such a query never matched, and the window was always the document's
+start.
 """
 
 from __future__ import annotations
@@ -33,9 +35,13 @@ _CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 _WORD = re.compile(rf"[^\W{_CJK_CHARS}]+")
 _CJK = re.compile(rf"[{_CJK_CHARS}]")
 _CJK_PAIR = re.compile(rf"(?=([{_CJK_CHARS}]{{2}}))")  # overlapping pairs, found in C
-# Sentence ends: ., ! or ? followed by space, a full-width or Arabic or Devanagari end
-# (no space follows those), or any line break run.
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？؟।])\s*|\n\s*")
+# Sentence ends: ., ! or ? followed by space, or any line break run; in a text that has
+# them, also a full-width, Arabic or Devanagari end, space after it or not (the second
+# pattern costs most texts a slower scan for nothing).
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*")
+_WIDE_ENDS = "。！？؟।"
+_SENTENCE_END_WIDE = re.compile(rf"(?<=[.!?])\s+|(?<=[{_WIDE_ENDS}])\s*|\n\s*")
+_HAS_WIDE_END = re.compile(f"[{_WIDE_ENDS}]")
 # Where a sentence longer than the window may be wrapped: any space, the ideographic too.
 _WRAP_AT = (" ", "\t", "\u3000", "\u00a0")
 _TIE = 1e-9
@@ -49,21 +55,13 @@ def terms(text: str) -> list[str]:
     """Lower-cased word tokens, single letters left out (they carry too little to match
     on); then the CJK characters and their overlapping pairs."""
     lowered = text.lower()
-    return [t for t in _WORD.findall(lowered) if len(t) > 1] + _cjk_terms(lowered)
+    return ([t for t in _WORD.findall(lowered) if len(t) > 1]
+            + _CJK.findall(lowered) + _CJK_PAIR.findall(lowered))
 
 
-def _cjk_terms(lowered: str) -> list[str]:
-    return _CJK.findall(lowered) + _CJK_PAIR.findall(lowered)
-
-
-def _words(lowered: str, cjk: bool) -> list[str]:
-    """The tokens of a (lower-cased) document that a query's terms can match; the CJK
-    ones only when the query has any (`cjk`), a second pass otherwise spent for nothing."""
-    return _WORD.findall(lowered) + _cjk_terms(lowered) if cjk else _WORD.findall(lowered)
-
-
-def _has_cjk(weights: Mapping[str, float]) -> bool:
-    return any(_CJK.match(t) for t in weights)
+def _cjk_only(query_terms: Iterable[str]) -> list[str]:
+    """The CJK terms among a query's: matched in a text by counting, not by tokens."""
+    return [t for t in query_terms if _CJK.match(t)]
 
 
 def query_term_weights(query: str, documents: Iterable[str]) -> dict[str, float]:
@@ -73,12 +71,14 @@ def query_term_weights(query: str, documents: Iterable[str]) -> dict[str, float]
         return {}
     doc_freq: Counter[str] = Counter()
     n = 0
-    cjk = _has_cjk(dict.fromkeys(query_terms, 0.0))
+    cjk = _cjk_only(query_terms)
     for doc in documents:
         n += 1
-        # The words as a set straight from the pattern (the query's terms are already
-        # longer than one character): one pass in C over what can be 128 KiB.
-        doc_freq.update(query_terms.intersection(_words(doc.lower(), cjk)))
+        lowered = doc.lower()
+        # The words as a set straight from the pattern: one pass in C over what can be
+        # 128 KiB (a one-letter word is never a query term, so it matches nothing).
+        doc_freq.update(query_terms.intersection(_WORD.findall(lowered)))
+        doc_freq.update(t for t in cjk if t in lowered)
     return {t: math.log(1.0 + (n - doc_freq[t] + 0.5) / (doc_freq[t] + 0.5)) for t in query_terms}
 
 
@@ -94,11 +94,12 @@ def _pieces(text: str, max_chars: int) -> list[tuple[int, int]]:
     each found by a match in Python; the regex engine now skips the short ones.)"""
     floor = max(1, max_chars // PIECES_PER_WINDOW)
     out: list[tuple[int, int]] = []
+    ends = _SENTENCE_END_WIDE if _HAS_WIDE_END.search(text) else _SENTENCE_END
     # From the first character that is not a space: a text that opened with a window's
     # worth of spaces had a blank first piece, the window chosen when nothing matched.
     pos, n = len(text) - len(text.lstrip()), len(text)
     while pos < n:
-        match = _SENTENCE_END.search(text, pos + floor)
+        match = ends.search(text, pos + floor)
         end, after = (match.start(), match.end()) if match else (n, n)
         s = pos
         while end - s > max_chars:
@@ -166,10 +167,14 @@ def _piece_counts(text: str, pieces: Sequence[tuple[int, int]],
                   weights: Mapping[str, float]) -> list[dict[str, int]]:
     """The query terms in each piece, counted (a piece without any: an empty dict)."""
     counts: list[dict[str, int]] = []
-    cjk = _has_cjk(weights)
+    cjk = _cjk_only(weights)
     for s, e in pieces:
-        found = [t for t in _words(text[s:e].lower(), cjk) if t in weights]
-        counts.append(Counter(found) if found else {})
+        piece = text[s:e].lower()
+        found: dict[str, int] = Counter(t for t in _WORD.findall(piece) if t in weights)
+        for t in cjk:
+            if (times := piece.count(t)):
+                found[t] = times
+        counts.append(found)
     return counts
 
 

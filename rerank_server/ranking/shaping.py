@@ -137,13 +137,15 @@ def _merged(query: Request, sources: list[_Source], everything: list[Candidate],
         score = 0.0
         if fused:
             k = query.fusion_k
+            terms: list[float] = []
             for src in sources:
                 ranks = [m.retrieval_rank for m in members if source_of[m.index] is src]
                 if ranks and src.weight > 0:  # a list of weight 0 counts for nothing
-                    score += src.weight / (k + min(ranks)) + rank_bonus(min(ranks))
-            # Rounded so that equal sums added in another order (x, y, z each first in
-            # one of three lists) tie, and the tie-break below decides, not the last bit.
-            score = round(score, 12)
+                    terms += (src.weight / (k + min(ranks)), rank_bonus(min(ranks)))
+            # Summed exactly (then rounded once), so that equal terms added in another
+            # order (x, y, z each first in one of three lists) tie, and the tie-break
+            # below decides rather than the last bit of a running sum.
+            score = math.fsum(terms)
         # Most groups are one occurrence, already marked with its list (`_sources`).
         merged.append((best if best.found_in == names
                        else best._replace(found_in=names), score))

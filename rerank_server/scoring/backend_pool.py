@@ -281,11 +281,13 @@ class BackendPool:
         await asyncio.gather(*(e.http.aclose() for e in self.endpoints))
 
 
+# A server error counts against its instance and is tried on another, unless it says the
+# input is too long: that is the input's fault, on every instance.
 def _counts_against(exc: BackendCallError) -> bool:
     return exc.failure in (Failure.UNAVAILABLE, Failure.TIMEOUT) or (
-        exc.failure is Failure.HTTP_ERROR and exc.status >= 500)
+        exc.failure is Failure.HTTP_ERROR and exc.status >= 500 and not exc.too_long)
 
 
 def _retryable(exc: BackendCallError) -> bool:
     return exc.failure is Failure.UNAVAILABLE or (
-        exc.failure is Failure.HTTP_ERROR and exc.status >= 500)
+        exc.failure is Failure.HTTP_ERROR and exc.status >= 500 and not exc.too_long)

@@ -67,8 +67,9 @@ class ChatScorer(PooledScorer):
                 + (prompt.ASSISTANT_PREFILL if self._prefill else ""))
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
-        documents = await self._fit.fit(list(request.documents), self.around(request),
-                                        request.max_tokens_per_doc)
+        # Neutralized before they are counted, as they will be sent (`completion.py`).
+        documents = await self._fit.fit([prompt.neutralize(d) for d in request.documents],
+                                        self.around(request), request.max_tokens_per_doc)
 
         async def one(i: int) -> PairOutcome:
             document = documents[i]

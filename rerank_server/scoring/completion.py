@@ -124,9 +124,12 @@ class CompletionScorer(PooledScorer):
         except BackendCallError as exc:
             failed_all(every, exc, emit)
             return
-        documents = await self._fit.fit(list(request.documents), prefix + suffix,
-                                        request.max_tokens_per_doc)
-        prompts = [prefix + prompt.neutralize(doc) + suffix for doc in documents]
+        # Neutralized before they are counted: `/tokenize` reads `<|im_end|>` as one
+        # token, where its neutralized text is seven, and 1,500 of them overflowed the
+        # slot and failed the whole batch.
+        documents = await self._fit.fit([prompt.neutralize(d) for d in request.documents],
+                                        prefix + suffix, request.max_tokens_per_doc)
+        prompts = [prefix + doc + suffix for doc in documents]
 
         async def batch(_start: int, chunk: Sequence[str]) -> dict[int, float | None]:
             body = self.with_model({"prompt": list(chunk), "n_probs": N_PROBS,

@@ -10,9 +10,13 @@ Counting is cheap where it can be: a tokenizer makes at most one token per UTF-8
 style byte-level BPE, SentencePiece with byte fallback), so a document of no more bytes
 than the budget fits and is sent as it is; the prompt around it is counted by the same
 bound. Only longer documents are sent to `/tokenize`, and those over the budget are cut at
-a token boundary with `/detokenize`. A backend without these endpoints gets its documents
-as they are; the scorer then retries a pair the backend refuses as too long once with the
-document halved (`shorter`).
+a token boundary with `/detokenize` (a character the cut splits is dropped, not sent as
+U+FFFD). A backend without these endpoints (most OpenAI-compatible servers) is asked once;
+from then on documents are cut by bytes: at the budget where the slot's size is known (at
+most a token per byte: safe), else at `BYTES_PER_TOKEN` a token, a rough measure that
+keeps `max_tokens_per_doc` near its meaning (a byte a token cut 64 tokens to about 15).
+`chat` retries a pair the backend refuses as too long once with the document halved
+(`shorter`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ log = structlog.get_logger(__name__)
 SAFETY_TOKENS = 32
 MIN_BUDGET = 16
 RELEARN_S = 30.0  # a backend that did not report its context is asked again after this
+PROPS_RETRY_S = 2.0  # ... and one whose /props failed (loading, say), after this
+BYTES_PER_TOKEN = 4  # English in most tokenizers; more tokens a byte for other scripts
+NO_TOKENIZER = (404, 405, 501)  # statuses of a server without /tokenize
 
 
 class ContextFit:
@@ -43,6 +50,7 @@ class ContextFit:
         self._next_try = 0.0
         self._asked = False  # whether /props has been asked (and answered or not) once
         self._lock = asyncio.Lock()
+        self._tokenizer = True  # False once the backend had no /tokenize
 
     async def slot_tokens(self) -> int | None:
         """Context tokens per slot (llama-server `/props`), or None when not reported.
@@ -54,8 +62,10 @@ class ContextFit:
         async with self._lock:
             loop = asyncio.get_running_loop()
             if self._slot_tokens is None and loop.time() >= self._next_try:
-                self._next_try = loop.time() + RELEARN_S
                 props = await self._pool.get_json("/props")
+                # A failed asking (llama-server answers 503 while it loads) is soon
+                # repeated: until it is answered, no document is cut to the slot.
+                self._next_try = loop.time() + (PROPS_RETRY_S if props is None else RELEARN_S)
                 settings = props.get("default_generation_settings") \
                     if isinstance(props, dict) else None
                 n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
@@ -92,17 +102,29 @@ class ContextFit:
     async def _cut(self, document: str, budget: int) -> str:
         if len(document.encode()) <= budget:
             return document  # at most one token per byte: it fits
-        try:
-            tokens = await self._pool.call("/tokenize", {"content": document}, token_list,
-                                           pairs=0)
-            if len(tokens) <= budget:
-                return document
-            return str(await self._pool.call("/detokenize", {"tokens": tokens[:budget]},
-                                              _content, pairs=0))
-        except BackendCallError as exc:
-            # No tokenizer endpoint: cut by the byte bound, which is always safe.
-            log.debug("tokenize_unavailable", error=exc.detail)
-            return document.encode()[:budget].decode(errors="ignore")
+        if self._tokenizer:
+            try:
+                tokens = await self._pool.call("/tokenize", {"content": document},
+                                               token_list, pairs=0)
+                if len(tokens) <= budget:
+                    return document
+                cut = await self._pool.call("/detokenize", {"tokens": tokens[:budget]},
+                                            _content, pairs=0)
+                return str(cut).rstrip("\ufffd")  # the half of a character the cut split
+            except BackendCallError as exc:
+                log.debug("tokenize_unavailable", error=exc.detail)
+                if exc.status in NO_TOKENIZER:
+                    self._tokenizer = False  # not asked again for every long document
+                return _bytes(document, budget)  # the byte bound: always safe
+        # No tokenizer: the byte bound where the slot is known (it must fit), else about
+        # what `budget` tokens are.
+        return _bytes(document, budget if self._slot_tokens is not None
+                      else budget * BYTES_PER_TOKEN)
+
+
+def _bytes(document: str, limit: int) -> str:
+    """`document` cut to at most `limit` UTF-8 bytes, at a character boundary."""
+    return document.encode()[:limit].decode(errors="ignore")
 
 
 def shorter(document: str) -> str:

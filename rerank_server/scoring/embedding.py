@@ -84,9 +84,14 @@ class EmbeddingScorer(PooledScorer):
                 raise MalformedResponse("embedding entry without index or vector")
             indexes.append(index)
         vectors: list[Vector | None] = [None] * count
+        named: set[int] = set()
         for index, vector in zip(indexes, _rows([item.embedding for item in data]),
                                  strict=True):
-            vectors[index] = vector
+            # Named twice, a text has no vector: which entry is its own is unknown (the
+            # last one used to win, and a document was scored with another's vector, or
+            # every document against a document's instead of the query's).
+            vectors[index] = None if index in named else vector
+            named.add(index)
         return vectors
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:

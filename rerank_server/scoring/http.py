@@ -126,7 +126,14 @@ def new_client(concurrency: int, timeout_s: float, loopback: bool = False,
     wire (`HttpBackend`'s slots). To `loopback`, never through a proxy."""
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s),
-                             trust_env=not loopback)
+                             transport=_unproxied(limits) if loopback else None)
+
+
+def _unproxied(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
+    """A transport of our own: httpx then takes no proxy from the environment, and
+    still reads the rest of it (SSL_CERT_FILE for a private CA; `trust_env=False` would
+    drop that too)."""
+    return httpx.AsyncHTTPTransport(limits=limits)
 
 
 Outcome = Callable[["BackendCallError | None"], None]
@@ -201,10 +208,10 @@ class HttpBackend:
             if self._lean is None else None
         base = httpx.URL(self.base_url)
         self._address = (base.host, base.port or 80)
+        side_limits = httpx.Limits(max_connections=SIDE_CONNECTIONS, max_keepalive_connections=1)
         self._side_client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=SIDE_CONNECTIONS, max_keepalive_connections=1),
-            timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
-            trust_env=not transport.loopback(self.base_url))
+            limits=side_limits, timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
+            transport=_unproxied(side_limits) if transport.loopback(self.base_url) else None)
         self._side_slots = asyncio.Semaphore(SIDE_CONNECTIONS)  # see `_side_get`
         self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
@@ -467,7 +474,10 @@ class HttpBackend:
             raise BackendCallError(Failure.MALFORMED, f"undecodable body: {exc}",
                                    status=0) from None
         if not 200 <= status < 300:
-            if 400 <= status < 500 and _too_long(body):
+            # llama-server refuses an embedding input longer than its physical batch with
+            # a 500 ("input ... is too large to process"): the input's fault all the same,
+            # not to be retried elsewhere or counted against the instance.
+            if 400 <= status < 600 and _too_long(body):
                 raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
                                        "exceeds the model's context", status, too_long=True)
             # A redirect or an odd status is no answer either (a 302 with a JSON body

@@ -4,8 +4,10 @@ The score is the softmax over the "yes" and "no" logprobs, i.e.
 P(yes) = e^yes / (e^yes + e^no). Tokens match without regard to case or surrounding
 whitespace ("Yes", " yes", "YES"); several variants of one answer are pooled with
 log-sum-exp. When only one answer appears in the top logprobs the other gets the floor
-logprob -10 (as in Qwen3-Reranker's own logprob recipe). When neither appears the pair
-has no score: no invented constant.
+logprob -10 (as in Qwen3-Reranker's own logprob recipe), or the lowest logprob listed if
+that is lower: an answer left out of the top list is no likelier than the last one in
+it (with "no" at -12 listed and "yes" not, the floor alone scored the pair 0.88). When
+neither appears the pair has no score: no invented constant.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def p_yes(top_logprobs: Iterable[tuple[str, float]]) -> float | None:
     """P(yes) from (token, logprob) pairs, or None when neither answer is present."""
     yes: list[float] = []
     no: list[float] = []
+    floor = FLOOR_LOGPROB
     for token, logprob in top_logprobs:
+        floor = min(floor, logprob)
         word = token.strip().lower()
         if word == "yes":
             yes.append(logprob)
@@ -45,8 +49,8 @@ def p_yes(top_logprobs: Iterable[tuple[str, float]]) -> float | None:
             no.append(logprob)
     if not yes and not no:
         return None
-    ly = _logsumexp(yes) if yes else FLOOR_LOGPROB
-    ln = _logsumexp(no) if no else FLOOR_LOGPROB
+    ly = _logsumexp(yes) if yes else floor
+    ln = _logsumexp(no) if no else floor
     # Softmax of two values = sigmoid of their difference, in a form that cannot overflow.
     d = ly - ln
     if d >= 0:

@@ -6,8 +6,10 @@ llama.cpp parses special tokens inside prompt text by default, so a document con
 `[SEP]`, `[CLS]` or `[MASK]` in a document become the real tokens. Every caller-supplied
 string (query, instruction, title, text) goes through `neutralize` in every backend, which
 breaks anything shaped like a control token by putting a space after its opening bracket:
-`<|...|>`, `<s>`, `</s>`, `<think>`, `[INST]`, `[CLS]`, `[SEP]`, `[MASK]`, `[PAD]`,
-`[UNK]`, `[unused0]`. The words stay readable to the model; the token cannot form.
+`<|...|>`, `<|/tool|>`, `<s>`, `</s>`, `<think>`, `[INST]`, `[CLS]`, `[SEP]`, `[MASK]`,
+`[PAD]`, `[UNK]`, `[unused0]`, EXAONE's `[|user|]`, Gemma's `[@BOS@]`, and MiniMax's
+`]~b]`, `]~!b[`, `[e~[`. The words stay readable to the model; the token cannot form.
+A model with control tokens of yet another shape is not covered: docs/security.md.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ SYSTEM_PROMPT = (
 ASSISTANT_PREFILL = "<think>\n\n</think>\n\n"
 
 # `<|im_end|>`, `<｜end▁of▁sentence｜>`, `</s>`, `<think>`, `<start_of_turn>`, `[INST]` ...
-_ANGLE_TOKEN = re.compile(r"<(?=/?[|｜]?[\w▁.:-]{1,64}[|｜]?>)")
-_SQUARE_TOKEN = re.compile(r"\[(?=/?[A-Za-z_][A-Za-z0-9_]{1,31}\])")
+_ANGLE_TOKEN = re.compile(r"<(?=/?[|｜]?/?[\w▁.:-]{1,64}[|｜]?>)")
+_SQUARE_TOKEN = re.compile(
+    r"\[(?=/?[A-Za-z_][A-Za-z0-9_]{1,31}\]|\|[\w.:-]{1,64}\|\]|@[\w.:-]{1,64}@\])")
+# MiniMax's turn markers, which no pattern above has the shape of.
+_ODD_TOKENS = (("]~b]", "] ~b]"), ("]~!b[", "] ~!b["), ("[e~[", "[ e~["))
 
 
 def neutralize(text: str) -> str:
@@ -34,6 +39,9 @@ def neutralize(text: str) -> str:
         text = _ANGLE_TOKEN.sub("< ", text)
     if "[" in text:
         text = _SQUARE_TOKEN.sub("[ ", text)
+    if "~" in text:
+        for token, broken in _ODD_TOKENS:
+            text = text.replace(token, broken)
     return text
 
 

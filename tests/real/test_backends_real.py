@@ -227,3 +227,17 @@ async def test_embedding_scores_long_documents_cut_to_its_context(
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         answer = await client.rerank("长江", [chinese, "短文档。", "river"])
     assert answer.reranked and answer.summary.failed == 0 and answer.summary.scored == 3
+
+
+@pytest.mark.parametrize("backend", ["completion", "chat"])
+async def test_a_document_of_template_tokens_is_cut_as_it_is_sent(
+        real_llama: RealLlama, traced_server: Start, backend: str) -> None:
+    """`<|im_end|>` is one token to `/tokenize` but seven once neutralized: counted raw,
+    1,500 of them "fit" the slot, overflowed it when sent, and with `completion` failed
+    every pair of the batch. They are now counted as they are sent."""
+    server, _ = await traced_server(real_llama.url, backend=backend, max_chunk_chars=20_000)
+    hostile = "<|im_end|>" * 1500
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("cats", [DOCS[0], hostile, DOCS[1]], timeout=120,
+                                     always_score=True)
+    assert answer.summary.failed == 0 and answer.summary.scored == 3

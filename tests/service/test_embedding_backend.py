@@ -171,8 +171,9 @@ async def test_a_refusal_that_was_not_about_base64_keeps_base64(
 
 
 async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any) -> None:
-    """Two entries naming the same text: that text takes the last, the text none names
-    fails (no score), and no score lands on another document."""
+    """Two entries naming the same text: neither is taken (which is its own is unknown;
+    the last used to be), the text none names fails too, and no score lands on another
+    document."""
     def repeats(method: str, path: str, body: Any, headers: Mapping[str, str],
                 ) -> tuple[int, Any]:
         status, answer = openai_embeddings()(method, path, body, headers)
@@ -184,7 +185,28 @@ async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any)
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     by_index = {r.index: r.reranker_score for r in answer.results}
     assert by_index[1] is None  # DOCS[1]'s text was never embedded
-    # DOCS[0] got text 2's vector (DOCS[1], noise) and the others their own.
-    assert by_index[0] == pytest.approx(expected_score(DOCS[1]), abs=1e-6)
+    assert by_index[0] is None  # named twice: it used to get DOCS[1]'s vector
     for i in (2, 3):
         assert by_index[i] == pytest.approx(expected_score(DOCS[i]), abs=1e-6)
+
+
+async def test_an_input_too_large_to_process_fails_its_request_not_the_instance(
+        embedding_backend: Any) -> None:
+    """llama-server refuses an embedding input longer than its physical batch with a
+    500: that is the input's fault. It was retried as a server error and counted against
+    the instance, which three such requests ejected, for everyone."""
+    def refuses_long(method: str, path: str, body: Any, headers: Mapping[str, str],
+                     ) -> tuple[int, Any]:
+        if method == "POST" and any("LONG" in text for text in body["input"]):
+            return 500, {"error": {"code": 500, "type": "server_error", "message":
+                                   "input (400 tokens) is too large to process. increase "
+                                   "the physical batch size (current batch size: 256)"}}
+        return openai_embeddings()(method, path, body, headers)
+
+    fake, client = await embedding_backend(refuses_long)
+    for _ in range(4):
+        refused = await client.rerank(QUERY, ["LONG " * 10, *DOCS])
+        assert not refused.reranked
+    assert len(fake.posts("/v1/embeddings")) == 4  # each tried once, not again elsewhere
+    answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
+    assert answer.reranked and answer.summary.scored == len(DOCS)

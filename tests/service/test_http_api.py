@@ -642,13 +642,15 @@ async def test_every_refusal_of_a_rerank_request_has_its_log_line(
 async def test_a_grace_period_of_part_seconds_is_kept_whole(
         start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
     """uvicorn was given the grace period cut to whole seconds: 1.9 s became 1 s, and a
-    request due at 1.4 s was cancelled into a plain-text 500."""
-    fake_llama.latency_s = 1.4
+    request due 1.2 s after the stop was cancelled into a plain-text 500. (Scoring may
+    go on until 1.425 s: the grace less a quarter of it.)"""
+    fake_llama.latency_s = 1.2
     server = await start_server(http_port=free_port(), grace_period_s=1.9)
     async with httpx.AsyncClient(base_url=base_url(server), timeout=10) as http:
         call = asyncio.create_task(http.post("/v1/rerank", json={
             "query": "cats", "documents": DOCS, "timeout_ms": 5000}))
-        await asyncio.sleep(0.2)  # the call is now waiting on the backend
+        # The call is now waiting on the backend.
+        assert await asyncio.to_thread(fake_llama.received.wait, 10)
         await server.stop(grace=1.9)
         reply = await call
     assert reply.status_code == 200, reply.text

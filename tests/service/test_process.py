@@ -136,8 +136,10 @@ def test_a_managed_llama_server_that_cannot_start_is_one_line_and_exit_1(
     for binary, message in (("/nonexistent/llama-server", "not an executable file"),
                             (str(crashing), "llama-server exited with code 7 while starting")):
         proc = subprocess.run(
+            # Any file as the model: nothing is downloaded, and nothing reads it.
             [sys.executable, "-m", "rerank_server", "--managed", "--llama-server", binary,
-             "--port", str(free_port()), "--http-port", "0", "--metrics-port", "0"],
+             "--model-path", str(crashing), "--port", str(free_port()), "--http-port", "0",
+             "--metrics-port", "0"],
             capture_output=True, text=True, timeout=60,
             env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)})
         assert proc.returncode == 1, proc.stderr

@@ -39,6 +39,14 @@ def test_missing_yes_gets_floor() -> None:
     assert p_yes([("no", -0.01)]) == pytest.approx(1 / (1 + math.exp(-0.01 - FLOOR_LOGPROB)))
 
 
+def test_a_missing_answer_is_no_likelier_than_the_last_listed() -> None:
+    """"no" at -12 is listed, "yes" is not: yes is at most -12 too, not the floor's -10
+    (which scored the pair 0.88, above one where yes was listed)."""
+    assert p_yes([("The", -0.01), ("no", -12.0)]) == pytest.approx(0.5)
+    assert p_yes([("The", -0.01), ("no", -12.0), ("x", -15.0)]) == pytest.approx(
+        1 / (1 + math.exp(3.0)))
+
+
 def test_neither_token_is_unscored_not_a_constant() -> None:
     assert p_yes([("The", -0.1), ("Here", -2.0)]) is None
     assert p_yes([]) is None

@@ -11,6 +11,9 @@ from rerank_server.scoring.prompt import neutralize, user_message
     "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|eot_id|>", "</s>", "<s>", "<think>",
     "</think>", "<start_of_turn>", "<end_of_turn>", "[INST]", "[/INST]",
     "<｜end▁of▁sentence｜>",
+    # EXAONE, Phi-4-mini's tool end, Gemma's BOS text, MiniMax's turn markers
+    "[|user|]", "[|assistant|]", "[|endofturn|]", "<|/tool|>", "[@BOS@]", "]~b]", "]~!b[",
+    "[e~[",
 ])
 def test_control_tokens_are_broken(token: str) -> None:
     assert token not in neutralize(f"before {token} after")

@@ -130,11 +130,13 @@ def test_equal_fused_scores_tie_and_the_tie_break_decides() -> None:
     """Three lists, each led by another of x, y, z: mathematically equal sums, added in
     other orders, differed in the last bit and ordered y, z, x; the documented tie-break
     (best rank in any list, then the earlier index) gives x, y, z."""
-    lists = (RankedList("l1", cands("xyz")), RankedList("l2", cands("yzx", 3)),
-             RankedList("l3", cands("zxy", 6)))
-    shaped = shape(resolve(query(lists=lists), RULES))
-    assert [c.id for c in shaped.candidates] == ["x", "y", "z"]
-    assert len({c.normalized_score for c in shaped.candidates}) == 1
+    for weight in (None, 255069.0):  # a large weight: rounding to decimals would not do
+        lists = (RankedList("l1", cands("xyz"), weight=weight),
+                 RankedList("l2", cands("yzx", 3), weight=weight),
+                 RankedList("l3", cands("zxy", 6), weight=weight))
+        shaped = shape(resolve(query(lists=lists), RULES))
+        assert [c.id for c in shaped.candidates] == ["x", "y", "z"], weight
+        assert len({c.normalized_score for c in shaped.candidates}) == 1
 
 
 def test_dedup_links_groups_through_ids_and_keys() -> None:
