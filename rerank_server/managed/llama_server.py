@@ -102,10 +102,25 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def _group_ours(proc: asyncio.subprocess.Process) -> bool:
+    """Whether the group named by the child's pid is still the child's: while it runs,
+    or once it is reaped and no process has taken its pid (one that has may lead a new
+    group of that id; while any member of ours lives, Linux gives the pid to none)."""
+    if proc.returncode is None:
+        return True
+    try:
+        os.kill(proc.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def _group_running(pgid: int) -> bool:
-    """Whether a process of the group is still running. Zombies do not count: where
-    nothing reaps orphans (a container whose first process is ours, without an init),
-    a wrapper's llama-server stays one after it has exited."""
+    """Whether a process of the group, other than its reaped leader, still runs. Zombies
+    do not count: where nothing reaps orphans (a container whose first process is ours,
+    without an init), a wrapper's llama-server stays one after it has exited."""
     if not Path("/proc/self/stat").exists():
         return _signal_group(pgid, 0)  # signal 0: only whether any is there
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -115,7 +130,7 @@ def _group_running(pgid: int) -> bool:
             continue
         # pid (comm) state ppid pgrp ...: the name may hold spaces and parentheses
         state, _ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
+        if int(pgrp) == pgid and state != "Z" and stat.parent.name != str(pgid):
             return True
     return False
 
@@ -129,7 +144,7 @@ async def _group_gone(proc: asyncio.subprocess.Process, timeout_s: float) -> boo
         await asyncio.wait_for(proc.wait(), timeout_s)
     except TimeoutError:
         return False
-    while _group_running(proc.pid):
+    while _group_ours(proc) and _group_running(proc.pid):
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(0.05)
@@ -363,9 +378,10 @@ class ManagedLlamaServer:
             await asyncio.gather(self._supervisor, return_exceptions=True)
         proc = self._proc
         # Its group even once it has exited: a wrapper's llama-server may be left.
-        if proc is None or not _signal_group(proc.pid, signal.SIGTERM):
+        if proc is None or not _group_ours(proc) or not _signal_group(proc.pid,
+                                                                      signal.SIGTERM):
             return
-        if not await _group_gone(proc, STOP_TIMEOUT_S):
+        if not await _group_gone(proc, STOP_TIMEOUT_S) and _group_ours(proc):
             _signal_group(proc.pid, signal.SIGKILL)
             await _group_gone(proc, STOP_TIMEOUT_S)
         log.info("llama_server_stopped", exit_code=proc.returncode)
