@@ -34,7 +34,9 @@ def user_prompt(instruction: str, query: str, documents: Sequence[str]) -> str:
     lines = [f"Task: {prompt.neutralize(instruction)}", f"Query: {prompt.neutralize(query)}",
              "", "Candidates:"]
     for n, document in enumerate(documents, start=1):
-        text = prompt.neutralize(document[:DOCUMENT_CHARS]).replace("\n", " ")
+        # One line per candidate: every line break Python knows (\r, \v, U+2028 ...), not
+        # only \n, so that no document starts a line that reads as another candidate.
+        text = " ".join(prompt.neutralize(document[:DOCUMENT_CHARS]).splitlines())
         lines.append(f"[{n}] {text}")
     return "\n".join(lines)
 
