@@ -1,6 +1,6 @@
 """Typed client for rerank-server (gRPC `rerank.v1.Reranker`)."""
 
-from .client import AsyncRerankClient, RerankClient, channel_options
+from .client import AsyncRerankClient, InsecureTokenWarning, RerankClient, channel_options
 from .errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -24,6 +24,7 @@ __all__ = [
     "Candidate",
     "CandidateLike",
     "DeadlineExceededError",
+    "InsecureTokenWarning",
     "InvalidRequestError",
     "RankedList",
     "RerankAnswer",
