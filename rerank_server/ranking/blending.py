@@ -99,13 +99,19 @@ def retrieval_weight(strategy: BlendStrategy, rank: int) -> float:
 
 
 def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> float:
-    """Final score under a fixed strategy; `None` (pair failed) is ordered as if the
-    reranker agreed with retrieval. The adaptive strategy blends a whole request at once
-    (`adaptive_blend`)."""
+    """Final score under a fixed strategy. `None` (pair failed) is ordered as if the
+    reranker agreed with retrieval, except under `rerank_only`, which orders by the
+    reranker's scores alone: there a failed pair scores 0 and so follows every scored one
+    but one scored 0, in retrieval order (as a pair beyond the cap does). Standing in
+    `1/rank` there put a failed rank 1 above every score short of 1.0. The adaptive
+    strategy blends a whole request at once (`adaptive_blend`)."""
     if strategy in REQUEST_WIDE:
         raise ValueError(f"the {strategy} blend needs the whole request: use adaptive_blend")
     r = retrieval_input(rank)
-    p = r if reranker_score is None else reranker_score
+    if reranker_score is not None:
+        p = reranker_score
+    else:
+        p = 0.0 if strategy is BlendStrategy.RERANK_ONLY else r
     w = retrieval_weight(strategy, rank)
     return w * r + (1.0 - w) * p
 
@@ -300,7 +306,7 @@ def scores_can_matter(strategy: BlendStrategy, params: AdaptiveParams,
     ordered = sorted(ranks)
     if not top_k or top_k >= len(ordered):
         return True
-    # A failed pair counts as agreeing with retrieval, above the worst score of 0.
+    # A failed pair stands in at or above the worst score of 0 (at it under rerank_only).
     return not all(blend(strategy, ordered[i], 0.0) >= blend(strategy, ordered[i + 1], 1.0)
                    for i in range(top_k))
 

@@ -64,10 +64,19 @@ def test_top_three_hard_to_displace() -> None:
 
 
 def test_failed_pair_is_ordered_as_retrieval_agreement() -> None:
-    for strategy in FIXED_BLENDS:
+    for strategy in (PA, LIN):
         assert blend(strategy, 4, None) == pytest.approx(0.25)
         scores = [blend(strategy, r, None) for r in range(1, 30)]
         assert scores == sorted(scores, reverse=True)
+
+
+def test_under_rerank_only_a_failed_pair_follows_every_scored_one() -> None:
+    """The reranker's order alone: a failed retrieval rank 1 has no score to stand on."""
+    assert blend(RR, 1, None) == 0.0 < blend(RR, 30, 0.01)
+    # Failed pairs among themselves, and ties with a score of 0, go by retrieval rank.
+    ranked = sorted([(1, None), (2, 0.3), (3, None), (4, 0.0), (5, 0.9)],
+                    key=lambda rp: (-blend(RR, rp[0], rp[1]), rp[0]))
+    assert [r for r, _ in ranked] == [5, 2, 1, 3, 4]
 
 
 def test_upper_bound_is_the_maximum() -> None:
