@@ -50,7 +50,9 @@ class _BlendStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlendSt
     BLEND_STRATEGY_LINEAR: _BlendStrategy.ValueType  # 2
     """0.4 x retrieval (1/rank) + 0.6 x reranker score, whatever the rank."""
     BLEND_STRATEGY_RERANK_ONLY: _BlendStrategy.ValueType  # 3
-    """Sort by the reranker score alone; ties keep retrieval order."""
+    """Sort by the reranker score alone; ties keep retrieval order. A pair that failed
+    scores 0: it follows every scored pair, in retrieval order.
+    """
     BLEND_STRATEGY_ADAPTIVE: _BlendStrategy.ValueType  # 4
     """Trust the reranker as far as its scores in this request carry evidence: the weight
     of its (request-normalized) score grows with the spread of its scores, from 0 (the
@@ -78,7 +80,9 @@ on 0..1 and the top retrieval ranks are hard to displace by a weak reranker.
 BLEND_STRATEGY_LINEAR: BlendStrategy.ValueType  # 2
 """0.4 x retrieval (1/rank) + 0.6 x reranker score, whatever the rank."""
 BLEND_STRATEGY_RERANK_ONLY: BlendStrategy.ValueType  # 3
-"""Sort by the reranker score alone; ties keep retrieval order."""
+"""Sort by the reranker score alone; ties keep retrieval order. A pair that failed
+scores 0: it follows every scored pair, in retrieval order.
+"""
 BLEND_STRATEGY_ADAPTIVE: BlendStrategy.ValueType  # 4
 """Trust the reranker as far as its scores in this request carry evidence: the weight
 of its (request-normalized) score grows with the spread of its scores, from 0 (the
