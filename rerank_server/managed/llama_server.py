@@ -35,6 +35,7 @@ import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -47,6 +48,7 @@ from ..errors import StartError
 from ..observability.instruments import Adder
 from ..settings import Settings
 from . import assets
+from .output_log import MAX_BYTES, CappedLog, output_pipe, prune
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +56,7 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 STOP_TIMEOUT_S = 10.0
+COPIER_JOIN_S = 2.0  # for the last of a stopped child's output to reach its log
 LIVENESS_EVERY_S = 10.0  # how often a running llama-server's /health is asked, and
 LIVENESS_TIMEOUT_S = 5.0  # how long each ask waits;
 UNRESPONSIVE_AFTER_S = 60.0  # unanswered this long (never 200), it is killed and restarted
@@ -204,7 +207,8 @@ class ManagedLlamaServer:
                  extra_args: Sequence[str] = (), log_path: Path | None = None,
                  ready_timeout_s: float = 120.0, restart_counter: Adder | None = None,
                  liveness_every_s: float = LIVENESS_EVERY_S,
-                 unresponsive_after_s: float = UNRESPONSIVE_AFTER_S) -> None:
+                 unresponsive_after_s: float = UNRESPONSIVE_AFTER_S,
+                 log_max_bytes: int = MAX_BYTES) -> None:
         self.binary = binary
         self.model = model
         self.port = free_port()
@@ -212,6 +216,9 @@ class ManagedLlamaServer:
         self.ctx_per_slot = ctx_per_slot
         self.extra_args = list(extra_args)
         self.log_path = log_path
+        # Its output, capped in size (`output_log`); copied by a thread per launch.
+        self._log = CappedLog(log_path, log_max_bytes) if log_path else None
+        self._copiers: list[threading.Thread] = []
         self.ready_timeout_s = ready_timeout_s
         self.liveness_every_s = liveness_every_s
         self.unresponsive_after_s = unresponsive_after_s
@@ -265,17 +272,19 @@ class ManagedLlamaServer:
 
     async def _launch(self) -> None:
         stdout = None
-        if self.log_path:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)  # removed meanwhile?
-            stdout = self.log_path.open("ab")
+        if self._log is not None:
+            self._copiers = [c for c in self._copiers if c.is_alive()]
+            stdout, copier = output_pipe(self._log)
+            self._copiers.append(copier)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.command(), stdin=asyncio.subprocess.DEVNULL,
-                stdout=stdout or asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.STDOUT,
+                stdout=asyncio.subprocess.DEVNULL if stdout is None else stdout,
+                stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()))
         finally:
-            if stdout:
-                stdout.close()
+            if stdout is not None:
+                os.close(stdout)  # the child holds it now: the copier ends when it exits
         # Where its output went: named after this process, so not findable by `pid`.
         where = {"log": str(self.log_path)} if self.log_path else {}
         log.info("llama_server_started", pid=self._proc.pid, port=self.port,
@@ -371,7 +380,20 @@ class ManagedLlamaServer:
         await _group_gone(self._proc, STOP_TIMEOUT_S)
 
     async def stop(self) -> None:
-        """Stop supervising, then SIGTERM the child (SIGKILL after STOP_TIMEOUT_S)."""
+        """Stop supervising, then SIGTERM the child (SIGKILL after STOP_TIMEOUT_S); its
+        last output is copied into the log before this returns."""
+        try:
+            await self._stop()
+        finally:
+            await asyncio.to_thread(self._close_log)
+
+    def _close_log(self) -> None:
+        for copier in self._copiers:
+            copier.join(COPIER_JOIN_S)  # one a stray grandchild keeps open is left
+        if self._log is not None:
+            self._log.close()
+
+    async def _stop(self) -> None:
         self._stopping = True
         if self._supervisor is not None:
             self._supervisor.cancel()
@@ -399,9 +421,11 @@ def split_args(raw: str) -> list[str]:
 
 
 def default_log_path(cache_dir: Path) -> Path:
-    """Named after this process, not llama-server's: its restarts append to one file."""
+    """Named after this process, not llama-server's: its restarts append to one file.
+    Logs of earlier runs beyond the newest `output_log.KEEP_FILES` are removed."""
     path = cache_dir / "logs" / f"llama-server-{os.getpid()}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
+    prune(path.parent, "llama-server-*.log")
     return path
 
 

@@ -42,10 +42,10 @@ def _gone(pid: int) -> bool:
 
 @contextlib.asynccontextmanager
 async def _started(binary: Path, tmp_path: Path,
-                   **timing: float) -> AsyncIterator[ManagedLlamaServer]:
+                   **options: float) -> AsyncIterator[ManagedLlamaServer]:
     _, model = assets_or_fail()
     managed = ManagedLlamaServer(binary, model, slots=1, ctx_per_slot=512,
-                                 log_path=tmp_path / "llama-server.log", **timing)
+                                 log_path=tmp_path / "llama-server.log", **options)
     await managed.start()
     try:
         yield managed
@@ -187,3 +187,35 @@ async def test_a_proxy_in_the_environment_does_not_hide_the_child(
         binary, _ = assets_or_fail()
         async with _started(binary, tmp_path, ready_timeout_s=30) as managed:
             assert managed.pid is not None
+
+
+async def test_llama_server_output_is_kept_within_its_cap(tmp_path: Path) -> None:
+    """A child that writes 3 MB before llama-server starts, under a 1 MiB cap: the log
+    rotates (the current file and one predecessor, neither past the cap), whole lines
+    only, and llama-server's own lines land in the current file. The whole output used
+    to go into one file that grew for as long as the process ran (about 700 bytes for
+    every pair llama-server scores)."""
+    binary, _ = assets_or_fail()
+    line = "x" * 99
+    wrapper = _wrapper(tmp_path, binary,
+                       f'yes {line} | head -n 30000\nexec "{binary}" "$@"\n')
+    cap = 1024 * 1024
+    async with _started(wrapper, tmp_path, log_max_bytes=cap) as managed:
+        async with httpx.AsyncClient(timeout=5) as http:
+            assert (await http.get(managed.url + "/health")).status_code == 200
+        port = managed.port
+    _assert_capped(tmp_path, cap, line, port)
+
+
+def _assert_capped(tmp_path: Path, cap: int, line: str, port: int) -> None:
+    current = tmp_path / "llama-server.log"
+    previous = tmp_path / "llama-server.log.1"
+    assert sorted(p.name for p in tmp_path.glob("llama-server.log*")) == [
+        current.name, previous.name]
+    most = cap + len(line) + 1  # a file ends after the line it reached the cap in
+    assert 0 < current.stat().st_size <= most and 0 < previous.stat().st_size <= most
+    text = current.read_text(errors="replace")
+    assert f"listening on http://127.0.0.1:{port}" in text  # llama-server's own line
+    assert "cleaning up before exit" in text  # its last, in before stop() returned
+    for written in (previous.read_text(), text):  # cut between lines, never inside one
+        assert all(ln == line for ln in written.splitlines() if ln.startswith("x"))
