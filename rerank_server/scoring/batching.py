@@ -4,7 +4,10 @@
 ollama). `score_in_batches` splits a request's documents into slices, sends each through
 `call(start, documents) -> {index within slice: score | None}`, and emits every pair's
 outcome as its slice lands. A slice whose call fails fails its pairs; a pair its answer
-leaves out fails as malformed. Nothing raises.
+leaves out fails as malformed. Nothing raises. With `split_too_long`, a slice the backend
+refuses as too long for its context is sent again as two halves, down to single
+documents: one document the context-fit could not cut to size (a server that does not
+say its slot size) fails alone instead of failing its whole slice.
 """
 
 from __future__ import annotations
@@ -26,15 +29,21 @@ _new = tuple.__new__
 
 
 async def score_in_batches(documents: Sequence[str], max_batch: int, call: SliceCall,
-                           emit: Emit, missing: str = "no score for this document") -> None:
+                           emit: Emit, missing: str = "no score for this document",
+                           split_too_long: bool = False) -> None:
     """Score `documents` in slices of `max_batch`; a pair the answer leaves out fails as
-    malformed with the detail `missing`."""
-    async def one(start: int) -> None:
-        chunk = documents[start:start + max_batch]
+    malformed with the detail `missing`. `split_too_long`: only for a `call` that scores
+    each document on its own (the slice's documents are not read together)."""
+    async def one(start: int, size: int = max_batch) -> None:
+        chunk = documents[start:start + size]
         indexes = range(start, start + len(chunk))
         try:
             scores = await call(start, chunk)
         except BackendCallError as exc:
+            if split_too_long and exc.too_long and len(chunk) > 1:
+                half = len(chunk) // 2  # at most 2n - 1 calls for n documents, all too long
+                await asyncio.gather(one(start, half), one(start + half, len(chunk) - half))
+                return
             failed_all(indexes, exc, emit)
             return
         except Exception as exc:  # a bug in reading an answer: this slice's pairs fail,

@@ -140,24 +140,28 @@ class CompletionScorer(PooledScorer):
                                            pairs=len(chunk), decode=_decode)
             return dict(enumerate(scores))
 
-        await score_in_batches(prompts, self._max_batch, batch, emit,
-                               missing="no yes/no token in top logprobs")
+        await score_in_batches(prompts, self._max_batch, batch, emit, split_too_long=True,
+                               missing="no yes/no logprob in its result")
 
     def _parse(self, results: list[_Result], ids: dict[int, str],
                expected: int) -> list[float | None]:
+        """A score per result; None for a result without a usable yes/no logprob, which
+        fails only its own pair (the answer as a whole is malformed only when it has the
+        wrong shape or count)."""
         if len(results) != expected:
             raise MalformedResponse(f"expected {expected} completion results")
         # One server answered them all: the first result that names a model will do.
         self.note_model(next((r.model for r in results if r.model), None))
-        return [p_yes(_answers(result, ids)) for result in results]
+        return [_score(result, ids) for result in results]
 
 
 class _Top(msgspec.Struct, gc=False):
     """One of the top logprobs (llama-server also sends its text and bytes: skipped).
-    Only the answer tokens' are read: an entry of another token may lack either field."""
+    Only the answer tokens' are read: an entry of another token may lack either field,
+    and an odd logprob (a string, a bool) fails its own result, not the answer."""
 
     id: int | None = None
-    logprob: float | None = None
+    logprob: Any = None
 
 
 class _Position(msgspec.Struct, gc=False):
@@ -165,7 +169,7 @@ class _Position(msgspec.Struct, gc=False):
 
 
 class _Result(msgspec.Struct, gc=False):
-    completion_probabilities: list[_Position]
+    completion_probabilities: list[_Position] | None  # required: `{"error": ...}` is none
     model: Any = None
 
 
@@ -180,23 +184,27 @@ def _decode(body: bytes) -> list[_Result]:
     try:
         decoded = _RESULTS.decode(body)
     except msgspec.ValidationError as exc:
-        raise MalformedResponse(f"completion result has no top_logprobs ({exc})") from None
+        raise MalformedResponse(f"completion answer of the wrong shape ({exc})") from None
     return decoded if isinstance(decoded, list) else [decoded]
 
 
-def _answers(result: _Result, ids: dict[int, str]) -> list[tuple[str, float]]:
-    """(yes|no, logprob) for the answer tokens among the first position's top logprobs."""
+def _score(result: _Result, ids: dict[int, str]) -> float | None:
+    """P(yes) from the answer tokens among the first position's top logprobs; None when
+    neither is there, or one has no number for its logprob."""
     positions = result.completion_probabilities
     top = positions[0].top_logprobs if positions else None
     if top is None:
-        raise MalformedResponse("completion result has no top_logprobs")
+        return None
     answers = []
     for entry in top:
-        if entry.id in ids:
-            if entry.logprob is None:
-                raise MalformedResponse("an answer token has no logprob")
-            answers.append((ids[entry.id], clamped(entry.logprob)))
-    return answers
+        answer = ids.get(entry.id)  # type: ignore[arg-type]  # None is no key
+        if answer is not None:
+            logprob = entry.logprob
+            # Numbers only: not a bool (an int to Python), a string or NaN.
+            if type(logprob) not in (float, int) or logprob != logprob:
+                return None
+            answers.append((answer, clamped(float(logprob))))
+    return p_yes(answers)
 
 
 def _frame(prefix: str, suffix: str) -> tuple[str, str, str] | None:

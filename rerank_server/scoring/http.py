@@ -477,7 +477,8 @@ class HttpBackend:
             # llama-server refuses an embedding input longer than its physical batch with
             # a 500 ("input ... is too large to process"): the input's fault all the same,
             # not to be retried elsewhere or counted against the instance.
-            if 400 <= status < 600 and _too_long(body):
+            # A 413 (a proxy's or the server's body limit) is the input's size too.
+            if status == 413 or (400 <= status < 600 and _too_long(body)):
                 raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
                                        "exceeds the model's context", status, too_long=True)
             # A redirect or an odd status is no answer either (a 302 with a JSON body

@@ -100,4 +100,5 @@ class RerankApiScorer(PooledScorer):
                                          lambda b: self.parse(b, len(documents)),
                                          pairs=len(documents))
 
-        await score_in_batches(request.documents, self._max_batch, call, emit)
+        await score_in_batches(request.documents, self._max_batch, call, emit,
+                               split_too_long=True)

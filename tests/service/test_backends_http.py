@@ -142,14 +142,17 @@ async def test_rerank_tei_shape_with_logits_is_squashed_to_unit(
     assert all(c.body["texts"] and "query" in c.body for c in fake.posts("/rerank"))
 
 
-async def test_rerank_tei_batch_limit_error_when_split_is_too_large(
+async def test_rerank_tei_batch_limit_below_max_batch_is_split_under(
         backend: Callable[..., Any]) -> None:
-    _, client = await backend(tei, backend="rerank", rerank_format="tei",
-                              rerank_path="/rerank", max_batch=4)
+    """`--max-batch` above TEI's `--max-client-batch-size`: the 4-document slice is
+    refused (413) and sent again as 2 + 2; every pair is scored, at the cost of the
+    refused round trip (its 4 pairs failed until the eighteenth sitting)."""
+    fake, client = await backend(tei, backend="rerank", rerank_format="tei",
+                                 rerank_path="/rerank", max_batch=4)
     answer = await client.rerank("q", DOCS)
-    # The 4-document slice is refused (413), the 1-document slice is scored.
-    assert answer.summary.degraded_code == "partial"
-    assert answer.summary.failed == 4 and answer.summary.scored == 1
+    assert answer.reranked and answer.summary.degraded_code is None
+    assert answer.summary.failed == 0 and answer.summary.scored == 5
+    assert sorted(len(c.body["texts"]) for c in fake.posts("/rerank")) == [1, 2, 2, 4]
 
 
 def ollama(answers: Callable[[str], str]) -> Handler:
@@ -387,13 +390,15 @@ def odd_logprobs(method: str, path: str, body: Any, headers: Mapping[str, str],
 
 
 async def test_completion_takes_only_numbers_as_logprobs(backend: Callable[..., Any]) -> None:
-    """Strings, bools and NaN make an answer malformed, as in chat's. Before, `float()`
+    """Strings, bools and NaN make a result malformed, as in chat's. Before, `float()`
     read "-0.1" and "nan" as numbers and `True` as 1.0, and a NaN score reached the
-    blend. One call per document, so each odd value fails only its own pair."""
-    _fake, client = await backend(odd_logprobs, backend="completion", max_batch=1)
+    blend. All four in one call: each odd value fails only its own pair (one used to
+    fail every pair of its call)."""
+    fake, client = await backend(odd_logprobs, backend="completion")
     answer = await client.rerank("q", [f"odd doc {i}" for i in range(4)], always_score=True,
                                  blend_strategy="rerank_only")
     by_id = {r.id: r.reranker_score for r in answer.results}
+    assert len(fake.posts("/completion")) == 1
     assert answer.summary.scored == 1 and answer.summary.failed == 3
     assert by_id["3"] == pytest.approx(1 / (1 + math.exp(-1.5)))  # yes -0.5, no -2.0
     assert all(by_id[i] is None for i in ("0", "1", "2"))
@@ -463,3 +468,59 @@ async def test_a_model_named_at_length_is_cut_to_256_characters(
         answer = await client.rerank("q", ["a", "b", "c"])
     assert answer.reranked
     assert answer.summary.model == ("m" * 2_000_000 + ".gguf")[:256]
+
+
+TOO_LONG = {"error": {"code": 400, "type": "exceed_context_size_error",
+                      "message": "the request exceeds the available context size"}}
+
+
+def too_long_completion(method: str, path: str, body: Any, headers: Mapping[str, str],
+                        ) -> tuple[int, Any]:
+    """`plain_template`'s server refusing a whole call, as llama-server does, when one of
+    its prompts is longer than a slot."""
+    if path == "/completion" and any("LONG" in p for p in body["prompt"]):
+        return 400, TOO_LONG
+    return plain_template(method, path, body, headers)
+
+
+def too_long_rerank(method: str, path: str, body: Any, headers: Mapping[str, str],
+                    ) -> tuple[int, Any]:
+    if method == "POST" and any("LONG" in d for d in body["documents"]):
+        return 400, TOO_LONG
+    return cohere(method, path, body, headers)
+
+
+@pytest.mark.parametrize(("handler", "kind", "path"), [
+    (too_long_completion, "completion", "/completion"),
+    (too_long_rerank, "rerank", "/v1/rerank")])
+async def test_a_document_too_long_for_the_context_fails_alone(
+        backend: Callable[..., Any], handler: Handler, kind: str, path: str) -> None:
+    """The backend refuses the whole call for one document: the call is split in halves
+    until that document is alone. It used to fail every pair of the call."""
+    fake, client = await backend(handler, backend=kind)
+    docs = [f"relevant passage {i}" for i in range(8)]
+    docs[5] = "a LONG passage"
+    answer = await client.rerank("q", docs, always_score=True, blend_strategy="rerank_only")
+    assert (answer.summary.scored, answer.summary.failed) == (7, 1)
+    assert answer.summary.degraded_code == "partial"
+    assert "exceeds the model's context" in answer.summary.degraded_message
+    assert next(r for r in answer.results if r.id == "5").reranker_score is None
+    # 8, then 4 + 4, 2 + 2 of the half with it, 1 + 1: at most 2n - 1 calls.
+    assert sorted(len(c.body["prompt" if kind == "completion" else "documents"])
+                  for c in fake.posts(path)) == [1, 1, 2, 2, 4, 4, 8]
+
+
+async def test_a_body_limit_in_front_of_the_backend_splits_the_call(
+        backend: Callable[..., Any]) -> None:
+    """A proxy that answers 413 (as HTML) to a body over its limit: the documents go
+    again in halves until each call passes it, and every pair is scored."""
+    def limited(method: str, path: str, body: Any, headers: Mapping[str, str],
+                ) -> tuple[int, Any]:
+        if method == "POST" and len(body["documents"]) > 2:
+            return 413, b"<html><h1>413 Request Entity Too Large</h1></html>"
+        return cohere(method, path, body, headers)
+
+    fake, client = await backend(limited, backend="rerank")
+    answer = await client.rerank("q", DOCS, always_score=True)
+    assert answer.reranked and answer.summary.scored == len(DOCS)
+    assert sorted(len(c.body["documents"]) for c in fake.posts("/v1/rerank")) == [1, 2, 2, 3, 5]

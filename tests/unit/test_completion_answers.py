@@ -1,5 +1,5 @@
-"""`completion`'s answers, decoded typed (only the fields read): what is scored, what is
-malformed, and what is not JSON at all."""
+"""`completion`'s answers, decoded typed (only the fields read): what is scored, what
+fails one result (its pair), what is malformed as a whole, and what is not JSON at all."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import orjson
 import pytest
 
 from rerank_server.scoring import ollama
-from rerank_server.scoring.completion import MAX_RENDERED_CHARS, _answers, _decode, _rendered
+from rerank_server.scoring.completion import MAX_RENDERED_CHARS, _decode, _rendered, _score
 from rerank_server.scoring.http import MalformedResponse
+from rerank_server.scoring.logprobs import p_yes
 
 IDS = {1: "yes", 2: "no"}
 
@@ -28,41 +29,43 @@ def test_an_array_and_a_single_result_decode_alike() -> None:
            {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -2}]
     one = _decode(orjson.dumps(_result(top)))
     assert one == _decode(orjson.dumps([_result(top)]))
-    assert _answers(one[0], IDS) == [("yes", -0.5), ("no", -2.0)]
+    assert _score(one[0], IDS) == p_yes([("yes", -0.5), ("no", -2.0)])
     assert one[0].model == "/models/m.gguf"
 
 
 def test_entries_of_other_tokens_need_neither_id_nor_logprob() -> None:
     top = [{"token": "The"}, {"id": None, "logprob": -1.0}, {"id": 7, "logprob": None},
            {"id": 1, "logprob": -0.2}]
-    assert _answers(_decode(orjson.dumps([_result(top)]))[0], IDS) == [("yes", -0.2)]
+    assert _score(_decode(orjson.dumps([_result(top)]))[0], IDS) == p_yes([("yes", -0.2)])
 
 
-@pytest.mark.parametrize("answer", [
-    [{"model": "m"}],  # no completion_probabilities
-    [_result([{"id": 1, "logprob": "-0.1"}])],  # a string, a bool: not numbers
-    [_result([{"id": 1, "logprob": True}])],
-    [_result([{"id": "1", "logprob": -0.1}])],
-    [_result(None)],
-    {"error": "busy"},
-    "yes",
+@pytest.mark.parametrize("result", [
+    {"completion_probabilities": None},
+    {"completion_probabilities": []},
+    _result([{"id": 1, "logprob": "-0.1"}]),  # a string, a bool: not numbers
+    _result([{"id": 1, "logprob": True}]),
+    _result([{"id": 2}]),  # an answer token without its logprob
+    _result(None),
 ])
-def test_json_of_the_wrong_shape_is_malformed(answer: Any) -> None:
-    with pytest.raises(MalformedResponse):
-        results = _decode(orjson.dumps(answer))
-        for result in results:
-            _answers(result, IDS)
+def test_a_result_without_a_usable_answer_scores_nothing_alone(result: Any) -> None:
+    """Only its own pair fails: the other results of the answer are scored."""
+    good = _result([{"id": 1, "logprob": -0.3}])
+    decoded = _decode(orjson.dumps([good, result, good]))
+    assert [_score(r, IDS) is None for r in decoded] == [False, True, False]
 
 
-def test_an_answer_token_without_a_logprob_is_malformed() -> None:
-    with pytest.raises(MalformedResponse, match="no logprob"):
-        _answers(_decode(orjson.dumps([_result([{"id": 2}])]))[0], IDS)
+@pytest.mark.parametrize("answer", [{"error": "busy"}, "yes", [{"model": "m"}],
+                                    [_result([{"id": "1", "logprob": -0.1}])],  # ids: ints
+                                    [{"completion_probabilities": 3}],
+                                    [{"completion_probabilities": [{"top_logprobs": [7]}]}]])
+def test_json_of_the_wrong_shape_is_malformed_as_a_whole(answer: Any) -> None:
+    with pytest.raises(MalformedResponse, match="wrong shape"):
+        _decode(orjson.dumps(answer))
 
 
 def test_a_vanishing_logprob_is_clamped_not_minus_infinity() -> None:
-    [(answer, logprob)] = _answers(
-        _decode(orjson.dumps([_result([{"id": 2, "logprob": -1e300}])]))[0], IDS)
-    assert answer == "no" and math.isfinite(logprob)
+    score = _score(_decode(orjson.dumps([_result([{"id": 2, "logprob": -1e300}])]))[0], IDS)
+    assert score is not None and math.isfinite(score)
 
 
 @pytest.mark.parametrize("raw", [b"", b"<html>busy</html>", b"[{", b"\xff"])
