@@ -16,7 +16,8 @@ from then on documents are cut by bytes: at the budget where the slot's size is 
 most a token per byte: safe), else at `BYTES_PER_TOKEN` a token, a rough measure that
 keeps `max_tokens_per_doc` near its meaning (a byte a token cut 64 tokens to about 15).
 `chat` retries a pair the backend refuses as too long once with the document halved
-(`shorter`).
+(`shorter`). A refusal that names a lower limit than the slot's (llama-server's physical
+batch `-ub`, for embeddings: not in `/props`) caps the budget from then on (`cap`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ContextFit:
         self._asked = False  # whether /props has been asked (and answered or not) once
         self._lock = asyncio.Lock()
         self._tokenizer = True  # False once the backend had no /tokenize
+        self._cap: int | None = None  # tokens: a limit the backend named in a refusal
 
     async def slot_tokens(self) -> int | None:
         """Context tokens per slot (llama-server `/props`), or None when not reported.
@@ -95,9 +97,18 @@ class ContextFit:
     async def budget(self, around: str, max_tokens_per_doc: int = 0) -> int | None:
         slot = await self.slot_tokens()
         limits = [max_tokens_per_doc] if max_tokens_per_doc else []
-        if slot is not None:
-            limits.append(slot - len(around.encode()) - SAFETY_TOKENS)
+        for tokens in (slot, self._cap):
+            if tokens is not None:
+                limits.append(tokens - len(around.encode()) - SAFETY_TOKENS)
         return max(min(limits), MIN_BUDGET) if limits else None
+
+    def cap(self, tokens: int) -> bool:
+        """Hold every later budget to `tokens` (a limit the backend named); whether that
+        lowered it."""
+        if tokens <= 0 or (self._cap is not None and self._cap <= tokens):
+            return False
+        self._cap = tokens
+        return True
 
     async def _cut(self, document: str, budget: int) -> str:
         if len(document.encode()) <= budget:
@@ -116,10 +127,10 @@ class ContextFit:
                 if exc.status in NO_TOKENIZER:
                     self._tokenizer = False  # not asked again for every long document
                 return _bytes(document, budget)  # the byte bound: always safe
-        # No tokenizer: the byte bound where the slot is known (it must fit), else about
+        # No tokenizer: the byte bound where a limit is known (it must fit), else about
         # what `budget` tokens are.
-        return _bytes(document, budget if self._slot_tokens is not None
-                      else budget * BYTES_PER_TOKEN)
+        known = self._slot_tokens is not None or self._cap is not None
+        return _bytes(document, budget if known else budget * BYTES_PER_TOKEN)
 
 
 def _bytes(document: str, limit: int) -> str:

@@ -49,7 +49,25 @@ class EmbeddingScorer(PooledScorer):
         self._base64 = True
 
     async def embed(self, texts: Sequence[str]) -> list[Vector | None]:
-        """The embedding of each text, by the answer's `index`; None where it gave none."""
+        """The embedding of each text, by the answer's `index`; None where it gave none.
+
+        A refusal naming llama-server's physical batch (`-ub` below the context, which
+        `/props` does not report) caps every later cut at it, and these texts are cut
+        to it and sent once more: before, every request with one text longer than the
+        physical batch failed all of its pairs."""
+        try:
+            return await self._embed_either(texts)
+        except BackendCallError as exc:
+            if not (exc.too_long and exc.limit_tokens):
+                raise
+            # Also when another request lowered the cap first: these were cut before.
+            if self._fit.cap(exc.limit_tokens):
+                log.warning("embedding_inputs_capped", physical_batch=exc.limit_tokens,
+                            advice="raise llama-server's -ub (and -b) to its context to "
+                                   "embed longer texts whole")
+        return await self._embed_either(await self._fit.fit(list(texts), ""))
+
+    async def _embed_either(self, texts: Sequence[str]) -> list[Vector | None]:
         asked_base64 = self._base64
         try:
             return await self._embed(texts, asked_base64)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -89,15 +90,17 @@ class BackendCallError(Exception):
 
     `too_long`: the backend refused the input as longer than its context (llama-server's
     `exceed_context_size_error`, or "too large" for embeddings): worth one more try with a
-    shorter document.
+    shorter document. `limit_tokens`: the limit the refusal named, where it named one
+    (llama-server's embedding refusal names its physical batch, `-ub`).
     """
 
     def __init__(self, failure: Failure, detail: str, status: int = 0,
-                 too_long: bool = False) -> None:
+                 too_long: bool = False, limit_tokens: int | None = None) -> None:
         super().__init__(detail)
         self.failure = failure
         self.detail = detail
         self.status = status
+        self.limit_tokens = limit_tokens
         self.too_long = too_long
 
 
@@ -480,7 +483,8 @@ class HttpBackend:
             # A 413 (a proxy's or the server's body limit) is the input's size too.
             if status == 413 or (400 <= status < 600 and _too_long(body)):
                 raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
-                                       "exceeds the model's context", status, too_long=True)
+                                       "exceeds the model's context", status, too_long=True,
+                                       limit_tokens=_physical_batch(body))
             # A redirect or an odd status is no answer either (a 302 with a JSON body
             # was once scored as one).
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
@@ -543,6 +547,17 @@ def _too_long(body: bytes) -> bool:
     message = str(error.get("message", "")).lower()
     return error.get("type") == "exceed_context_size_error" or \
         "exceeds the available context" in message or "too large" in message
+
+
+# llama-server: "input (302 tokens) is too large to process. increase the physical batch
+# size (current batch size: 128)".
+_PHYSICAL_BATCH = re.compile(rb"current batch size: (\d{1,9})\)")
+
+
+def _physical_batch(body: bytes) -> int | None:
+    """The physical batch (`-ub`) an embedding refusal names, if it names one."""
+    found = _PHYSICAL_BATCH.search(body[:4096])
+    return int(found.group(1)) if found else None
 
 
 def _ewma(previous: float | None, sample: float, weight: float = 0.2) -> float:

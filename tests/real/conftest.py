@@ -65,6 +65,18 @@ def real_embedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLla
 
 
 @pytest.fixture(scope="session")
+def real_embedding_small_batch(tmp_path_factory: pytest.TempPathFactory,
+                               ) -> Iterator[RealLlama]:
+    """MiniLM-L6 as `real_embedding`, with a physical batch (`-ub 128`) below its 512-token
+    slots: llama-server refuses a longer input, naming the batch size."""
+    binary, _ = assets_or_fail()
+    model = assets.embedding_model_path(settings.load([]).cache_dir)
+    yield from _serve(binary, model, tmp_path_factory,
+                      ["--embedding", "--pooling", "mean", "-np", "2", "-c", "1024",
+                       "-b", "512", "-ub", "128"])
+
+
+@pytest.fixture(scope="session")
 def real_rank_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     """llama-server --rerank serving MiniLM-L6 with an untrained rank head (/v1/rerank)."""
     binary, _ = assets_or_fail()

@@ -229,6 +229,23 @@ async def test_embedding_scores_long_documents_cut_to_its_context(
     assert answer.reranked and answer.summary.failed == 0 and answer.summary.scored == 3
 
 
+async def test_embedding_learns_a_physical_batch_below_the_slot(
+        real_embedding_small_batch: RealLlama, traced_server: Start) -> None:
+    """`-ub 128` under 512-token slots, which `/props` does not show: the first request's
+    long document is refused ("current batch size: 128"), cut to that and sent again;
+    the next request is cut before it is sent. Both used to fail every pair."""
+    server, spans = await traced_server(real_embedding_small_batch.url, backend="embedding")
+    long = "The river carries water from the mountains down to the sea. " * 30  # ~360 tokens
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        first = await client.rerank("river", [long, "short text", "the sea"])
+        assert first.reranked and first.summary.failed == 0 and first.summary.scored == 3
+        calls = len(backend_calls(spans, "/v1/embeddings"))
+        assert calls == 2  # refused once, then passed
+        second = await client.rerank("mountains", [long + " Again.", "other text", "hills"])
+    assert second.reranked and second.summary.failed == 0
+    assert len(backend_calls(spans, "/v1/embeddings")) == calls + 1
+
+
 @pytest.mark.parametrize("backend", ["completion", "chat"])
 async def test_a_document_of_template_tokens_is_cut_as_it_is_sent(
         real_llama: RealLlama, traced_server: Start, backend: str) -> None:

@@ -190,23 +190,45 @@ async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any)
         assert by_index[i] == pytest.approx(expected_score(DOCS[i]), abs=1e-6)
 
 
+def refusing_over(limit: int, named: bool) -> Handler:
+    """OpenAI embeddings refusing, as llama-server does, an input over its physical batch
+    (here `limit` bytes stand for tokens), naming that batch where `named`."""
+    def handle(method: str, path: str, body: Any, headers: Mapping[str, str],
+               ) -> tuple[int, Any]:
+        if method == "POST" and path != "/v1/embeddings":
+            return 404, {"error": "not found"}  # no /tokenize: cut by bytes
+        if method == "POST" and any(len(text.encode()) > limit for text in body["input"]):
+            where = f" (current batch size: {limit})" if named else ""
+            return 500, {"error": {"code": 500, "type": "server_error", "message":
+                                   "input (400 tokens) is too large to process. increase "
+                                   f"the physical batch size{where}"}}
+        return openai_embeddings()(method, path, body, headers)
+    return handle
+
+
 async def test_an_input_too_large_to_process_fails_its_request_not_the_instance(
         embedding_backend: Any) -> None:
     """llama-server refuses an embedding input longer than its physical batch with a
     500: that is the input's fault. It was retried as a server error and counted against
     the instance, which three such requests ejected, for everyone."""
-    def refuses_long(method: str, path: str, body: Any, headers: Mapping[str, str],
-                     ) -> tuple[int, Any]:
-        if method == "POST" and any("LONG" in text for text in body["input"]):
-            return 500, {"error": {"code": 500, "type": "server_error", "message":
-                                   "input (400 tokens) is too large to process. increase "
-                                   "the physical batch size (current batch size: 256)"}}
-        return openai_embeddings()(method, path, body, headers)
-
-    fake, client = await embedding_backend(refuses_long)
+    fake, client = await embedding_backend(refusing_over(256, named=False))
     for _ in range(4):
-        refused = await client.rerank(QUERY, ["LONG " * 10, *DOCS])
+        refused = await client.rerank(QUERY, ["LONG " * 80, *DOCS])
         assert not refused.reranked
     assert len(fake.posts("/v1/embeddings")) == 4  # each tried once, not again elsewhere
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.scored == len(DOCS)
+
+
+async def test_an_input_over_the_physical_batch_it_names_is_cut_to_it(
+        embedding_backend: Any) -> None:
+    """The refusal names llama-server's physical batch (`-ub`, which `/props` does not
+    report): the texts are cut to it and sent again, and later requests are cut before
+    they are sent. Every request with a long text used to fail all of its pairs."""
+    fake, client = await embedding_backend(refusing_over(256, named=True))
+    for n in range(3):  # a query each: no score comes from the cache
+        answer = await client.rerank(f"{QUERY} {n}", ["LONG " * 80, *DOCS])
+        assert answer.reranked and answer.summary.failed == 0, n
+    sent = [c.body["input"] for c in fake.posts("/v1/embeddings")]
+    assert len(sent) == 4  # refused once, then every call passes
+    assert all(len(text.encode()) <= 256 for call in sent[1:] for text in call)
