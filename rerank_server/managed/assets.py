@@ -137,7 +137,9 @@ class Assets:
 
 
 def say(message: str) -> None:
-    print(f"[prepare] {message}", flush=True)
+    """Progress for a person, on stderr: stdout carries the JSON log lines, which a log
+    shipper parses one per line (`serve --managed` prepares assets as it starts)."""
+    print(f"[prepare] {message}", file=sys.stderr, flush=True)
 
 
 def sha256_of(path: Path) -> str:

@@ -102,3 +102,12 @@ async def test_flags_are_found_however_their_short_names_are_padded(tmp_path: Pa
         assert await knows_flag(fake, flag), flag
     for flag in ("-np", "N", "--nothing"):
         assert not await knows_flag(fake, flag), flag
+
+
+def test_progress_goes_to_stderr_not_among_the_log_lines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --managed` prepares its assets as it starts, with JSON log lines on stdout:
+    a `[prepare]` line there was one a log shipper could not parse."""
+    assets.say("building llama-server")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "[prepare] building llama-server\n"
