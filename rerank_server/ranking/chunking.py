@@ -193,6 +193,14 @@ def chars_to_chunk(candidates: Sequence[Candidate], max_chars: int) -> int:
     return sum(lengths) if lengths and max(lengths) > max_chars else 0
 
 
+def head_texts(candidates: Sequence[Candidate], max_chars: int) -> tuple[list[str], int]:
+    """`document_texts` without the search: each document's first `max_chars`. For a
+    request that cannot wait for the chunking thread (`pipeline`): cheap on the loop."""
+    texts = [f"{c.title}\n{c.text[:max_chars]}" if c.title else c.text[:max_chars]
+             for c in candidates]
+    return texts, sum(len(c.text) > max_chars for c in candidates)
+
+
 def document_texts(query: str, candidates: Sequence[Candidate], max_chars: int,
                    ) -> tuple[list[str], int]:
     """What the scorer reads for each candidate (its title line, then its best chunk), and

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
+import structlog
 from opentelemetry import trace
 
 from ..domain import (
@@ -35,7 +37,7 @@ from ..scoring.budget import StopSignal, budget_s, score_within
 from . import blend_profiles
 from .blend_profiles import Blend, BlendResolver
 from .blending import REQUEST_WIDE, scores_can_matter
-from .chunking import CHUNK_ON_LOOP_CHARS, chars_to_chunk, document_texts
+from .chunking import CHUNK_ON_LOOP_CHARS, chars_to_chunk, document_texts, head_texts
 from .ordering import Emitter, IncrementalRanking
 from .request import Request, RequestRules
 from .score_cache import Scope, ScoreCache
@@ -43,6 +45,7 @@ from .shaping import Shaped, shape, skip_reason
 from .validation import resolve
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 class Reranker:
@@ -163,8 +166,16 @@ class Reranker:
 
         with telemetry.step("rerank.chunk") as span:
             if chars_to_chunk(scored_set, request.max_chunk_chars) > CHUNK_ON_LOOP_CHARS:
-                documents, chunked = await _off_loop(partial(
-                    document_texts, request.query, scored_set, request.max_chunk_chars))
+                found = await _off_loop(partial(
+                    document_texts, request.query, scored_set, request.max_chunk_chars),
+                    _chunk_wait_s(request, deadline_remaining_s, started))
+                if found is None:  # the thread stayed busy with others' documents
+                    documents, chunked = head_texts(scored_set, request.max_chunk_chars)
+                    span.set_attribute("rerank.chunk_fallback", True)
+                    log.info("chunking_busy", fallback="document heads",
+                             waited_ms=round((time.perf_counter() - started) * 1000, 1))
+                else:
+                    documents, chunked = found
             else:
                 documents, chunked = document_texts(request.query, scored_set,
                                                     request.max_chunk_chars)
@@ -277,17 +288,43 @@ class Reranker:
 # the interpreter every switch interval. One thread: such jobs queue behind each other
 # rather than contend, and leave the default executor (the disk cache's) alone.
 _CHUNKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerank-chunk")
+# A request waits for the chunking thread at most this share of its time (timeout or
+# deadline, whichever is shorter), counted from its arrival; the rest is for scoring.
+# The thread searches about 7 MB of text a second here: a 16 MB request holds it for
+# seconds, and a small request queued behind it answered after its deadline.
+CHUNK_WAIT_SHARE = 0.5
+MIN_CHUNK_WAIT_S = 0.05  # for an idle thread to take the job up
 
 
-async def _off_loop(job: Callable[[], T]) -> T:
-    """`job` in the chunking thread. A request cancelled meanwhile waits for its job to
-    end before it lets go: the request's place and bytes stay counted while its texts
-    are still being read, so cancelled requests cannot pile work up behind the budget."""
-    future = asyncio.get_running_loop().run_in_executor(_CHUNKER, job)
+def _chunk_wait_s(request: Request, deadline_remaining_s: float | None,
+                  started: float) -> float:
+    limit = request.timeout_s if deadline_remaining_s is None \
+        else min(request.timeout_s, deadline_remaining_s)
+    return max(CHUNK_WAIT_SHARE * limit - (time.perf_counter() - started), MIN_CHUNK_WAIT_S)
+
+
+async def _off_loop(job: Callable[[], T], wait_s: float) -> T | None:
+    """`job` in the chunking thread; None when the thread has not taken it up within
+    `wait_s` (it is then withdrawn). A job begun is waited for to its end, and so is one
+    of a request cancelled meanwhile: the request's place and bytes stay counted while
+    its texts are still being read, so cancelled requests cannot pile work up behind
+    the budget."""
+    begun = threading.Event()
+
+    def run() -> T:
+        begun.set()
+        return job()
+
+    submitted = _CHUNKER.submit(run)
+    future = asyncio.wrap_future(submitted)
     try:
+        await asyncio.wait({future}, timeout=wait_s)
+        if not future.done() and not begun.is_set() and submitted.cancel():
+            return None
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        await asyncio.wait({future})
+        if not submitted.cancel():  # withdrawn if not begun; else waited for
+            await asyncio.wait({future})
         raise
 
 

@@ -14,6 +14,7 @@ from rerank_client import AsyncRerankClient
 
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
 
 
 async def test_context_error_is_retried_with_a_shorter_document(
@@ -84,3 +85,30 @@ async def test_a_deadline_counts_the_time_spent_before_scoring(
     before_scoring_ms = answer.summary.total_ms - answer.summary.scoring_ms
     assert before_scoring_ms > 100, "too fast to show anything: use longer documents"
     assert took < 3.0
+
+
+async def test_a_request_behind_a_long_chunking_answers_within_its_deadline(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    """One thread searches long documents for their best chunk, and the costliest request
+    the limits allow holds it for seconds. A small request behind it (its own documents
+    long enough to go to that thread) waited its turn and answered after its 1.5 s
+    deadline: DEADLINE_EXCEEDED. It now waits half its time at most, then scores the
+    heads of its documents."""
+    server = await start_server(max_candidates=100)
+    query = " ".join(f"w{i:03d}" for i in range(800))
+    costly = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
+    small = [f"document {n}: " + "plain words of a long text. " * 2200 for n in range(3)]
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        blocking = asyncio.ensure_future(client.rerank(query, [costly] * 100,
+                                                       bypass_cache=True, timeout=300))
+        # In the pipeline (decoded and admitted), then a moment to reach the thread.
+        assert await eventually(lambda: server.reranker.active == 1, 30)
+        await asyncio.sleep(0.2)
+        sent = time.monotonic()
+        answer = await client.rerank("plain words", small, timeout=1.5)
+        took = time.monotonic() - sent
+        assert not blocking.done(), "the costly request ended first: nothing was tested"
+        assert (await blocking).reranked
+    assert answer.reranked and answer.summary.scored == 3 and took < 1.5
+    heads = [d for d in fake_llama.documents() if d.startswith("document ")]
+    assert sorted(heads) == sorted(d[:2000] for d in small)
