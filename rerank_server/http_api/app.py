@@ -115,6 +115,7 @@ class _Gate:
                                        **({"error.type": fault} if fault else {})}, fault)
 
     async def _gated(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[ARRIVED] = time.perf_counter()
         headers = Headers(scope=scope)
         path = scope["path"]
         if path not in OPEN_PATHS and not self._tokens.accepts(headers.get("authorization")):
@@ -205,11 +206,14 @@ class _Gate:
 
     async def _refuse(self, scope: Scope, send: Send, status: int, message: str,
                       headers: dict[str, str]) -> None:
-        """A rerank request refused before the app saw it, with its `rpc` log line."""
-        rpc_failed(f"{scope['method']} {scope['path']}", "", time.perf_counter(), str(status),
+        """A rerank request refused before the app saw it, with its `rpc` log line (its
+        `total_ms` from the head's arrival: a 408 or 422 can follow a slow body)."""
+        rpc_failed(f"{scope['method']} {scope['path']}", "", scope[ARRIVED], str(status),
                    _Refused(message), internal=False)
         await _refuse(send, status, message, headers)
 
+
+ARRIVED = "rerank.arrived"  # the scope's key for when the gate first saw the request
 
 # After a refusal mid-body the rest of it would still be read and thrown away: hang up.
 _CLOSE = {"Connection": "close"}

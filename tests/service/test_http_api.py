@@ -8,7 +8,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import cohere
@@ -665,3 +665,24 @@ async def test_bad_utf8_is_placed_by_its_byte_in_the_body(http_server: RunningSe
                                          "Content-Type": "application/json"})
     assert reply.status_code == 422
     assert reply.json()["message"] == "body: not valid UTF-8 at byte 28"
+
+
+async def test_a_refusal_after_a_slow_body_counts_the_time_it_took(
+        http_server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """The gate's refusals logged `total_ms` from the moment they were sent (about 0),
+    not from the request's arrival: a body that took 0.3 s to come, then refused, read
+    as instant."""
+    async def slowly() -> AsyncIterator[bytes]:
+        yield b'{"query":"q","documents":["a'
+        await asyncio.sleep(0.3)
+        yield b'\xff"]}'
+
+    capsys.readouterr()
+    async with httpx.AsyncClient(base_url=base_url(http_server)) as http:
+        reply = await http.post("/v1/rerank", content=slowly(),
+                                headers={"Authorization": f"Bearer {TOKEN}",
+                                         "Content-Type": "application/json"})
+    assert reply.status_code == 422 and "UTF-8" in reply.json()["message"]
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{") and '"event":"rpc"' in line]
+    assert line["status"] == "422" and line["total_ms"] >= 250
