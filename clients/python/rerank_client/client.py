@@ -21,7 +21,8 @@ Defaults a production caller wants, all overridable per client:
   before any answer came: the connection reset under it, or the server (a pod being
   replaced) refused it. The retry stays within the call's deadline, and on a channel with
   `load_balancing="round_robin"` goes to the next pod. `RerankBatch` is never retried (it
-  answers part of its stream, and names what it did not read when it ends).
+  answers part of its stream, and names what it did not read when it ends). While most
+  calls fail, gRPC's retry throttling stops the retries (no retry storm).
   A request larger than gRPC's retry buffer (256 KiB) is sent once.
 """
 
@@ -85,6 +86,10 @@ def channel_options(load_balancing: str | None = None,
         config["loadBalancingConfig"] = [{load_balancing: {}}]
     if retry_attempts > 1:
         config["methodConfig"] = [retry_policy(retry_attempts)]
+        # No retry storm: while most calls fail (a server down, every pod draining) the
+        # channel stops retrying (a failure takes a token, a success gives back a tenth;
+        # retries only above half of 10), and resumes as calls succeed again.
+        config["retryThrottling"] = {"maxTokens": 10, "tokenRatio": 0.1}
     if config:
         options.append(("grpc.service_config", json.dumps(config)))
     return options
