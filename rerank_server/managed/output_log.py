@@ -28,7 +28,7 @@ READ_BYTES = 64 * 1024
 class CappedLog:
     """Appends to `path`; past `max_bytes` the file becomes `path.1` (replacing the one
     before) and a new one begins, between lines: a file can pass the cap by the line it
-    ends inside of."""
+    ends inside of, up to twice the cap (output without line ends is cut there)."""
 
     def __init__(self, path: Path, max_bytes: int = MAX_BYTES) -> None:
         self.path = path
@@ -43,23 +43,34 @@ class CappedLog:
             return
         with self._lock:
             file = self._open()
-            room = self.max_bytes - self._size
-            if len(data) > room and self._size > 0:
-                # After the last line that fits; else after the line the file ends inside
-                # of (a file may pass the cap by that line); else, when the file ends at
-                # a line's end, before this chunk.
-                cut = data.rfind(b"\n", 0, max(room, 0)) + 1
-                if not cut and self._line_open:
-                    cut = data.find(b"\n") + 1
-                if cut or not self._line_open:
-                    file.write(data[:cut])
-                    file = self._rotate()
-                    data = data[cut:]
+            cut = self._cut(data)
+            if cut is not None:
+                file.write(data[:cut])
+                file = self._rotate()
+                data = data[cut:]
             if data:
                 file.write(data)
                 self._size += len(data)
                 self._line_open = not data.endswith(b"\n")
             file.flush()
+
+    def _cut(self, data: bytes) -> int | None:
+        """Where `data` ends this file (None: it does not): after the last line that fits;
+        else after the line the file ends inside of (a file may pass the cap by it); else,
+        when the file ends at a line's end, before `data`. A line never ends within twice
+        the cap is cut there."""
+        room = self.max_bytes - self._size
+        if len(data) <= room or self._size == 0:
+            return None
+        if last := data.rfind(b"\n", 0, max(room, 0)) + 1:
+            return last
+        if not self._line_open:
+            return 0
+        hard = max(2 * self.max_bytes - self._size, 0)
+        first = data.find(b"\n") + 1
+        if first and first <= hard:
+            return first
+        return hard if len(data) > hard else None
 
     def _open(self) -> BinaryIO:
         if self._file is None:

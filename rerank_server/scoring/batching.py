@@ -7,7 +7,8 @@ outcome as its slice lands. A slice whose call fails fails its pairs; a pair its
 leaves out fails as malformed. Nothing raises. With `split_too_long`, a slice the backend
 refuses as too long for its context is sent again as two halves, down to single
 documents: one document the context-fit could not cut to size (a server that does not
-say its slot size) fails alone instead of failing its whole slice.
+say its slot size) fails alone instead of failing its whole slice. The halvings of a
+slice are bounded (`split_allowance`); past them a refused half fails whole.
 """
 
 from __future__ import annotations
@@ -34,15 +35,20 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
     """Score `documents` in slices of `max_batch`; a pair the answer leaves out fails as
     malformed with the detail `missing`. `split_too_long`: only for a `call` that scores
     each document on its own (the slice's documents are not read together)."""
-    async def one(start: int, size: int = max_batch) -> None:
+    async def one(start: int, size: int = max_batch, splits: list[int] | None = None,
+                  ) -> None:
         chunk = documents[start:start + size]
         indexes = range(start, start + len(chunk))
         try:
             scores = await call(start, chunk)
         except BackendCallError as exc:
-            if split_too_long and exc.too_long and len(chunk) > 1:
-                half = len(chunk) // 2  # at most 2n - 1 calls for n documents, all too long
-                await asyncio.gather(one(start, half), one(start + half, len(chunk) - half))
+            if splits is None:  # a slice of its own: its allowance of halvings
+                splits = [split_allowance(len(chunk))]
+            if split_too_long and exc.too_long and len(chunk) > 1 and splits[0] > 0:
+                splits[0] -= 1
+                half = len(chunk) // 2
+                await asyncio.gather(one(start, half, splits),
+                                     one(start + half, len(chunk) - half, splits))
                 return
             failed_all(indexes, exc, emit)
             return
@@ -70,6 +76,14 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
     async with asyncio.TaskGroup() as group:
         for start in starts:
             group.create_task(one(start))
+
+
+def split_allowance(n: int) -> int:
+    """How many times a slice of `n` refused as too long may be halved: enough to find two
+    documents at fault (each takes a halving per level), not the 2n - 1 calls of halving
+    all the way down a slice a backend refuses whole, whatever it holds (a proxy's body
+    limit below one document), on every request."""
+    return 2 * max(n - 1, 0).bit_length()
 
 
 def to_unit(scores: Mapping[int, float], logits: bool = False) -> dict[int, float]:

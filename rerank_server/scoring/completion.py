@@ -200,10 +200,13 @@ def _score(result: _Result, ids: dict[int, str]) -> float | None:
         answer = ids.get(entry.id)  # type: ignore[arg-type]  # None is no key
         if answer is not None:
             logprob = entry.logprob
-            # Numbers only: not a bool (an int to Python), a string or NaN.
-            if type(logprob) not in (float, int) or logprob != logprob:
+            # Numbers only: not a bool (an int to Python), a string, NaN, or an integer
+            # too large for a float (JSON allows 400 digits).
+            if type(logprob) is int:
+                logprob = float(logprob) if -1e300 < logprob < 1e300 else None
+            if type(logprob) is not float or logprob != logprob:
                 return None
-            answers.append((answer, clamped(float(logprob))))
+            answers.append((answer, clamped(logprob)))
     return p_yes(answers)
 
 

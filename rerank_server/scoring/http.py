@@ -259,6 +259,10 @@ class HttpBackend:
             _ON_WIRE[task] = self
             try:
                 body = await self._call(path, payload, pairs, decode)
+            except BackendCallError:
+                if task in _LET_GO:  # a failure nobody waits for: no split, no retry
+                    raise asyncio.CancelledError from None
+                raise
             finally:
                 del _ON_WIRE[task]
                 self._forget(task)

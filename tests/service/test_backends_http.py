@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from rerank_client import AsyncRerankClient
 
-from rerank_server.scoring import completion, prompt
+from rerank_server.scoring import batching, completion, prompt
 from tests.conftest import StartServer
 from tests.fakes.json_server import Handler, JsonServer
 from tests.fakes.llama import FakeLlamaServer
@@ -524,3 +524,36 @@ async def test_a_body_limit_in_front_of_the_backend_splits_the_call(
     answer = await client.rerank("q", DOCS, always_score=True)
     assert answer.reranked and answer.summary.scored == len(DOCS)
     assert sorted(len(c.body["documents"]) for c in fake.posts("/v1/rerank")) == [1, 2, 2, 3, 5]
+
+
+async def test_a_backend_refusing_every_call_as_too_long_is_not_split_to_the_end(
+        backend: Callable[..., Any]) -> None:
+    """A proxy's body limit below one document refuses every call, on every request:
+    halving a 32-document slice to single documents was 63 calls a request."""
+    def refuses_all(method: str, path: str, body: Any, headers: Mapping[str, str],
+                    ) -> tuple[int, Any]:
+        return (400, TOO_LONG) if method == "POST" else cohere(method, path, body, headers)
+
+    fake, client = await backend(refuses_all, backend="rerank")
+    answer = await client.rerank("q", [f"passage {i}" for i in range(32)], always_score=True)
+    assert not answer.reranked and answer.summary.failed == 32
+    assert len(fake.posts("/v1/rerank")) == 1 + 2 * batching.split_allowance(32)  # 21
+
+
+async def test_a_refusal_that_comes_after_the_answer_is_not_split(
+        backend: Callable[..., Any]) -> None:
+    """The request has answered (its time ran out) when the backend refuses its call as
+    too long: halving it then sent every half for a request nobody waited for."""
+    def slow_refusal(method: str, path: str, body: Any, headers: Mapping[str, str],
+                     ) -> tuple[int, Any]:
+        if method == "POST" and len(body["documents"]) > 1:
+            time.sleep(0.6)  # a busy server refuses once a slot is free
+            return 400, TOO_LONG
+        return cohere(method, path, body, headers)
+
+    fake, client = await backend(slow_refusal, backend="rerank")
+    answer = await client.rerank("q", [f"doc {i}" for i in range(8)], always_score=True,
+                                 timeout_ms=300)
+    assert answer.summary.degraded_code == "timeout"
+    await asyncio.sleep(1.5)  # the refusal came within the leash: nothing follows it
+    assert [len(c.body["documents"]) for c in fake.posts("/v1/rerank")] == [8]

@@ -24,6 +24,7 @@ from rerank_client.client import is_local
 
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
 
 
 class ResettingProxy:
@@ -171,7 +172,8 @@ def test_a_token_for_a_remote_host_without_tls_warns() -> None:
 
 @pytest.mark.parametrize(("target", "local"), [
     ("127.0.0.1:50051", True), ("localhost:50051", True), ("[::1]:50051", True),
-    ("ipv4:127.0.0.1:1,127.0.0.1:2", True), ("dns:///localhost:50051", True),
+    ("ipv4:127.0.0.1:1,127.0.0.1:2", True), ("ipv4:127.0.0.1:1,10.0.0.5:2", False),
+    ("ipv6:[::1]:1,[2001:db8::1]:2", False), ("dns:///localhost:50051", True),
     ("unix:/run/rerank.sock", True), ("localhost", True), ("::1", True),
     ("10.0.0.7:50051", False), ("dns:///reranker:50051", False), ("[2001:db8::1]:1", False),
     ("example.com", False)])
@@ -184,3 +186,22 @@ def test_retry_attempts_and_default_timeout_are_checked() -> None:
         RerankClient("127.0.0.1:1", retry_attempts=6)
     with pytest.raises(ValueError, match="default_timeout must be > 0"):
         RerankClient("127.0.0.1:1", default_timeout=0)
+
+
+async def test_leaving_rerank_many_early_cancels_the_rest_on_the_server(
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    """The promise in docs/api.md: closed early (aclosing), the batch stream's call is
+    cancelled, and the server stops working on requests nobody will read."""
+    server = await start_server()
+    fake_llama.latency_for = lambda doc: 0.0 if "fast" in doc else 5.0
+    queries = {"first": ("q", ["fast a", "fast b", "fast c"]),
+               **{f"slow {n}": ("q", [f"slow {n} a", f"slow {n} b", f"slow {n} c"])
+                  for n in range(3)}}
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with contextlib.aclosing(client.rerank_many(queries)) as answers:
+            async for request_id, _answer in answers:
+                assert request_id == "first"
+                assert server.reranker.active == 3  # the slow ones are being scored
+                break
+        assert await eventually(lambda: server.reranker.active == 0, 3), \
+            "the slow requests ran on after the close"

@@ -25,7 +25,8 @@ async def test_every_pair_is_emitted_once_in_its_own_task() -> None:
 
     async def one(i: int) -> PairOutcome:
         tasks.add(asyncio.current_task())
-        await asyncio.sleep(0.001 * (5 - i))  # they land out of order
+        await asyncio.sleep(0.02 * (5 - i))  # they land out of order (20 ms apart: a
+        # preempted process once started two tasks more than 1 ms apart)
         return PairOutcome(i, i / 10)
 
     await map_pairs(5, one, emitted.append)

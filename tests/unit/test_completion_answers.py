@@ -54,6 +54,16 @@ def test_a_result_without_a_usable_answer_scores_nothing_alone(result: Any) -> N
     assert [_score(r, IDS) is None for r in decoded] == [False, True, False]
 
 
+def test_a_logprob_of_400_digits_fails_its_result_only() -> None:
+    """JSON allows it; `float()` of it raised OverflowError, which failed the slice."""
+    good = orjson.dumps(_result([{"id": 1, "logprob": -0.3}]))
+    huge = good.replace(b'"top_logprobs":[{"id":1,"logprob":-0.3}]',
+                        b'"top_logprobs":[{"id":1,"logprob":-1' + b"0" * 400 + b"}]")
+    assert huge != good
+    decoded = _decode(b"[" + good + b"," + huge + b"]")
+    assert [_score(r, IDS) is None for r in decoded] == [False, True]
+
+
 @pytest.mark.parametrize("answer", [{"error": "busy"}, "yes", [{"model": "m"}],
                                     [_result([{"id": "1", "logprob": -0.1}])],  # ids: ints
                                     [{"completion_probabilities": 3}],

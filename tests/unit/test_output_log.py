@@ -58,3 +58,13 @@ def test_prune_keeps_the_newest_logs_with_their_predecessors(tmp_path: Path) -> 
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted(["other.log"] + [f"llama-server-{i}.log{s}" for i in range(4, 12)
                                            for s in ("", ".1")])
+
+
+def test_output_without_line_ends_is_cut_at_twice_the_cap(tmp_path: Path) -> None:
+    path = tmp_path / "x.log"
+    log = CappedLog(path, max_bytes=100)
+    for _ in range(1000):
+        log.write(b"x" * 7)  # 7,000 bytes and not one line end
+    log.close()
+    sizes = [p.stat().st_size for p in (path, path.with_name("x.log.1"))]
+    assert all(0 < size <= 200 for size in sizes)

@@ -104,11 +104,15 @@ def is_local(target: str) -> bool:
         if target.startswith(scheme):
             target = target[len(scheme):]
             break
-    target = target.split(",", 1)[0]  # ipv4:a,b lists addresses: the first stands for all
-    if target.startswith("["):
-        host = target[1:target.find("]")]
+    # ipv4:a,b lists addresses: local only if every one is.
+    return all(_is_local_address(address) for address in target.split(","))
+
+
+def _is_local_address(address: str) -> bool:
+    if address.startswith("["):
+        host = address[1:address.find("]")]
     else:
-        host = target.rsplit(":", 1)[0] if target.count(":") == 1 else target
+        host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
     if host == "localhost":
         return True
     try:
@@ -229,7 +233,9 @@ class AsyncRerankClient(_Calls):
         Yields `(request_id, answer)` as each completes, in completion order; a request
         the server rejected yields its `RerankError` instead of an answer. `timeout` is the
         whole stream's deadline: none unless given (not `default_timeout`, which is sized
-        for one request). Leaving the loop early cancels the call.
+        for one request). Closing the generator cancels the call: leave the loop early
+        inside `contextlib.aclosing(client.rerank_many(...))` to have that happen at
+        once (otherwise it happens when the generator is collected).
         """
         requests = [build_request(q, c, request_id=rid, **options)
                     for rid, (q, c) in queries.items()]

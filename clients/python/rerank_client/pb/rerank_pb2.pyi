@@ -51,7 +51,8 @@ class _BlendStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlendSt
     """0.4 x retrieval (1/rank) + 0.6 x reranker score, whatever the rank."""
     BLEND_STRATEGY_RERANK_ONLY: _BlendStrategy.ValueType  # 3
     """Sort by the reranker score alone; ties keep retrieval order. A pair that failed
-    scores 0: it follows every scored pair, in retrieval order.
+    scores 0: it follows every pair scored above 0, in retrieval order (a tie with a
+    pair scored exactly 0 goes by retrieval rank).
     """
     BLEND_STRATEGY_ADAPTIVE: _BlendStrategy.ValueType  # 4
     """Trust the reranker as far as its scores in this request carry evidence: the weight
@@ -81,7 +82,8 @@ BLEND_STRATEGY_LINEAR: BlendStrategy.ValueType  # 2
 """0.4 x retrieval (1/rank) + 0.6 x reranker score, whatever the rank."""
 BLEND_STRATEGY_RERANK_ONLY: BlendStrategy.ValueType  # 3
 """Sort by the reranker score alone; ties keep retrieval order. A pair that failed
-scores 0: it follows every scored pair, in retrieval order.
+scores 0: it follows every pair scored above 0, in retrieval order (a tie with a
+pair scored exactly 0 goes by retrieval rank).
 """
 BLEND_STRATEGY_ADAPTIVE: BlendStrategy.ValueType  # 4
 """Trust the reranker as far as its scores in this request carry evidence: the weight
