@@ -488,13 +488,21 @@ def _field(loc: Sequence[Any]) -> str:
     return out or "body"
 
 
-def _text(doc: str | m.Document, rank_fields: list[str] | None) -> str:
+def _text(doc: str | m.Document, rank_fields: list[str] | None, i: int) -> str:
+    """What the model reads of a document. An object with nothing to read (no `text`, or
+    none of the `rank_fields`) is refused: it was scored as an empty text."""
     if isinstance(doc, str):
         return doc
     if rank_fields:
         values = {**(doc.model_extra or {}), **doc.model_dump(exclude_none=True)}
+        if not any(f in values for f in rank_fields):
+            raise InvalidRequest(f"documents[{i}]", "has none of the rank_fields "
+                                 f"({', '.join(map(repr, rank_fields))})")
         return "\n".join(f"{f}: {values[f]}" for f in rank_fields if f in values)
-    return doc.text or ""
+    if doc.text is None:
+        raise InvalidRequest(f"documents[{i}].text", "missing: a document given as an "
+                             "object needs its text (or rank_fields naming its fields)")
+    return doc.text
 
 
 def _as_sent(doc: str | m.Document) -> dict[str, Any]:
@@ -530,7 +538,7 @@ def _cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
         obj = doc if isinstance(doc, m.Document) else None
         candidates.append(Candidate(
             id=ids[i],
-            text=_text(doc, body.rank_fields), index=i,
+            text=_text(doc, body.rank_fields, i), index=i,
             retrieval_rank=(obj.retrieval_rank if obj is not None and obj.retrieval_rank
                             else i + 1),
             title=obj.title if obj is not None else None,

@@ -131,11 +131,19 @@ def _with_surrogates(path: str, body: bytes) -> bool:
     return True
 
 
+# msgspec names the types of the shapes above; what a caller may send, in words. (A
+# number where text is due passes here, and is refused by the field's own type later.)
+_EXPECTED = {"`bool | int | float | str | object | null`": "a string, or an object with text",
+             "`bool | int | float | str | null`": "a single value, not a list or an object"}
+
+
 def _validation(message: str) -> str:
     """msgspec's `Expected X, got Y - at $.documents[0].x` as `documents[0].x: ...`."""
     at = _AT.search(message)
     field = (at.group(1).lstrip(".") or "body") if at else "body"
     problem = _AT.sub("", message)
+    for expected, words in _EXPECTED.items():
+        problem = problem.replace(expected, words)
     problem = problem[:1].lower() + problem[1:]
     if field.endswith("[...]"):  # a value in a document object; msgspec keeps no key
         field, problem = field.removesuffix("[...]"), f"a field's value: {problem}"

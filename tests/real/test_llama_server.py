@@ -44,9 +44,11 @@ DOCS = [
 def _settings(real: RealLlama, **overrides: Any) -> Settings:
     # `adaptive` by default: these tests are about scoring with a real model, and the
     # default `profile` gives the stand-in no weight, so it would send no pair at all.
+    # Every port free (0): a developer's own server on the default metrics port 9464
+    # (`make run`) failed ten of these tests at once.
     base = Settings(port=0, backend_url=real.url, concurrency=SLOTS, assistant_prefill=False,
-                    http_port=0, timeout_ms=60_000, grace_period_s=2.0, probe=False,
-                    blend_strategy=BlendStrategy.ADAPTIVE)
+                    http_port=0, metrics_port=0, timeout_ms=60_000, grace_period_s=2.0,
+                    probe=False, blend_strategy=BlendStrategy.ADAPTIVE)
     return dataclasses.replace(base, **overrides)
 
 
@@ -235,7 +237,7 @@ async def test_long_documents_are_cut_to_the_context_and_scored(
     english = ("The river runs through the valley and feeds the farms along its banks. "
                * 600)[:40_000]
     assert len(chinese) >= 3000 and len(english) == 40_000
-    server = await build_server(_settings(real_llama, backend=backend, metrics_port=0))
+    server = await build_server(_settings(real_llama, backend=backend))
     try:
         async with _client(server) as client:
             answer = await client.rerank("长江流入哪里?", [chinese, english, "短文档。"],

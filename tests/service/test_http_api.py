@@ -145,6 +145,14 @@ async def test_return_documents_gives_each_document_back_as_sent(
      "return_documents: Input should be a valid boolean"),
     ({"query": "q", "documents": [{"text": "a", "retrieval_rank": 1.5}]}, 422,
      "documents[0].retrieval_rank: Input should be a valid integer"),
+    # An object with nothing to read was scored as an empty text.
+    ({"query": "q", "documents": ["a", {"title": "t"}]}, 422,
+     "documents[1].text: missing: a document given as an object needs its text"),
+    ({"query": "q", "documents": [{"title": "t"}], "rank_fields": ["body"]}, 422,
+     "documents[0]: has none of the rank_fields ('body')"),
+    # The shape check's words, not msgspec's union (which seemed to allow numbers).
+    ({"query": "q", "documents": ["a", ["x"]]}, 422,
+     "documents[1]: expected a string, or an object with text, got `array`"),
 ])
 async def test_errors_are_json_and_name_the_field(http_server: RunningServer,
                                                   body: dict[str, Any], status: int,

@@ -151,6 +151,8 @@ def test_a_managed_llama_server_that_cannot_start_is_one_line_and_exit_1(
     (["--tls-cert", "c.pem", "--tls-key", "k.pem", "q", "d"], "need tls_ca"),
     (["--tls-ca", "/nonexistent/ca.pem", "q", "d"], "/nonexistent/ca.pem"),
     (["--file", "/nonexistent/c.jsonl", "q"], "--file /nonexistent/c.jsonl"),
+    (["q"], "no documents"),
+    (["--top-k", "-1", "q", "d"], "top_k must be a whole number"),
 ])
 def test_rerank_client_cli_command_line_mistakes_are_one_line(
         argv: list[str], message: str) -> None:

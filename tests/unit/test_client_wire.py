@@ -67,3 +67,22 @@ def test_a_result_subclass_is_built_as_itself() -> None:
 
     built = Mine.from_pb(pb.RankedResult(id="a", index=0, rank=1, score=0.5, retrieval_rank=1))
     assert type(built) is Mine and built.id == "a"
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"top_k": -1}, "top_k"), ({"top_k": 2**40}, "top_k"),
+    ({"timeout_ms": -5}, "timeout_ms"), ({"max_candidates": 2**32}, "max_candidates")])
+def test_a_number_out_of_range_is_named(options: dict[str, int], named: str) -> None:
+    """protobuf's own error said only "Value out of range: -1"."""
+    with pytest.raises(ValueError, match=f"^{named} must be a whole number from 0 to"):
+        build_request("q", ["a"], **options)  # type: ignore[arg-type]
+
+
+def test_a_candidate_of_another_type_is_named() -> None:
+    """A bare `TypeError: 'int' object is not iterable` came from inside the client."""
+    with pytest.raises(TypeError, match=r"^candidates\[1\]: expected a str, a Candidate"):
+        build_request("q", ["a", 5])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^candidates\[0\]: .*unexpected keyword"):
+        build_request("q", [{"text": "a", "body": "b"}])
+    with pytest.raises(TypeError, match=r"^lists\['bm25'\].candidates\[0\]: expected"):
+        build_request("q", lists=[RankedList("bm25", [None])])  # type: ignore[list-item]

@@ -107,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     candidates += _read_jsonl(fh)
             except (OSError, UnicodeDecodeError) as exc:
                 raise SystemExit(f"rerank-client: --file {args.file}: {exc}") from None
+    if not candidates:  # nothing to rank: an empty table said nothing of why
+        raise SystemExit("rerank-client: no documents: give them after the query, or "
+                         "--file CANDIDATES.jsonl")
     options: dict[str, Any] = {"top_k": args.top_k, "instruction": args.instruction,
                                "blend_strategy": args.blend,
                                "always_score": args.always_score}

@@ -211,18 +211,27 @@ class RerankAnswer:
         return cls([Result.from_pb(r) for r in response.results], Summary.from_pb(response))
 
 
-def to_candidate(item: CandidateLike, position: int) -> Candidate:
+def to_candidate(item: CandidateLike, position: int, where: str = "candidates") -> Candidate:
+    """`item` as a Candidate; TypeError naming `where[position]` for anything else than a
+    Candidate, a str or a mapping of Candidate's fields."""
     if isinstance(item, Candidate):
         return item
     if isinstance(item, str):
         return Candidate(id=str(position), text=item)
+    if not isinstance(item, Mapping):
+        raise TypeError(f"{where}[{position}]: expected a str, a Candidate or a mapping of "
+                        f"its fields, not {type(item).__name__}")
     data = dict(item)
     data.setdefault("id", str(position))
     data["id"] = str(data["id"])
-    return Candidate(**data)
+    try:
+        return Candidate(**data)
+    except TypeError as exc:  # an unknown field: name the candidate it is in
+        raise TypeError(f"{where}[{position}]: {exc}") from None
 
 
-def _add_wire(field: Any, candidates: Iterable[CandidateLike]) -> None:
+def _add_wire(field: Any, candidates: Iterable[CandidateLike],
+              where: str = "candidates") -> None:
     """Append `candidates` to the repeated `field` in place. Only the fields that are set
     are passed: the message constructor costs about three times as much when handed None
     for an unset field or an empty map, and a list of messages would be copied in."""
@@ -231,7 +240,7 @@ def _add_wire(field: Any, candidates: Iterable[CandidateLike]) -> None:
         if isinstance(item, str):
             add(id=str(i), text=item)
             continue
-        c = to_candidate(item, i)
+        c = to_candidate(item, i, where)
         fields: dict[str, Any] = {"id": c.id, "text": c.text}
         if c.title is not None:
             fields["title"] = c.title
@@ -261,7 +270,12 @@ def build_request(query: str, candidates: Iterable[CandidateLike] = (), *, top_k
                   score_kind: str = "auto",
                   max_tokens_per_doc: int | None = None,
                   always_score: bool = False) -> pb.RerankRequest:
-    """The wire request; raises ValueError for an unknown strategy, kind or mode name."""
+    """The wire request; raises ValueError for an unknown strategy, kind or mode name, or
+    a number out of its field's range, and TypeError for a candidate of another type."""
+    for name, value in (("top_k", top_k), ("max_candidates", max_candidates),
+                        ("max_chunk_chars", max_chunk_chars), ("timeout_ms", timeout_ms),
+                        ("fusion_k", fusion_k), ("max_tokens_per_doc", max_tokens_per_doc)):
+        _check_uint32(name, value)
     options = pb.RerankOptions(
         blend_strategy=(pb.BLEND_STRATEGY_UNSPECIFIED if blend_strategy is None
                         else _choice("blend strategy", blend_strategy, BLEND_STRATEGIES)),
@@ -277,8 +291,18 @@ def build_request(query: str, candidates: Iterable[CandidateLike] = (), *, top_k
     for lst in lists:
         wire = request.lists.add(name=lst.name, weight=lst.weight, expansion=lst.expansion,
                                  score_kind=_choice("score kind", lst.score_kind, SCORE_KINDS))
-        _add_wire(wire.candidates, lst.candidates)
+        _add_wire(wire.candidates, lst.candidates, f"lists[{lst.name!r}].candidates")
     return request
+
+
+UINT32_MAX = 2**32 - 1
+
+
+def _check_uint32(name: str, value: int | None) -> None:
+    """protobuf's own error for these says only "Value out of range: -1"."""
+    if value is not None and not (isinstance(value, int) and 0 <= value <= UINT32_MAX):
+        raise ValueError(f"{name} must be a whole number from 0 to {UINT32_MAX}, "
+                         f"not {value!r}")
 
 
 def stream_item(message: pb.RerankStreamMessage) -> Result | Summary:
