@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -216,6 +217,15 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _streaming(self, behavior: Behavior, method: str, limited: bool,
                    allowed: bool, span: Callable[[], Opened] | None) -> Behavior:
+        if not inspect.isasyncgenfunction(behavior):
+            # A handler that sends with `context.write` and returns (grpc_health's
+            # Watch): grpc awaits it rather than iterating it, and so must the wrapper.
+            async def written(request: Any,
+                              context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                async with self._admitted(method, limited, allowed, context, span):
+                    return await behavior(request, context)
+            return written
+
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any],
                        ) -> AsyncIterator[Any]:
             async with self._admitted(method, limited, allowed, context, span):

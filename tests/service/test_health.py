@@ -90,3 +90,25 @@ async def test_a_probe_that_failed_once_is_tried_again(
         assert await eventually(backend_serving, 5)
         assert await _status(channel, "rerank.v1.Reranker/backend/discriminates") == SERVING
     await server.stop(grace=0)
+
+
+async def test_watch_streams_the_status_and_its_changes(fake_llama: FakeLlamaServer) -> None:
+    """Clients with client-side health checking (gRPC's `healthCheckConfig`) call
+    `Watch`, not `Check`. The interceptor iterated it as an async generator, but
+    grpc_health's Watch is a coroutine that writes: every call ended UNKNOWN. Open
+    without a token, as `Check` is."""
+    fake_llama.scores = {"Paris": 0.95, "Photosynthesis": 0.02}
+    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url,
+                        health_interval_s=0.1, auth_tokens="a-long-enough-s3cret-token")
+    server = await build_server(settings)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        await server.monitor.probed.wait()
+        call = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="rerank.v1.Reranker"), timeout=10)
+        first = await call.read()
+        assert first.status == SERVING
+        await server.edge.health.enter_graceful_shutdown()
+        second = await call.read()
+        assert second.status == NOT_SERVING
+        call.cancel()
+    await server.stop(grace=0)
