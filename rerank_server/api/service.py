@@ -31,6 +31,8 @@ from ..errors import InvalidRequest
 from ..observability.logs import rpc_answered, rpc_cancelled, rpc_failed
 from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
+from ..ranking.request import RequestRules
+from ..ranking.validation import check_candidate_count, check_list_count
 from ..scoring.budget import StopSignal
 from . import convert
 from .pb import rerank_pb2 as pb
@@ -127,6 +129,7 @@ class RerankService:
             request = parse_request(raw, field)
             del raw
             seen.request_id = self._reranker.rules.echoable_id(request.request_id)
+            _check_counts(request, self._reranker.rules)
             yield convert.query_from_pb(request)
         finally:
             self.inflight.give_back(size)
@@ -286,3 +289,14 @@ class RerankService:
         rpc_failed(rpc, request_id, started, code.name, exc,
                    internal=code is grpc.StatusCode.INTERNAL)
         await context.abort(code, message)
+
+
+def _check_counts(request: pb.RerankRequest, rules: RequestRules) -> None:
+    """The caps on counts, read off the parsed message before anything is built from it
+    (validation checks them again, with the rest): a 16 MiB message of 8 million empty
+    candidates parses in about 2 s, but converting them took 27 s (68 s as empty lists),
+    all on the event loop, health checks waiting behind."""
+    check_candidate_count("candidates", len(request.candidates), rules)
+    check_list_count(len(request.lists), rules)
+    for i, lst in enumerate(request.lists):
+        check_candidate_count(f"lists[{i}].candidates", len(lst.candidates), rules)

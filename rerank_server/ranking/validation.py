@@ -119,6 +119,12 @@ def check_candidate_count(where: str, count: int, rules: RequestRules) -> None:
                                     f"limit of {rules.max_request_candidates}")
 
 
+def check_list_count(count: int, rules: RequestRules) -> None:
+    """The cap on lists, which an edge may apply before building any (as candidates)."""
+    if count > rules.max_lists:
+        raise InvalidRequest("lists", f"{count} lists exceeds the limit of {rules.max_lists}")
+
+
 def _validate_candidates(where: str, candidates: Sequence[Candidate],
                          rules: RequestRules, metadata: _MetadataBudget) -> None:
     check_candidate_count(where, len(candidates), rules)
@@ -151,9 +157,7 @@ def _bad_id(at: str, id_: str, limit: int, where: str, seen: Mapping[str, int]) 
 
 def _validate_lists(query: RerankQuery, rules: RequestRules,
                     metadata: _MetadataBudget) -> None:
-    if len(query.lists) > rules.max_lists:
-        raise InvalidRequest("lists", f"{len(query.lists)} lists exceeds the limit of "
-                                      f"{rules.max_lists}")
+    check_list_count(len(query.lists), rules)
     # With lists, the request's own `candidates` form one more list with this name.
     names = {IMPLICIT_LIST: "candidates"} if query.candidates else {}
     for i, lst in enumerate(query.lists):

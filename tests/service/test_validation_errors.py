@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import grpc
@@ -158,3 +160,37 @@ async def test_metadata_total_per_request_is_capped(start_server: StartServer) -
             await client.rerank("q", docs)
     assert info.value.message == ("candidates[4].metadata: the request's metadata exceeds "
                                   "the limit of 10000 characters in all")
+
+
+@pytest.mark.parametrize("what", ["candidates", "lists", "lists[0].candidates"])
+async def test_a_flood_of_empty_entries_is_refused_before_it_is_built(
+        start_server: StartServer, what: str) -> None:
+    """Half a million empty candidates (or lists) in 1 MiB: the counts were checked only
+    after every one had been converted to a domain object, on the event loop (16 MiB of
+    them blocked it for 27 s, 68 s as lists). Now they are read off the parsed message
+    first, and health is answered meanwhile."""
+    server = await start_server()
+    n = 500_000
+    empty = {"candidates": pb.RerankRequest(candidates=[pb.Candidate()]),
+             "lists": pb.RerankRequest(lists=[pb.RankedList()]),
+             "lists[0].candidates": pb.RankedList(candidates=[pb.Candidate()])}[what]
+    entries = empty.SerializeToString() * n
+    if what == "lists[0].candidates":  # one list holding them all
+        entries = pb.RerankRequest(lists=[pb.RankedList.FromString(entries)],
+                                   ).SerializeToString()
+    raw = pb.RerankRequest(query="q").SerializeToString() + entries
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.unary_unary("/rerank.v1.Reranker/Rerank")(raw, timeout=60)
+        health = channel.unary_unary("/grpc.health.v1.Health/Check")
+        waits = []
+        reply = asyncio.ensure_future(call)
+        while not reply.done():
+            sent = time.monotonic()
+            await health(b"", timeout=60)
+            waits.append(time.monotonic() - sent)
+            await asyncio.sleep(0.02)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await reply
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{what}: ")
+    assert max(waits) < 1.0, f"health waited {max(waits):.2f} s"
