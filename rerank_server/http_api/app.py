@@ -70,9 +70,10 @@ class _Gate:
     budget."""
 
     def __init__(self, app: ASGIApp, *, tokens: TokenSet, max_active: int,
-                 inflight: InflightBytes, max_body_bytes: int,
+                 inflight: InflightBytes, max_body_bytes: int, max_documents: int,
                  tracer: trace.Tracer | None = None) -> None:
         self._app = app
+        self._max_documents = max_documents
         self._tokens = tokens
         self._max_active = max_active
         self._inflight = inflight
@@ -142,7 +143,8 @@ class _Gate:
             if await self._busy(scope, send):  # others came in while this body arrived
                 return
             try:
-                shaped = wire.checked(path, body) if scope["method"] == "POST" else body
+                shaped = (wire.checked(path, body, self._max_documents)
+                          if scope["method"] == "POST" else body)
             except wire.ShapeError as exc:
                 await self._refuse(scope, send, 422, str(exc), {})
                 return
@@ -269,6 +271,7 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     telemetry = reranker.telemetry
     app.add_middleware(_Gate, tokens=tokens, max_active=max_active, inflight=inflight,
                        max_body_bytes=max_body_bytes,
+                       max_documents=reranker.rules.max_request_candidates,
                        tracer=telemetry.tracer if telemetry.tracing else None)
 
     @app.exception_handler(Exception)
