@@ -500,7 +500,7 @@ def _text(doc: str | m.Document, rank_fields: list[str] | None, i: int) -> str:
         values = {**(doc.model_extra or {}), **doc.model_dump(exclude_none=True)}
         if not any(f in values for f in rank_fields):
             raise InvalidRequest(f"documents[{i}]", "has none of the rank_fields "
-                                 f"({', '.join(map(repr, rank_fields))})")
+                                 f"({', '.join(repr(f[:64]) for f in rank_fields)})")
         return "\n".join(f"{f}: {values[f]}" for f in rank_fields if f in values)
     if doc.text is None:
         raise InvalidRequest(f"documents[{i}].text", "missing: a document given as an "

@@ -28,6 +28,9 @@ def _integral(value: object) -> object:
 
 # A request's whole numbers: strict (no "2", no true), but 2.0 is 2.
 Count = Annotated[int, BeforeValidator(_integral)]
+# A field name in `rank_fields`: a document object's key, quoted back in messages and log
+# lines (64 names of 200,000 characters made a 14 MB log line).
+MAX_FIELD_NAME_CHARS = 256
 
 BlendName = Literal["position_aware", "linear", "rerank_only", "adaptive", "profile"]
 
@@ -75,10 +78,10 @@ class CohereRerankRequest(Extras):
         None, description="Accepted for compatibility; the server scores with its model.")
     top_n: Count | None = Field(None, ge=0, description="Results to return; default all.")
     return_documents: bool = Field(False, description="Include each document's text.")
-    rank_fields: list[str] | None = Field(
+    rank_fields: list[Annotated[str, Field(max_length=MAX_FIELD_NAME_CHARS)]] | None = Field(
         None, max_length=64,  # read for every document: a long list is work per document
         description="v1: the fields of object documents to read, as `field: value` "
-                    "(at most 64).")
+                    f"(at most 64, each at most {MAX_FIELD_NAME_CHARS} characters).")
     max_tokens_per_doc: Count | None = Field(
         None, ge=1, description="Most tokens of each document the model reads.")
     max_chunks_per_doc: Count | None = Field(None, description="v1: accepted and ignored.")

@@ -150,6 +150,12 @@ async def test_return_documents_gives_each_document_back_as_sent(
      "documents[1].text: missing: a document given as an object needs its text"),
     ({"query": "q", "documents": [{"title": "t"}], "rank_fields": ["body"]}, 422,
      "documents[0]: has none of the rank_fields ('body')"),
+    # Field names are quoted back (and logged): each is capped, and quoted cut to 64
+    # characters (64 names of 200,000 characters made a 14 MB answer and log line).
+    ({"query": "q", "documents": ["a"], "rank_fields": ["f" * 257]}, 422,
+     "rank_fields[0]: String should have at most 256 characters"),
+    ({"query": "q", "documents": [{"title": "t"}], "rank_fields": ["b" * 256]}, 422,
+     f"documents[0]: has none of the rank_fields ('{'b' * 64}')"),
     # The shape check's words, not msgspec's union (which seemed to allow numbers).
     ({"query": "q", "documents": ["a", ["x"]]}, 422,
      "documents[1]: expected a string, or an object with text, got `array`"),
