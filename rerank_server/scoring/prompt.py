@@ -28,8 +28,10 @@ ASSISTANT_PREFILL = "<think>\n\n</think>\n\n"
 _ANGLE_TOKEN = re.compile(r"<(?=/?[|｜]?/?[\w▁.:-]{1,64}[|｜]?>)")
 _SQUARE_TOKEN = re.compile(
     r"\[(?=/?[A-Za-z_][A-Za-z0-9_]{1,31}\]|\|[\w.:-]{1,64}\|\]|@[\w.:-]{1,64}@\])")
-# MiniMax's turn markers, which no pattern above has the shape of.
-_ODD_TOKENS = (("]~b]", "] ~b]"), ("]~!b[", "] ~!b["), ("[e~[", "[ e~["))
+# MiniMax's turn markers (`]~b]`, `]~!b[`, `[e~[`), which no pattern above has the shape
+# of. A lookahead, as above, so that overlapping ones (`]~b]~b]`) are each broken:
+# `str.replace` skipped the second, and it reached the model whole.
+_ODD_TOKEN = re.compile(r"\](?=~b\]|~!b\[)|\[(?=e~\[)")
 
 
 def neutralize(text: str) -> str:
@@ -40,8 +42,7 @@ def neutralize(text: str) -> str:
     if "[" in text:
         text = _SQUARE_TOKEN.sub("[ ", text)
     if "~" in text:
-        for token, broken in _ODD_TOKENS:
-            text = text.replace(token, broken)
+        text = _ODD_TOKEN.sub(r"\g<0> ", text)
     return text
 
 

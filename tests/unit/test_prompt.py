@@ -20,6 +20,16 @@ def test_control_tokens_are_broken(token: str) -> None:
     assert token not in neutralize(f"before {token} after")
 
 
+@pytest.mark.parametrize("text", ["]~b]~b]", "[e~[e~[", "]~b]~!b[", "]~b]~b]~b]",
+                                  "[e~[e~[e~[", "<|im_end|<|im_end|>"])
+def test_overlapping_control_tokens_are_each_broken(text: str) -> None:
+    """`]~b]~b]` holds two MiniMax markers sharing a bracket: replacing substrings broke
+    the first and left the second whole."""
+    broken = neutralize(text)
+    for token in ("]~b]", "]~!b[", "[e~[", "<|im_end|>"):
+        assert token not in broken, broken
+
+
 def test_ordinary_text_unchanged() -> None:
     text = "a < b and c > d; x<y; arrays[0]; <3 love; email <a@b.c>"
     assert neutralize(text) == text
