@@ -86,3 +86,36 @@ def test_a_candidate_of_another_type_is_named() -> None:
         build_request("q", [{"text": "a", "body": "b"}])
     with pytest.raises(TypeError, match=r"^lists\['bm25'\].candidates\[0\]: expected"):
         build_request("q", lists=[RankedList("bm25", [None])])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(("candidate", "error", "message"), [
+    ({"text": "x", "retrieval_rank": -1}, ValueError,
+     r"candidates\[1\]\.retrieval_rank must be a whole number from 0 to 4294967295, not -1"),
+    ({"text": 5}, TypeError, r"candidates\[1\]\.text: expected a str, not int"),
+    ({"text": "x", "title": 3}, TypeError, r"candidates\[1\]\.title: expected a str, not int"),
+    ({"text": "x", "retrieval_score": "0.5"}, TypeError,
+     r"candidates\[1\]\.retrieval_score: expected a number, not str"),
+    ({"text": "x", "metadata": {"a": 1}}, TypeError,
+     r"candidates\[1\]\.metadata: expected a mapping of str to str, not a mapping with "
+     r"int values"),
+])
+def test_a_candidates_bad_field_is_named(candidate: dict[str, object], error: type,
+                                        message: str) -> None:
+    """protobuf said "Value out of range: -1" or "bad argument type for built-in
+    operation", naming neither the candidate nor the field (`rerank-client --file`
+    printed just that for a bad line)."""
+    with pytest.raises(error, match=f"^{message}$"):
+        build_request("q", ["a", candidate])  # type: ignore[list-item]
+
+
+def test_codes_this_client_does_not_know_are_read_not_raised() -> None:
+    """The proto only ever adds values: a newer server's degraded code or blend strategy
+    failed the whole answer with a ValueError (not a RerankError) in this client."""
+    response = pb.RerankResponse(request_id="r", blend_strategy=99,  # type: ignore[arg-type]
+                                 degraded=pb.DegradedReason(code=13, message="new"))  # type: ignore[arg-type]
+    summary = RerankAnswer.from_pb(response).summary
+    assert summary.degraded_code == "unknown_13" and summary.degraded_message == "new"
+    assert summary.blend_strategy == "unknown_99"
+    known = pb.RerankResponse(degraded=pb.DegradedReason(
+        code=pb.DEGRADED_REASON_CODE_TOO_FEW_CANDIDATES))
+    assert RerankAnswer.from_pb(known).summary.degraded_code == "too_few_candidates"

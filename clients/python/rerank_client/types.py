@@ -15,8 +15,13 @@ BLEND_STRATEGIES = {
     "adaptive": pb.BLEND_STRATEGY_ADAPTIVE,
     "profile": pb.BLEND_STRATEGY_PROFILE,
 }
-_BLEND_NAMES = {v: k for k, v in BLEND_STRATEGIES.items()}
+_BLEND_NAMES = {pb.BLEND_STRATEGY_UNSPECIFIED: "unspecified",
+                **{v: k for k, v in BLEND_STRATEGIES.items()}}
 _DEGRADED_PREFIX = "DEGRADED_REASON_CODE_"
+# By number, so that a code this client does not know (values are only ever added to the
+# proto) reads `unknown_13` instead of failing the whole answer with a ValueError.
+_DEGRADED_NAMES = {v.number: v.name.removeprefix(_DEGRADED_PREFIX).lower()
+                   for v in pb.DegradedReasonCode.DESCRIPTOR.values}
 T = TypeVar("T")
 
 
@@ -180,11 +185,11 @@ class Summary:
         degraded = s.degraded if s.HasField("degraded") else None
         return cls(
             request_id=s.request_id, reranked=s.reranked,
-            degraded_code=(pb.DegradedReasonCode.Name(degraded.code)
-                           .removeprefix(_DEGRADED_PREFIX).lower() if degraded else None),
+            degraded_code=(_DEGRADED_NAMES.get(degraded.code, f"unknown_{degraded.code}")
+                           if degraded else None),
             degraded_message=degraded.message if degraded else None,
             backend=s.backend, model=s.model,
-            blend_strategy=_BLEND_NAMES.get(s.blend_strategy, "unspecified"),
+            blend_strategy=_BLEND_NAMES.get(s.blend_strategy, f"unknown_{s.blend_strategy}"),
             candidates=s.counts.candidates, submitted=s.counts.submitted,
             scored=s.counts.scored, failed=s.counts.failed,
             total_ms=s.timings.total_ms, scoring_ms=s.timings.scoring_ms,
@@ -250,7 +255,38 @@ def _add_wire(field: Any, candidates: Iterable[CandidateLike],
             fields["retrieval_rank"] = c.retrieval_rank
         if c.metadata:
             fields["metadata"] = c.metadata
-        add(**fields)
+        try:
+            add(**fields)
+        except (TypeError, ValueError) as exc:
+            raise _named(exc, f"{where}[{i}]", fields) from None
+
+
+def _named(exc: TypeError | ValueError, at: str, fields: Mapping[str, Any],
+           ) -> TypeError | ValueError:
+    """protobuf's error for a candidate's field ("bad argument type for built-in
+    operation", "Value out of range: -1") as the field's name and what it takes."""
+    for name, value in fields.items():
+        try:
+            pb.Candidate(**{name: value})
+        except (TypeError, ValueError):
+            if name == "retrieval_rank" and isinstance(value, int):
+                return ValueError(f"{at}.retrieval_rank must be a whole number from 0 to "
+                                  f"{UINT32_MAX}, not {value!r}")
+            return TypeError(f"{at}.{name}: expected {_TAKES.get(name, 'another type')}, "
+                             f"not {_described(value)}")
+    return type(exc)(f"{at}: {exc}")
+
+
+_TAKES = {"id": "a str", "text": "a str", "title": "a str", "retrieval_score": "a number",
+          "retrieval_rank": "a whole number", "metadata": "a mapping of str to str"}
+
+
+def _described(value: object) -> str:
+    if isinstance(value, Mapping):
+        keys = sorted({type(k).__name__ for k in value} - {"str"})
+        values = sorted({type(v).__name__ for v in value.values()} - {"str"})
+        return f"a mapping with {', '.join(keys or values)} {'keys' if keys else 'values'}"
+    return type(value).__name__
 
 
 def _choice(kind: str, name: str, choices: Mapping[str, T]) -> T:
