@@ -103,6 +103,25 @@ class Reranker:
         finally:
             self.active -= 1
 
+    def _overloaded(self, pairs: int, budget_s: float) -> Degraded | None:
+        """OVERLOADED when, behind the pairs queued and in flight ahead of it, the
+        backend would not score this request's `pairs` within its budget, less the
+        headroom. With nothing ahead the request is admitted whatever the estimate says:
+        the delay would be its own, and its budget decides what is scored (PARTIAL,
+        TIMEOUT). Refusing it sent nothing, so no answered call corrected an estimate
+        that one slow moment (a paused backend, a cold model's first call) had
+        inflated: every request of that size was refused, for good, the backend idle."""
+        wait_s = self.scorer.estimate_s(pairs, self.outstanding_pairs)
+        if wait_s <= budget_s * (1 - ADMISSION_HEADROOM):
+            return None
+        ahead_s = self.scorer.estimate_s(0, self.outstanding_pairs)
+        if ahead_s <= 0:
+            return None
+        return Degraded(DegradedCode.OVERLOADED,
+                        f"backend busy: about {_seconds(wait_s)} until these pairs would "
+                        f"be scored, {_seconds(ahead_s)} of it behind the pairs ahead, past "
+                        f"{1 - ADMISSION_HEADROOM:.0%} of the {_seconds(budget_s)} budget")
+
     async def answer(self, query: RerankQuery, deadline_remaining_s: float | None = None,
                      request_span: trace.Span | None = None,
                      ) -> tuple[list[RankedCandidate], RerankSummary]:
@@ -208,9 +227,7 @@ class Reranker:
                           None if deadline_remaining_s is None
                           else deadline_remaining_s - elapsed,
                           self._loop_lag(), self.active)
-        overloaded = _overloaded(self.scorer.estimate_s(len(pending),
-                                                        self.outstanding_pairs), budget) \
-            if pending else None
+        overloaded = self._overloaded(len(pending), budget) if pending else None
         if overloaded is not None:
             ranking.fail_outstanding()  # answered at once, in retrieval order
             pending = []
@@ -374,14 +391,8 @@ def _no_reranker_weight(request: Request, blend: Blend, scored: list[Candidate],
 ADMISSION_HEADROOM = 0.1
 
 
-def _overloaded(wait_s: float, budget_s: float) -> Degraded | None:
-    """OVERLOADED when the backend's queue would not score the pairs within the budget,
-    less the headroom."""
-    if wait_s <= budget_s * (1 - ADMISSION_HEADROOM):
-        return None
-    return Degraded(DegradedCode.OVERLOADED,
-                    f"backend busy: about {wait_s:.1f} s until these pairs would be scored, "
-                    f"past {1 - ADMISSION_HEADROOM:.0%} of the {budget_s:.1f} s budget")
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"
 
 
 def _shape_attributes(request: Request, shaped: Shaped, submitted: int,

@@ -143,6 +143,39 @@ async def test_a_burst_taken_up_in_one_turn_of_the_loop_is_not_all_admitted(
     assert reranker.outstanding_pairs == 0
 
 
+async def test_one_slow_moment_does_not_refuse_requests_for_good(
+        fake_llama: FakeLlamaServer) -> None:
+    """A slow moment (llama-server paused, a cold model's first call) raised the per-pair
+    estimate; with the backend idle again every request of the same size was told
+    OVERLOADED, "backend busy", for good: a refused request sends nothing, so no answer
+    ever corrected the estimate. With nothing ahead of it a request is admitted, and a
+    request too large for its own budget on an idle backend gets what fits (PARTIAL),
+    not OVERLOADED with nothing scored."""
+    pool = BackendPool([fake_llama.url], concurrency=2, timeout_s=10, kind="chat")
+    reranker = Reranker(request_rules(Settings(min_candidates=2)), ChatScorer(pool))
+
+    def query(n: int, docs: int) -> RerankQuery:
+        return RerankQuery(request_id=f"r{n}", query=f"q {n}", timeout_s=30.0,
+                           candidates=tuple(Candidate(id=f"d{i}", text=f"doc {n} {i}",
+                                                      index=i, retrieval_rank=i + 1)
+                                            for i in range(docs)))
+
+    try:
+        fake_llama.latency_s = 1.0  # the slow moment: about a second a pair
+        await reranker.answer(query(-1, 2), 10.0)
+        fake_llama.latency_s = 0.01  # and over: the estimate still says 10 pairs take 5 s
+        codes = [s.degraded.code if s.degraded else "reranked"
+                 for _, s in [await reranker.answer(query(n, 10), 2.0) for n in range(3)]]
+        assert codes == ["reranked"] * 3, codes
+        fake_llama.latency_s = 0.2  # 10 pairs on 2 slots take 1 s; the budget is 0.7 s
+        _, summary = await reranker.answer(query(9, 10), 0.7)
+    finally:
+        await pool.aclose()
+    assert summary.degraded is not None
+    assert summary.degraded.code == DegradedCode.PARTIAL, summary.degraded
+    assert summary.scored >= 2
+
+
 async def test_a_stream_its_client_never_reads_gives_its_place_back(
         start_server: StartServer, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,7 @@ from rerank_server.scoring import batching, completion, prompt
 from tests.conftest import StartServer
 from tests.fakes.json_server import Handler, JsonServer
 from tests.fakes.llama import FakeLlamaServer
+from tests.waiting import eventually
 
 DOCS = ["a relevant passage", "something else", "another relevant one", "noise", "more noise"]
 
@@ -437,9 +438,12 @@ async def test_completion_answers_that_are_not_json_do_not_count_as_answered(
 async def test_a_batched_call_longer_than_the_budget_is_answered_overloaded_at_once(
         backend: Callable[..., Any]) -> None:
     """Admission counts a batching backend's call as a whole: one call of 5 pairs that
-    took 0.4 s will take about that again, whatever the free slots, so a request with a
-    0.3 s budget is answered at once in retrieval order rather than sent to run out of
-    time (spread over the 4 slots, the estimate was 0.1 s and it was sent)."""
+    took 0.4 s will take about that again, whatever the free slots, so behind another
+    request's call a request with a 0.3 s budget is answered at once in retrieval order
+    rather than sent to run out of time (spread over the 4 slots, the estimate was 0.1 s
+    and it was sent). With nothing ahead it is sent: the backend is not busy, and only
+    an answered call corrects an estimate that a slow moment inflated (refused, such
+    requests were refused for good)."""
     def slow(method: str, path: str, body: Any, headers: Mapping[str, str],
              ) -> tuple[int, Any]:
         if method == "POST":
@@ -449,13 +453,21 @@ async def test_a_batched_call_longer_than_the_budget_is_answered_overloaded_at_o
     fake, client = await backend(slow, backend="rerank", concurrency=4, max_batch=100)
     first = await client.rerank("q", DOCS, blend_strategy="rerank_only", timeout_ms=5000)
     assert first.reranked  # the latency sample admission works from
+    ahead = asyncio.ensure_future(client.rerank("q1", DOCS, blend_strategy="rerank_only",
+                                                timeout_ms=5000))
+    assert await eventually(lambda: len(fake.posts("/v1/rerank")) == 2, 5)
     started = time.monotonic()
     answer = await client.rerank("q2", DOCS, blend_strategy="rerank_only", timeout_ms=300)
     took = time.monotonic() - started
     assert not answer.reranked and answer.summary.degraded_code == "overloaded"
+    assert "behind the pairs ahead" in (answer.summary.degraded_message or "")
     assert [r.id for r in answer.results] == [str(i) for i in range(len(DOCS))]
     assert took < 0.25, "overload was not answered at once"
-    assert len(fake.posts("/v1/rerank")) == 1  # nothing sent for the second request
+    assert len(fake.posts("/v1/rerank")) == 2  # nothing sent for it
+    assert (await ahead).reranked
+    alone = await client.rerank("q3", DOCS, blend_strategy="rerank_only", timeout_ms=300)
+    assert alone.summary.degraded_code == "timeout"  # sent, and out of time: not "busy"
+    assert len(fake.posts("/v1/rerank")) == 3
 
 
 async def test_a_model_named_at_length_is_cut_to_256_characters(
