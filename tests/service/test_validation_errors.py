@@ -20,6 +20,7 @@ from rerank_client import (
 from rerank_client.types import build_request
 
 from rerank_server.api.pb import rerank_pb2 as pb
+from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
@@ -95,6 +96,34 @@ async def test_an_answer_too_large_to_send_is_refused_naming_the_way_out(
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
              if line.startswith("{") and '"request_id":"big-1"' in line]
     assert [e["status"] for e in lines] == ["RESOURCE_EXHAUSTED"]
+
+
+async def test_an_answer_grown_by_list_names_is_refused_naming_the_way_out(
+        start_server: StartServer) -> None:
+    """Each result names the lists it was found in: 8 lists of 512-character names over
+    the same 100 ids make a 13.6 KB request's answer 415 KB. Only answers with texts were
+    measured, so this one was logged OK and then failed by gRPC's own limit, and in
+    `RerankBatch` it ended the whole stream instead of the one request."""
+    request = pb.RerankRequest(query="q", request_id="big")
+    for n in range(8):
+        request.lists.add(name=f"{n}" + "n" * 511,
+                          candidates=[pb.Candidate(id=f"d{i}", text=f"t{i}")
+                                      for i in range(100)])
+    server = await start_server(max_message_bytes=256 * 1024, max_candidates=100)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.RerankerStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Rerank(request, timeout=30)
+        small = pb.RerankRequest(query="q", request_id="small",
+                                 candidates=[pb.Candidate(id="a", text="x"),
+                                             pb.Candidate(id="b", text="y"),
+                                             pb.Candidate(id="c", text="z")])
+        batch = [m async for m in stub.RerankBatch(iter([request, small]), timeout=30)]
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "shorter list names" in (info.value.details() or "")
+    by_id = {m.request_id: m for m in batch}
+    assert by_id["big"].HasField("error") and "shorter list names" in by_id["big"].error.message
+    assert not by_id["small"].HasField("error")
 
 
 def _raw_stub(port: int) -> tuple[grpc.aio.Channel, Any]:
