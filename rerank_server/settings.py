@@ -63,7 +63,8 @@ class Settings:
         "Connections open at once on each port, gRPC and HTTP (per worker); more are "
         "closed at once (HTTP: after a 503). Idle ones close after 5 min on gRPC and 5 s "
         "on HTTP; one that has not sent its preface (gRPC) or a whole request head (HTTP) "
-        "within 10 s is closed (docs/security.md).", minimum=1))
+        "within 10 s is closed (docs/security.md).", minimum=1,
+        maximum=2**31 - 1))  # gRPC takes a 32-bit int: more was an OverflowError
     tls_cert: str = field(default="", metadata=_opt(
         "PEM certificate chain for TLS on the gRPC and HTTP ports (with --tls-key); "
         "re-read when the file changes.", group="security"))
@@ -85,7 +86,8 @@ class Settings:
         "Reranker RPCs handled at once; more are refused with RESOURCE_EXHAUSTED (health "
         "checks are never refused).", minimum=1))
     max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_opt(
-        "Largest request or response message in bytes.", minimum=1024))
+        "Largest request or response message in bytes.", minimum=1024,
+        maximum=2**31 - 1))  # gRPC takes a 32-bit int: more was an OverflowError
     max_inflight_bytes: int = field(default=64 * 1024 * 1024, metadata=_opt(
         "Request bytes being worked on at once, over all calls (a worker's: each has its "
         "own); a request that would pass it is refused with RESOURCE_EXHAUSTED (memory "
@@ -435,7 +437,7 @@ def build_parser(prog: str = "rerank-server", environ: Mapping[str, str] | None 
             meta["group"], parser.add_argument_group(meta["group"]))
         kind = _field_type(f)
         env = env_name(f.name)
-        default = _convert(kind, environ[env], env) if env in environ else _default(f)
+        default = _from_variable(kind, environ[env], env) if env in environ else _default(f)
         help_text = f"{meta['help']} [env {env}]"
         if kind is bool:
             group.add_argument(flag_name(f.name), dest=f.name, default=default, help=help_text,
@@ -455,4 +457,28 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser = parser or build_parser(environ=environ)
     namespace = parser.parse_args(argv)
     values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(Settings)}
+    for value in values.values():
+        if isinstance(value, _Unreadable):  # no flag was given in its place
+            raise value.error
     return Settings(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unreadable:
+    """A variable's value that does not read as its setting's type: its error is raised
+    only if no flag replaces it, as a flag wins over the variable (and `--help` still
+    prints, showing the value as it is). Not a str: argparse would pass a str default
+    through the flag's converter, and name the flag for the variable's mistake."""
+
+    raw: str
+    error: ConfigError
+
+    def __str__(self) -> str:
+        return self.raw
+
+
+def _from_variable(kind: type[Any], raw: str, env: str) -> Any:
+    try:
+        return _convert(kind, raw, env)
+    except ConfigError as exc:
+        return _Unreadable(raw, exc)

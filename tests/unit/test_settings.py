@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rerank_server.domain import BlendStrategy
@@ -24,6 +26,16 @@ def test_environment_then_flag_precedence() -> None:
     assert (s.port, s.blend_strategy, s.reflection) == (6000, BlendStrategy.LINEAR, False)
     s = load(["--port", "7000", "--reflection"], environ=env)
     assert (s.port, s.reflection) == (7000, True)
+
+
+def test_a_flag_wins_over_a_variable_it_could_not_read() -> None:
+    """`RERANK_PORT=abc rerank-server --port 1234` (and `--help`) failed on the variable
+    the flag replaces."""
+    env = {"RERANK_PORT": "abc"}
+    assert load(["--port", "1234"], environ=env).port == 1234
+    assert re.search(r"\(default:\s+abc\)", build_parser(environ=env).format_help())
+    with pytest.raises(ConfigError, match=r"^RERANK_PORT: cannot read 'abc' as int$"):
+        load(["--concurrency", "2"], environ=env)
 
 
 def test_every_setting_has_flag_and_env_in_help() -> None:
@@ -50,6 +62,10 @@ def test_every_setting_has_flag_and_env_in_help() -> None:
     ({"RERANK_CACHE_DIR": ""}, "RERANK_CACHE_DIR: cannot read ''"),
     # split at start, not after minutes of building the assets
     ({"RERANK_LLAMA_ARGS": '-t "4'}, "--llama-args / RERANK_LLAMA_ARGS: cannot split"),
+    # gRPC takes 32-bit ints: past them, an OverflowError's traceback at start-up
+    ({"RERANK_MAX_MESSAGE_BYTES": str(2**31)}, "--max-message-bytes / "
+                                               "RERANK_MAX_MESSAGE_BYTES: must be between"),
+    ({"RERANK_MAX_CONNECTIONS": str(2**31)}, "--max-connections / RERANK_MAX_CONNECTIONS"),
 ])
 def test_bad_values_name_the_setting(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace("/", ".")):
