@@ -88,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartError as exc:
         print(f"rerank-server: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C before the server's own signal handlers are in place (a managed
+        # llama-server loading, the assets building): the runner has cancelled the start,
+        # which stops the child; a traceback would say nothing more.
+        print("rerank-server: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

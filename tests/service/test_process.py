@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from rerank_client import AsyncRerankClient
@@ -198,3 +199,31 @@ async def test_rerank_client_cli_reports_invalid_request(
     argv = ["--target", f"127.0.0.1:{server.port}", " ", "doc"]
     assert await asyncio.to_thread(client_main, argv) == 1
     assert "INVALID_ARGUMENT: query: must not be empty" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_a_managed_llama_server_starts_is_one_line_and_stops_it(
+        tmp_path: pytest.TempPathFactory) -> None:
+    """Ctrl-C while llama-server loads (before the server's own signal handlers are in
+    place) printed a 36-line KeyboardInterrupt traceback."""
+    pid_file = tmp_path / "child.pid"  # type: ignore[operator]
+    loading = tmp_path / "llama-server"  # type: ignore[operator]
+    loading.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    loading.chmod(0o755)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rerank_server", "--managed", "--llama-server", str(loading),
+         "--model-path", str(loading), "--port", str(free_port()), "--http-port", "0",
+         "--metrics-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)})
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and stderr.strip().endswith("rerank-server: interrupted")
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # the child is stopped, not left behind
+            os.kill(child, 0)
+            time.sleep(0.05)
