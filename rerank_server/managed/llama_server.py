@@ -264,9 +264,8 @@ class ManagedLlamaServer:
         if not await self.wait_ready(self.ready_timeout_s):
             code = self._proc.returncode if self._proc else None
             await self.stop()
-            why = (f"exited with code {code} while starting" if code is not None else
-                   f"did not become ready within {self.ready_timeout_s:.0f} s")
-            raise StartError(f"llama-server {why}; see {self.log_path}")
+            raise StartError(f"llama-server {_start_failure(code, self.ready_timeout_s)}"
+                             f"; {_see(self.log_path)}")
         self._supervisor = asyncio.create_task(self._supervise())
         self._supervisor.add_done_callback(_report_end)
 
@@ -418,6 +417,25 @@ def _report_end(task: asyncio.Task[None]) -> None:
 
 def split_args(raw: str) -> list[str]:
     return shlex.split(raw) if raw.strip() else []
+
+
+def _start_failure(code: int | None, timeout_s: float) -> str:
+    if code is None:
+        return f"did not become ready within {timeout_s:.0f} s"
+    if code < 0:  # a signal: SIGILL is a native build on an older CPU (configuration.md)
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name} while starting"
+    return f"exited with code {code} while starting"
+
+
+def _see(log_path: Path | None) -> str:
+    """Where its output is; a log file named but never written (a child that dies
+    silently: its copier opens the file on the first byte) does not exist."""
+    if log_path is None:
+        return "its output was not kept"
+    if not log_path.exists():
+        return f"it wrote nothing (no {log_path})"
+    return f"see {log_path}"
 
 
 def default_log_path(cache_dir: Path) -> Path:

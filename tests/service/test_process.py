@@ -134,8 +134,15 @@ def test_a_managed_llama_server_that_cannot_start_is_one_line_and_exit_1(
     crashing = tmp_path / "llama-server"  # type: ignore[operator]
     crashing.write_text("#!/bin/sh\nexit 7\n")
     crashing.chmod(0o755)
+    # A child that dies silently, as a native build on an older CPU does (SIGILL): the
+    # message said "exited with code -4" and named a log file that was never created.
+    signalled = tmp_path / "llama-server-signalled"  # type: ignore[operator]
+    signalled.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    signalled.chmod(0o755)
     for binary, message in (("/nonexistent/llama-server", "not an executable file"),
-                            (str(crashing), "llama-server exited with code 7 while starting")):
+                            (str(crashing), "llama-server exited with code 7 while starting"),
+                            (str(signalled), "llama-server was killed by SIGSEGV while "
+                                             "starting; it wrote nothing (no ")):
         proc = subprocess.run(
             # Any file as the model: nothing is downloaded, and nothing reads it.
             [sys.executable, "-m", "rerank_server", "--managed", "--llama-server", binary,
