@@ -25,6 +25,22 @@ async def both_apis(start_server: StartServer) -> RunningServer:
     return await start_server(http_port=free_port())
 
 
+CLIENT_README = README.parent / "clients" / "python" / "README.md"
+CLIENT_FIRST = re.findall(r"```python\n(.*?)```", CLIENT_README.read_text(), re.DOTALL)[0]
+
+
+async def test_the_client_readmes_first_example_reranks(server: RunningServer) -> None:
+    """It sent two documents, under the server's `--min-candidates` of three: what it
+    printed was retrieval order and `too_few_candidates`, never a reranker score."""
+    script = CLIENT_FIRST.replace(GRPC_ADDRESS, f"127.0.0.1:{server.port}")
+    proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script],
+                                   capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result, summary = proc.stdout.splitlines()
+    assert result.startswith("1 ") and not result.endswith(" None")  # a reranker score
+    assert summary == "True None"
+
+
 def test_readme_has_python_for_both_apis() -> None:
     assert any(GRPC_ADDRESS in b for b in BLOCKS) and any(HTTP_ADDRESS in b for b in BLOCKS)
 
