@@ -139,6 +139,12 @@ async def _supervise(settings: Settings, count: int) -> None:
                              metrics_port=metrics_port)
                     await workers.watch(stop_requested)
             log.info("shutting_down", grace_period_s=settings.grace_period_s, workers=count)
+            # Caught until the end: with the default action back, a second signal ended
+            # the supervisor (and its llama-server) while the workers drained on, orphans
+            # scoring against a dead backend until their grace period ran out.
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, workers.kill)
     log.info("stopped")
 
 
@@ -290,6 +296,14 @@ class _Workers:
         old.process.join(1)  # reap it
         self._workers[i] = self._spawn(old.index)
         self._restarts.add(1)
+
+    def kill(self) -> None:
+        """A second stop signal during the drain: end every worker now, as a second
+        signal ends a single server's drain."""
+        log.warning("workers_killed", reason="a second stop signal")
+        for w in self._workers:
+            if w.process.is_alive():
+                w.process.kill()
 
     async def stop(self) -> None:
         """SIGTERM to every worker (each drains within the grace period), then wait; kill

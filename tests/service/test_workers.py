@@ -149,6 +149,40 @@ async def test_a_stop_signal_drains_every_worker_and_exits_zero(
             os.kill(pid, 0)
 
 
+async def test_a_second_stop_signal_ends_the_workers_with_the_supervisor(
+        fake_llama: FakeLlamaServer) -> None:
+    """A second SIGTERM during the drain found the default action back: the supervisor
+    died (and a managed llama-server with it) while the workers drained on, orphans,
+    for the rest of the grace period. Now it ends them, as it ends a single server."""
+    fake_llama.latency_s = 10.0  # nothing finishes within the test
+    async with supervised(fake_llama.url, RERANK_GRACE_PERIOD_S="30") as server:
+        workers = server.workers()
+        calls = asyncio.ensure_future(_rerank_on_new_connections(server.port, 4))
+        assert await eventually(lambda: fake_llama.in_flight >= 2, 5)
+        server.proc.send_signal(signal.SIGTERM)
+        assert await eventually(lambda: bool(server.logged("shutting_down")), 5)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(server.proc.wait, 15)
+        exited = time.monotonic() - signalled
+        left = []
+        for pid in workers:  # before the harness cleans up: no orphan left draining
+            for _ in range(40):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                left.append(pid)
+        calls.cancel()
+        with contextlib.suppress(BaseException):
+            await calls
+    assert exited < 5, f"the drain went on for {exited:.1f} s"
+    assert left == [], "workers outlived their supervisor"
+    assert server.logged("workers_killed")
+
+
 async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> None:
     async with supervised(fake_llama.url) as server:
         first = server.workers()
