@@ -26,7 +26,7 @@ from pathlib import Path
 import structlog
 
 from . import __version__
-from .api.grpc_server import GrpcEdge
+from .api.grpc_server import GrpcEdge, check_free
 from .http_api.app import create_app
 from .http_api.server import HttpEdge
 from .managed.llama_server import ManagedLlamaServer, start_managed
@@ -157,6 +157,12 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         stack.push_async_callback(asyncio.to_thread, telemetry.shutdown)
         managed = None
         if settings.managed:
+            if not reuse_port:  # (a worker's ports are its supervisor's, checked there)
+                # Before llama-server loads (minutes, the first time), not after.
+                check_free(settings.host, settings.port)
+                if settings.http_port:
+                    check_free(settings.host, settings.http_port,
+                               "--http-port / RERANK_HTTP_PORT")
             settings, managed = await start_managed(settings, telemetry.metrics.llama_restarts)
             stack.push_async_callback(managed.stop)
         cache = await asyncio.to_thread(_open_cache, settings, telemetry)  # may open SQLite

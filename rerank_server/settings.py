@@ -334,6 +334,11 @@ class Settings:
                               "--tls-key")
         if self.http_port and self.http_port == self.port:
             raise ConfigError("--http-port / RERANK_HTTP_PORT: must differ from --port")
+        if (self.metrics and self.metrics_port and self.metrics_host in ("", self.host)
+                and self.metrics_port in (self.port, self.http_port)):
+            # Else the clash was reported as another program holding --port.
+            raise ConfigError("--metrics-port / RERANK_METRICS_PORT: must differ from "
+                              "--port and --http-port")
         try:
             shlex.split(self.llama_args)
         except ValueError as exc:  # checked now, not after minutes of building assets

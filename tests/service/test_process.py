@@ -234,3 +234,34 @@ def test_ctrl_c_while_a_managed_llama_server_starts_is_one_line_and_stops_it(
         for _ in range(100):  # the child is stopped, not left behind
             os.kill(child, 0)
             time.sleep(0.05)
+
+
+def test_a_taken_port_is_found_before_a_managed_llama_server_starts(
+        tmp_path: pytest.TempPathFactory) -> None:
+    """The ports were first bound after llama-server had loaded (minutes the first
+    time), and `--metrics-port` equal to `--port` was reported as another program
+    holding `--port`."""
+    started = tmp_path / "started"  # type: ignore[operator]
+    loading = tmp_path / "llama-server"  # type: ignore[operator]
+    loading.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 60\n")
+    loading.chmod(0o755)
+    base = [sys.executable, "-m", "rerank_server", "--managed", "--llama-server", str(loading),
+            "--model-path", str(loading), "--llama-ready-timeout-s", "30"]
+    env = {**os.environ, "RERANK_CACHE_DIR": str(tmp_path)}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        for ports, setting in (([taken, free_port()], "--port / RERANK_PORT"),
+                               ([free_port(), taken], "--http-port / RERANK_HTTP_PORT")):
+            proc = subprocess.run([*base, "--port", str(ports[0]), "--http-port",
+                                   str(ports[1]), "--metrics-port", "0"],
+                                  capture_output=True, text=True, timeout=60, env=env)
+            assert proc.returncode == 2, proc.stderr
+            assert f"({setting})" in proc.stderr and "Traceback" not in proc.stderr
+    assert not started.exists(), "llama-server was started first"
+    port = free_port()
+    proc = subprocess.run([*base, "--port", str(port), "--metrics-port", str(port)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "--metrics-port / RERANK_METRICS_PORT: must differ from --port" in proc.stderr
