@@ -24,6 +24,7 @@ from ..ranking.pipeline import Reranker
 from ..security.tls import CertificateFiles
 from ..security.tokens import TokenSet
 from ..settings import Settings, host_port
+from .health_service import HealthServicer
 from .interceptors import RpcInterceptor
 from .pb import rerank_pb2 as pb
 from .service import RerankService
@@ -144,7 +145,7 @@ class GrpcEdge:
                                 inflight or InflightBytes(settings.max_inflight_bytes),
                                 settings.max_message_bytes)
         server.add_generic_rpc_handlers((_handlers(service),))
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if settings.reflection:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

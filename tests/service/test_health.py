@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 
 import grpc
 import pytest
@@ -103,12 +105,20 @@ async def test_watch_streams_the_status_and_its_changes(fake_llama: FakeLlamaSer
     server = await build_server(settings)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         await server.monitor.probed.wait()
-        call = health_pb2_grpc.HealthStub(channel).Watch(
-            health_pb2.HealthCheckRequest(service="rerank.v1.Reranker"), timeout=10)
+        stub = health_pb2_grpc.HealthStub(channel)
+        call = stub.Watch(health_pb2.HealthCheckRequest(service="rerank.v1.Reranker"),
+                          timeout=10)
+        unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nothing"), timeout=10)
         first = await call.read()
         assert first.status == SERVING
-        await server.edge.health.enter_graceful_shutdown()
+        assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        # The drain: NOT_SERVING, then the stream ends. grpc's stop waits for every open
+        # call, and a Watch that never ended held it for the whole grace period.
+        started = time.monotonic()
+        stopping = asyncio.ensure_future(server.stop(grace=5))
         second = await call.read()
         assert second.status == NOT_SERVING
-        call.cancel()
-    await server.stop(grace=0)
+        assert await call.read() is grpc.aio.EOF
+        await stopping
+        took = time.monotonic() - started
+    assert took < 2.5, f"an open Watch held the stop for {took:.1f} s"
