@@ -41,7 +41,9 @@ def neutralize(text: str) -> str:
         text = _ANGLE_TOKEN.sub("< ", text)
     if "[" in text:
         text = _SQUARE_TOKEN.sub("[ ", text)
-    if "~" in text:
+    # `~` is common (URLs, "~5"): the regex scans only text that holds a marker, at about
+    # the cost of the substring tests (the scan alone is about 6x that).
+    if "~" in text and ("]~b]" in text or "]~!b[" in text or "[e~[" in text):
         text = _ODD_TOKEN.sub(r"\g<0> ", text)
     return text
 
