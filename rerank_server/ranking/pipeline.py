@@ -70,6 +70,7 @@ class Reranker:
         # queue, all were admitted, and all timed out instead of being answered
         # OVERLOADED at once.
         self.outstanding_pairs = 0
+        self._last_unsure = -OWN_TIME_PROBE_S  # when a request too slow alone was last sent
 
     def stop_scoring_after(self, seconds: float) -> None:
         """Shutdown: in `seconds`, every request still waiting for scores answers with what
@@ -104,23 +105,34 @@ class Reranker:
             self.active -= 1
 
     def _overloaded(self, pairs: int, budget_s: float) -> Degraded | None:
-        """OVERLOADED when, behind the pairs queued and in flight ahead of it, the
-        backend would not score this request's `pairs` within its budget, less the
-        headroom. With nothing ahead the request is admitted whatever the estimate says:
-        the delay would be its own, and its budget decides what is scored (PARTIAL,
-        TIMEOUT). Refusing it sent nothing, so no answered call corrected an estimate
-        that one slow moment (a paused backend, a cold model's first call) had
-        inflated: every request of that size was refused, for good, the backend idle."""
+        """Why the request's pairs are not sent (None: they are). OVERLOADED when, behind
+        the pairs queued and in flight ahead of it, the backend would not score them
+        within the budget, less the headroom. With nothing ahead the wait would be the
+        request's own: one such request in `OWN_TIME_PROBE_S` is sent (its budget
+        decides what is scored, PARTIAL or TIMEOUT, and its answer corrects the
+        estimate), the others are answered TIMEOUT at once. Before, they were all told
+        OVERLOADED, "backend busy", and since a refused request sends nothing, one slow
+        moment (a paused backend, a cold model's first call) that inflated the estimate
+        refused every request of that size for good, the backend idle."""
         wait_s = self.scorer.estimate_s(pairs, self.outstanding_pairs)
         if wait_s <= budget_s * (1 - ADMISSION_HEADROOM):
             return None
         ahead_s = self.scorer.estimate_s(0, self.outstanding_pairs)
-        if ahead_s <= 0:
+        if ahead_s > 0:
+            return Degraded(DegradedCode.OVERLOADED,
+                            f"backend busy: about {_seconds(wait_s)} until these pairs "
+                            f"would be scored, {_seconds(ahead_s)} of it behind the pairs "
+                            f"ahead, past {1 - ADMISSION_HEADROOM:.0%} of the "
+                            f"{_seconds(budget_s)} budget")
+        now = time.monotonic()
+        if now - self._last_unsure >= OWN_TIME_PROBE_S:
+            self._last_unsure = now
             return None
-        return Degraded(DegradedCode.OVERLOADED,
-                        f"backend busy: about {_seconds(wait_s)} until these pairs would "
-                        f"be scored, {_seconds(ahead_s)} of it behind the pairs ahead, past "
-                        f"{1 - ADMISSION_HEADROOM:.0%} of the {_seconds(budget_s)} budget")
+        return Degraded(DegradedCode.TIMEOUT,
+                        f"the {_seconds(budget_s)} budget is shorter than these pairs' own "
+                        f"scoring time at the recent pace, about {_seconds(wait_s)} with "
+                        "nothing ahead: answered at once (one such request in "
+                        f"{OWN_TIME_PROBE_S:.0f} s is sent, to measure the pace again)")
 
     async def answer(self, query: RerankQuery, deadline_remaining_s: float | None = None,
                      request_span: trace.Span | None = None,
@@ -389,6 +401,9 @@ def _no_reranker_weight(request: Request, blend: Blend, scored: list[Candidate],
 # delays. Admitting up to the whole budget let admitted requests finish in its last few
 # percent, so a slow moment ran some out of time (`tests/faults/test_overload.py`).
 ADMISSION_HEADROOM = 0.1
+# With nothing ahead, one request whose own pairs would outlast its budget is sent this
+# often; the others are answered at once (`Reranker._overloaded`).
+OWN_TIME_PROBE_S = 5.0
 
 
 def _seconds(value: float) -> str:

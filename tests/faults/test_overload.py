@@ -148,9 +148,9 @@ async def test_one_slow_moment_does_not_refuse_requests_for_good(
     """A slow moment (llama-server paused, a cold model's first call) raised the per-pair
     estimate; with the backend idle again every request of the same size was told
     OVERLOADED, "backend busy", for good: a refused request sends nothing, so no answer
-    ever corrected the estimate. With nothing ahead of it a request is admitted, and a
-    request too large for its own budget on an idle backend gets what fits (PARTIAL),
-    not OVERLOADED with nothing scored."""
+    ever corrected the estimate. With nothing ahead of it, one such request is sent and
+    its answer corrects the pace; a request too large for its own budget on an idle
+    backend gets what fits (PARTIAL), not OVERLOADED with nothing scored."""
     pool = BackendPool([fake_llama.url], concurrency=2, timeout_s=10, kind="chat")
     reranker = Reranker(request_rules(Settings(min_candidates=2)), ChatScorer(pool))
 

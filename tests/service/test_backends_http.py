@@ -441,9 +441,9 @@ async def test_a_batched_call_longer_than_the_budget_is_answered_overloaded_at_o
     took 0.4 s will take about that again, whatever the free slots, so behind another
     request's call a request with a 0.3 s budget is answered at once in retrieval order
     rather than sent to run out of time (spread over the 4 slots, the estimate was 0.1 s
-    and it was sent). With nothing ahead it is sent: the backend is not busy, and only
-    an answered call corrects an estimate that a slow moment inflated (refused, such
-    requests were refused for good)."""
+    and it was sent). With nothing ahead the backend is not busy: one such request in
+    5 s is sent, since only an answered call corrects an estimate that a slow moment
+    inflated (all refused, such requests were refused for good)."""
     def slow(method: str, path: str, body: Any, headers: Mapping[str, str],
              ) -> tuple[int, Any]:
         if method == "POST":
@@ -465,8 +465,18 @@ async def test_a_batched_call_longer_than_the_budget_is_answered_overloaded_at_o
     assert took < 0.25, "overload was not answered at once"
     assert len(fake.posts("/v1/rerank")) == 2  # nothing sent for it
     assert (await ahead).reranked
+    # Nothing ahead: not "busy". One such request is sent, to measure the pace again
+    # (out of time here), the next is answered at once, TIMEOUT, saying why.
     alone = await client.rerank("q3", DOCS, blend_strategy="rerank_only", timeout_ms=300)
-    assert alone.summary.degraded_code == "timeout"  # sent, and out of time: not "busy"
+    assert alone.summary.degraded_code == "timeout"
+    assert len(fake.posts("/v1/rerank")) == 3
+    await asyncio.sleep(0.5)  # its abandoned call (0.4 s) is over: nothing ahead again
+    started = time.monotonic()
+    again = await client.rerank("q4", DOCS, blend_strategy="rerank_only", timeout_ms=300)
+    assert time.monotonic() - started < 0.25
+    assert again.summary.degraded_code == "timeout"
+    assert "budget is shorter than these pairs' own scoring time" in (
+        again.summary.degraded_message or "")
     assert len(fake.posts("/v1/rerank")) == 3
 
 
