@@ -251,12 +251,14 @@ def freeze_startup_objects() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals(keep_term: bool = False) -> Iterator[asyncio.Event]:
+def stop_signals(keep_term: bool = False, on_repeat: Callable[[], None] | None = None,
+                 ) -> Iterator[asyncio.Event]:
     """An event that SIGTERM or SIGINT sets while inside (their default action, ending
     the process at once, is back on leaving). `keep_term`: SIGTERM stays caught on
-    leaving, and does nothing. (Setting SIG_IGN after leaving left a few microseconds
-    in which SIGTERM's default action was back: a worker's second SIGTERM, from its
-    supervisor a moment after systemd's, could land there and kill its drain.)"""
+    leaving, and does nothing. `on_repeat`: both stay caught on leaving, and call it.
+    (Setting a handler after leaving left a moment in which the default action was back:
+    a worker's second SIGTERM, from its supervisor a moment after systemd's, could land
+    there and kill its drain; a supervisor's, and its workers drained on as orphans.)"""
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -264,11 +266,15 @@ def stop_signals(keep_term: bool = False) -> Iterator[asyncio.Event]:
     try:
         yield stop_requested
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
-        if keep_term:
-            loop.add_signal_handler(signal.SIGTERM, _ignored)  # replaces the one above
+        if on_repeat is not None:  # each replaces the one above
+            loop.add_signal_handler(signal.SIGTERM, on_repeat)
+            loop.add_signal_handler(signal.SIGINT, on_repeat)
         else:
-            loop.remove_signal_handler(signal.SIGTERM)
+            loop.remove_signal_handler(signal.SIGINT)
+            if keep_term:
+                loop.add_signal_handler(signal.SIGTERM, _ignored)  # replaces the one above
+            else:
+                loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _ignored() -> None:

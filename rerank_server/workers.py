@@ -129,7 +129,11 @@ async def _supervise(settings: Settings, count: int) -> None:
                 stack.callback(metrics.server_close)
                 stack.callback(metrics.shutdown)
                 metrics_port = metrics.server_port
-            with stop_signals() as stop_requested:
+            # A second signal, once the drain has begun, ends the workers at once; caught
+            # from the first on: with the default action back, it ended the supervisor
+            # (and its llama-server) while the workers drained on, orphans scoring
+            # against a dead backend until their grace period ran out.
+            with stop_signals(on_repeat=workers.kill) as stop_requested:
                 await workers.start(stop_requested)
                 if not stop_requested.is_set():
                     log.info("serving", address=host_port(settings.host, port),
@@ -139,12 +143,6 @@ async def _supervise(settings: Settings, count: int) -> None:
                              metrics_port=metrics_port)
                     await workers.watch(stop_requested)
             log.info("shutting_down", grace_period_s=settings.grace_period_s, workers=count)
-            # Caught until the end: with the default action back, a second signal ended
-            # the supervisor (and its llama-server) while the workers drained on, orphans
-            # scoring against a dead backend until their grace period ran out.
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, workers.kill)
     log.info("stopped")
 
 
