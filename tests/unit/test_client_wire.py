@@ -98,6 +98,7 @@ def test_a_candidate_of_another_type_is_named() -> None:
     ({"text": "x", "metadata": {"a": 1}}, TypeError,
      r"candidates\[1\]\.metadata: expected a mapping of str to str, not a mapping with "
      r"int values"),
+    ({"text": "\ud800"}, ValueError, r"candidates\[1\]\.text: not valid Unicode \(.*\)"),
 ])
 def test_a_candidates_bad_field_is_named(candidate: dict[str, object], error: type,
                                         message: str) -> None:

@@ -268,6 +268,8 @@ def _named(exc: TypeError | ValueError, at: str, fields: Mapping[str, Any],
     for name, value in fields.items():
         try:
             pb.Candidate(**{name: value})
+        except UnicodeError as own:  # a lone surrogate: the type was right
+            return ValueError(f"{at}.{name}: not valid Unicode ({own})")
         except (TypeError, ValueError):
             if name == "retrieval_rank" and isinstance(value, int):
                 return ValueError(f"{at}.retrieval_rank must be a whole number from 0 to "
