@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -373,14 +374,29 @@ def llama_server_version(binary: Path) -> str:
     try:
         out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
                              timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise AssetError(f"{binary} does not run: {exc}") from None
+    except OSError as exc:  # ENOEXEC: not an executable file at all (a truncated one)
+        raise BrokenBinary(f"{binary} does not run: {exc.strerror or exc}",
+                           damaged=exc.errno == errno.ENOEXEC) from None
+    except subprocess.TimeoutExpired:
+        raise AssetError(f"{binary} --version did not answer within 60 s") from None
     match = re.search(r"version: (.+)", out.stdout + out.stderr)
     if out.returncode != 0 and match is None:
-        code = (f"killed by {signal.Signals(-out.returncode).name}"
-                if -out.returncode in signal.valid_signals() else f"exit {out.returncode}")
-        raise AssetError(f"{binary} does not run: `--version` ended with {code}")
+        code = f"exit {out.returncode}"
+        if out.returncode < 0:
+            with contextlib.suppress(ValueError):
+                code = f"killed by {signal.Signals(-out.returncode).name}"
+        raise BrokenBinary(f"{binary} does not run: `--version` ended with {code}",
+                           damaged=out.returncode < 0)
     return match.group(1).strip() if match else "unknown"
+
+
+class BrokenBinary(AssetError):
+    """A llama-server that does not run; `damaged` when the file itself looks broken (a
+    rebuild can mend it), not the machine (a `noexec` mount, a missing library)."""
+
+    def __init__(self, message: str, damaged: bool) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 def resolve_llama_server(explicit: Path | None, cache: Path, build: bool) -> Path:
@@ -456,14 +472,22 @@ def _prepare(cache: Path, llama_server: Path | None = None,
              model: Path | None = None, embedding: bool = False,
              rank_head: bool = False) -> Assets:
     say(f"cache: {cache}")
+    cached = cached_llama_server(cache)
+    built_before = cached.exists()
     binary = resolve_llama_server(llama_server, cache, build=True)
     try:
         version = llama_server_version(binary)
-    except AssetError as exc:
-        if binary != cached_llama_server(cache):
-            raise  # the operator's own binary: theirs to mend
+    except BrokenBinary as exc:
+        # Only the cache's own build, found there, and damaged: an operator's binary is
+        # theirs to mend, one just built would fail the same way again, and a machine
+        # that cannot run it (noexec) gains nothing from minutes of building.
+        if binary != cached or not built_before or not exc.damaged:
+            raise
         say(f"{exc}; building it again")
-        binary.unlink()
+        try:
+            binary.unlink()
+        except OSError as gone:
+            raise AssetError(f"{exc}, and it cannot be removed: {gone.strerror}") from None
         binary = build_llama_server(cache)
         version = llama_server_version(binary)
     say(f"llama-server: {binary} (version {version})")

