@@ -214,22 +214,28 @@ def test_ctrl_c_while_a_managed_llama_server_starts_is_one_line_and_stops_it(
     place) printed a 36-line KeyboardInterrupt traceback."""
     pid_file = tmp_path / "child.pid"  # type: ignore[operator]
     loading = tmp_path / "llama-server"  # type: ignore[operator]
-    loading.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    # It answers `--help` at once (the flag probe) and, run as the server, never gets
+    # ready; the pid is written whole (`mv`) so that it is never read half-written.
+    loading.write_text("#!/bin/sh\n[ \"$1\" = --help ] && exit 0\n"
+                       f"echo $$ > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}\n"
+                       "exec sleep 60\n")
     loading.chmod(0o755)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rerank_server", "--managed", "--llama-server", str(loading),
-         "--model-path", str(loading), "--port", str(free_port()), "--http-port", "0",
-         "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)})
-    deadline = time.monotonic() + 30
-    # (The shell creates the file before `echo` writes to it.)
-    while not (pid_file.exists() and pid_file.read_text().strip()):
-        assert time.monotonic() < deadline, "the stand-in llama-server never started"
-        time.sleep(0.05)
-    child = int(pid_file.read_text())
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=30)
+    with subprocess.Popen(
+            [sys.executable, "-m", "rerank_server", "--managed", "--llama-server",
+             str(loading), "--model-path", str(loading), "--port", str(free_port()),
+             "--http-port", "0", "--metrics-port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)}) as proc:
+        try:
+            deadline = time.monotonic() + 30
+            while not pid_file.exists():
+                assert time.monotonic() < deadline, "the stand-in llama-server never started"
+                time.sleep(0.05)
+            child = int(pid_file.read_text())
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()  # (nothing, once it has exited) and its pipes closed on leaving
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and stderr.strip().endswith("rerank-server: interrupted")
     with pytest.raises(ProcessLookupError):
