@@ -225,7 +225,11 @@ def test_ctrl_c_while_a_managed_llama_server_starts_is_one_line_and_stops_it(
              str(loading), "--model-path", str(loading), "--port", str(free_port()),
              "--http-port", "0", "--metrics-port", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)}) as proc:
+            env={**os.environ, "RERANK_CACHE_DIR": str(tmp_path)},
+            # As from a terminal: a test run started in the background (CI, `make test &`)
+            # has SIGINT ignored, which the server would inherit and keep until it
+            # installs its own handlers, once it serves.
+            preexec_fn=_sigint_default) as proc:
         try:
             deadline = time.monotonic() + 30
             while not pid_file.exists():
@@ -273,3 +277,7 @@ def test_a_taken_port_is_found_before_a_managed_llama_server_starts(
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     assert "--metrics-port / RERANK_METRICS_PORT: must differ from --port" in proc.stderr
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
