@@ -33,7 +33,7 @@ from ..observability.logs import rpc_answered, rpc_failed
 from ..observability.server_spans import close_server_span, open_server_span
 from ..ranking.admission import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
-from ..ranking.validation import check_candidate_count
+from ..ranking.request import RequestRules
 from ..security.tokens import TokenSet
 from . import models as m
 from . import wire
@@ -70,10 +70,10 @@ class _Gate:
     budget."""
 
     def __init__(self, app: ASGIApp, *, tokens: TokenSet, max_active: int,
-                 inflight: InflightBytes, max_body_bytes: int, max_documents: int,
+                 inflight: InflightBytes, max_body_bytes: int, rules: RequestRules,
                  tracer: trace.Tracer | None = None) -> None:
         self._app = app
-        self._max_documents = max_documents
+        self._rules = rules
         self._tokens = tokens
         self._max_active = max_active
         self._inflight = inflight
@@ -143,7 +143,7 @@ class _Gate:
             if await self._busy(scope, send):  # others came in while this body arrived
                 return
             try:
-                shaped = (wire.checked(path, body, self._max_documents)
+                shaped = (wire.checked(path, body, self._rules)
                           if scope["method"] == "POST" else body)
             except wire.ShapeError as exc:
                 await self._refuse(scope, send, 422, str(exc), {})
@@ -271,7 +271,7 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     telemetry = reranker.telemetry
     app.add_middleware(_Gate, tokens=tokens, max_active=max_active, inflight=inflight,
                        max_body_bytes=max_body_bytes,
-                       max_documents=reranker.rules.max_request_candidates,
+                       rules=reranker.rules,
                        tracer=telemetry.tracer if telemetry.tracing else None)
 
     @app.exception_handler(Exception)
@@ -296,13 +296,6 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         rpc_failed(f"{request.method} {request.url.path}", "", time.perf_counter(), "422",
                    ValueError(message), internal=False)
         return JSONResponse({"message": message}, 422)
-
-    def check_count(rpc: str, field: str, count: int) -> None:
-        """The candidate cap, before any candidate is built."""
-        try:
-            check_candidate_count("candidates", count, reranker.rules)
-        except InvalidRequest as exc:
-            refuse(rpc, field, exc)
 
     def refuse(rpc: str, field: str, exc: InvalidRequest) -> NoReturn:
         rpc_failed(rpc, "", time.perf_counter(), "422", exc, internal=False)
@@ -330,7 +323,6 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
         async def rerank(body: m.CohereRerankRequest) -> m.CohereRerankResponse:
             rpc = f"POST /v{version}/rerank"
-            check_count(rpc, "documents", len(body.documents))
             try:
                 query = _cohere_query(body)
                 if body.return_documents:
@@ -362,7 +354,6 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
               responses={401: {"model": m.Error}, 422: {"model": m.Error},
                          429: {"model": m.Error}})
     async def tei_rerank(body: m.TeiRerankRequest) -> list[m.TeiResult]:
-        check_count("POST /rerank", "texts", len(body.texts))
         query = RerankQuery(request_id=os.urandom(16).hex(), query=body.query,
                             candidates=tuple(Candidate(id=str(i), text=t, index=i,
                                                        retrieval_rank=i + 1)

@@ -26,6 +26,10 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ..errors import InvalidRequest
+from ..ranking.request import RequestRules
+from ..ranking.validation import check_candidate_count
+
 Scalar = str | int | float | bool | None
 _UNSET = msgspec.UNSET
 # Fields of one document object: `text`, `title`, our extras and what `rank_fields` or
@@ -88,10 +92,10 @@ class ShapeError(ValueError):
     """The body cannot be this route's request: `str(exc)` is `field: problem`."""
 
 
-def checked(path: str, body: bytes, max_documents: int) -> bytes:
+def checked(path: str, body: bytes, rules: RequestRules) -> bytes:
     """`body` cut to the known fields of `path`'s request, as JSON; ShapeError when it
     is not JSON, holds a container where the request has a scalar, a document object
-    of more than `MAX_DOCUMENT_FIELDS` fields, or more than `max_documents` documents
+    of more than `MAX_DOCUMENT_FIELDS` fields, or more documents than `rules` allow
     (counted here, before pydantic builds them: 5.6 million `{}` took it 34 s)."""
     try:
         request = _DECODERS[path].decode(body)
@@ -102,24 +106,26 @@ def checked(path: str, body: bytes, max_documents: int) -> bytes:
         whole = _with_surrogates(path, body) if _SURROGATE.search(body) else None
         if whole is None:
             raise ShapeError(_malformed(str(exc))) from None
-        _count(whole, max_documents)
+        _count(whole, rules)
         return body
     except UnicodeDecodeError:
         raise ShapeError(f"body: not valid UTF-8 at byte {_bad_utf8_at(body)}") from None
     except RecursionError:  # skipping an unknown field nested a thousand deep
         raise ShapeError("body: nested too deeply") from None
-    _count(request, max_documents)
+    _count(request, rules)
     return _ENCODER.encode(request)
 
 
-def _count(request: _Cohere | _Tei, max_documents: int) -> None:
+def _count(request: _Cohere | _Tei, rules: RequestRules) -> None:
+    """The candidate cap (`check_candidate_count`), before any document is built: the
+    only place a JSON request's documents are counted."""
     field = "texts" if isinstance(request, _Tei) else "documents"
     documents = getattr(request, field)
-    if documents is not _UNSET and len(documents) > max_documents:
-        # In the words of the app's own check (`check_candidate_count`), which strings
-        # used to reach before they were built.
-        raise ShapeError(f"{field}: {len(documents)} candidates exceeds the limit of "
-                         f"{max_documents}")
+    if documents is not _UNSET:
+        try:
+            check_candidate_count(field, len(documents), rules)
+        except InvalidRequest as exc:
+            raise ShapeError(str(exc)) from None
 
 
 def _bad_utf8_at(body: bytes) -> int | str:
