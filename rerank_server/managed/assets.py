@@ -381,13 +381,18 @@ def llama_server_version(binary: Path) -> str:
         raise AssetError(f"{binary} --version did not answer within 60 s") from None
     match = re.search(r"version: (.+)", out.stdout + out.stderr)
     if out.returncode != 0 and match is None:
-        code = f"exit {out.returncode}"
-        if out.returncode < 0:
-            with contextlib.suppress(ValueError):
-                code = f"killed by {signal.Signals(-out.returncode).name}"
-        raise BrokenBinary(f"{binary} does not run: `--version` ended with {code}",
+        raise BrokenBinary(f"{binary} does not run: `--version` {how_it_ended(out.returncode)}",
                            damaged=out.returncode < 0)
     return match.group(1).strip() if match else "unknown"
+
+
+def how_it_ended(code: int) -> str:
+    """A child's end from its return code: `exited with code N`, or `was killed by
+    SIGILL` for subprocess's negative codes (a native build on an older CPU)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):  # a real-time signal has no name
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 class BrokenBinary(AssetError):
@@ -423,14 +428,16 @@ def resolve_llama_server(explicit: Path | None, cache: Path, build: bool) -> Pat
     return build_llama_server(cache)
 
 
-def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool) -> Path:
+def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool,
+                  verify: bool = False) -> Path:
+    """The model to run: the one given, or the stand-in (`verify`: see `prepare_model`)."""
     if explicit is not None:
         if not explicit.is_file():
             raise AssetError(f"--model-path {explicit}: no such file")
         return explicit
     target = cache / "models" / STAND_IN_MODEL.name
     if target.exists() or fetch_missing:
-        return prepare_model(cache)
+        return prepare_model(cache, verify=verify)
     raise AssetError(f"no model at {target}: run `make assets` (or `rerank-server "
                      "prepare`), or pass --model-path FILE.gguf")
 
@@ -491,9 +498,7 @@ def _prepare(cache: Path, llama_server: Path | None = None,
         binary = build_llama_server(cache)
         version = llama_server_version(binary)
     say(f"llama-server: {binary} (version {version})")
-    model_path = model if model is not None else prepare_model(cache, verify=True)
-    if not model_path.is_file():
-        raise AssetError(f"--model-path {model_path}: no such file")
+    model_path = resolve_model(model, cache, fetch_missing=True, verify=True)
     say(f"model: {model_path} ({model_path.stat().st_size} bytes)")
     manifest = {
         "llama_server": {"path": str(binary), "version": version,

@@ -422,10 +422,7 @@ def split_args(raw: str) -> list[str]:
 def _start_failure(code: int | None, timeout_s: float) -> str:
     if code is None:
         return f"did not become ready within {timeout_s:.0f} s"
-    if code < 0:  # a signal: SIGILL is a native build on an older CPU (configuration.md)
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name} while starting"
-    return f"exited with code {code} while starting"
+    return f"{assets.how_it_ended(code)} while starting"
 
 
 def _see(log_path: Path | None) -> str:

@@ -134,6 +134,6 @@ def test_prepare_mends_a_damaged_model_and_names_a_binary_that_does_not_run(
     truncated = tmp_path / "llama-server"
     truncated.write_text("#!/bin/sh\nkill -SEGV $$\n")
     truncated.chmod(0o755)
-    with pytest.raises(assets.AssetError, match="does not run: `--version` ended with "
-                                                "killed by SIGSEGV"):
+    with pytest.raises(assets.AssetError, match="does not run: `--version` was killed "
+                                                "by SIGSEGV"):
         assets.prepare(tmp_path, llama_server=truncated)
