@@ -4,26 +4,33 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# What serving needs (`make run`), and that plus the tests', lint's and eval's tools.
+SERVE_STAMP := $(VENV)/.installed-serve
+DEV_STAMP   := $(VENV)/.installed-dev
 # Extra flags for `make run`, e.g. make run ARGS="--port 6000 --log-format console"
 ARGS   ?=
-
-.PHONY: install assets test-assets run test lint proto docs check clean
-
 # PYTHONWARNINGS: setuptools tells every editable install of a flat layout, at length,
 # that folders named like the package may shadow it (none do here): noise to a newcomer.
-$(STAMP): pyproject.toml clients/python/pyproject.toml
+PIP    := PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet
+
+.PHONY: install install-serve assets test-assets run test lint proto docs check clean
+
+$(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS='ignore:Editable installation' \
-		$(BIN)/python -m pip install --quiet -e clients/python -e '.[dev]'
+	$(PIP) -e clients/python -e .
 	touch $@
 
-install: $(STAMP)
+$(DEV_STAMP): $(SERVE_STAMP)
+	$(PIP) -e clients/python -e '.[dev]'
+	touch $@
+
+install-serve: $(SERVE_STAMP)
+install: $(DEV_STAMP)
 
 # llama-server built from the pinned llama.cpp source + the stand-in model, into the cache
 # (~/.cache/rerank-server, or RERANK_CACHE_DIR). Minutes the first time, instant after.
-assets: install
+assets: install-serve
 	$(BIN)/rerank-server prepare
 
 # The tests also drive the embedding backend (MiniLM-L6 converted to GGUF) and the rerank

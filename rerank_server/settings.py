@@ -32,6 +32,14 @@ class RerankFormat(StrEnum):
     TEI = "tei"        # {query, texts} -> [{index, score}]
 
 
+class LlamaAmx(StrEnum):
+    """Whether llama-server may use llama.cpp's AMX kernels (managed/amx.py)."""
+
+    AUTO = "auto"  # built without them; LLAMA_ARG_REPACK=0 for other binaries on AMX CPUs
+    ON = "on"      # built with them where the CPU has AMX; nothing passed
+    OFF = "off"    # built without them; LLAMA_ARG_REPACK=0 always
+
+
 class LogFormat(StrEnum):
     AUTO = "auto"
     JSON = "json"
@@ -296,6 +304,13 @@ class Settings:
     llama_ready_timeout_s: float = field(default=120.0, metadata=_opt(
         "How long to wait for a (re)started llama-server to load its model; a restart that "
         "is not ready by then is killed and tried again.", minimum=1,
+        group="managed"))
+    llama_amx: LlamaAmx = field(default=LlamaAmx.AUTO, metadata=_opt(
+        "llama.cpp's AMX kernels, which crash the pinned build on Intel Xeon 4th generation "
+        "and later: auto (the cache's build is compiled without them; another llama-server "
+        "gets LLAMA_ARG_REPACK=0 where the CPU has AMX; one killed by a CPU fault gets it "
+        "from its next launch), on (built with them, nothing passed), off (built without "
+        "them, LLAMA_ARG_REPACK=0 always). docs/backends.md, \"CPUs with AMX\".",
         group="managed"))
     cache_dir: Path = field(default_factory=default_cache_dir, metadata=_opt(
         "Where prepared assets (llama-server build, models, logs) are kept.",

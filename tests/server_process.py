@@ -126,7 +126,9 @@ async def supervised(backend_url: str | None, workers: int = 2, start_timeout_s:
                             start_new_session=True)
     server = Supervised(proc, port, http_port, metrics_port)
     try:
-        started = await eventually(lambda: any("workers" in e for e in server.logged("serving"))
+        # Under a supervisor, its own line (with `workers`) says all of them listen.
+        started = await eventually(lambda: any(workers == 1 or "workers" in e
+                                               for e in server.logged("serving"))
                                    or proc.poll() is not None, start_timeout_s)
         assert started, server.events
         assert proc.poll() is None, server.events

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 
-from ..managed import assets
+from ..managed import amx, assets
 from ..managed.llama_server import free_port
-from ..settings import Settings
+from ..settings import LlamaAmx, Settings
 
 
 def cpu_seconds(pid: int) -> float:
@@ -136,9 +136,13 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
     binary = assets.resolve_llama_server(None, cache, build=False)
     model = assets.resolve_model(None, cache, fetch_missing=False)
     port = free_port()
+    # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
+    decision = amx.decide(LlamaAmx.AUTO, args=extra, environ=os.environ,
+                          amx_free_build=assets.is_amx_free_build(binary, cache))
     proc = subprocess.Popen([str(binary), "-m", str(model), "--port", str(port), "-np",
                              str(slots), "-c", str(slots * 2048), "--no-webui", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=decision.env(os.environ))
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"

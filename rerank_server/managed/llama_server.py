@@ -9,7 +9,10 @@ that has not answered `/health` within the ready timeout, and a running server w
 for a minute, wedged; each is killed and restarted the same way.
 
 The child runs with llama-server's host-memory prompt cache off (`RAM_CACHE_OFF`), where
-the binary knows the flag and `--llama-args` does not set it: see there why.
+the binary knows the flag and `--llama-args` does not set it: see there why. On a CPU with
+AMX it keeps llama.cpp's AMX kernels out of the way as `--llama-amx` says (`amx.py`); in
+`auto` mode a child killed by a CPU fault is started once more with the safe setting,
+which it keeps.
 
 The child runs in its own session so a terminal's Ctrl-C reaches only us (we stop it in
 order), and on Linux it is sent SIGTERM if we die without stopping it
@@ -46,8 +49,8 @@ import structlog
 
 from ..errors import StartError
 from ..observability.instruments import Adder
-from ..settings import Settings
-from . import assets
+from ..settings import LlamaAmx, Settings
+from . import amx, assets
 from .output_log import MAX_BYTES, CappedLog, output_pipe, prune
 
 log = structlog.get_logger(__name__)
@@ -208,7 +211,8 @@ class ManagedLlamaServer:
                  ready_timeout_s: float = 120.0, restart_counter: Adder | None = None,
                  liveness_every_s: float = LIVENESS_EVERY_S,
                  unresponsive_after_s: float = UNRESPONSIVE_AFTER_S,
-                 log_max_bytes: int = MAX_BYTES) -> None:
+                 log_max_bytes: int = MAX_BYTES, amx_mode: LlamaAmx = LlamaAmx.AUTO,
+                 amx_free_build: bool = False) -> None:
         self.binary = binary
         self.model = model
         self.port = free_port()
@@ -230,6 +234,8 @@ class ManagedLlamaServer:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self._ram_cache_off = False  # learned in start(): whether to pass RAM_CACHE_OFF
+        self._amx = amx.decide(amx_mode, amx_free_build=amx_free_build,
+                               args=self.extra_args, environ=os.environ)
 
     @property
     def url(self) -> str:
@@ -257,17 +263,41 @@ class ManagedLlamaServer:
         log.info("llama_server_ram_cache", off=self._ram_cache_off,
                  reason="operator's setting" if own else
                  "passed --cache-ram 0" if self._ram_cache_off else "binary lacks the flag")
+        log.info("llama_server_amx", repack_off=self._amx.safe, reason=self._amx.reason)
+        ready = await self._launch_ready()
+        fell_back = not ready and self._fell_back(self._returncode())
+        if fell_back:
+            ready = await self._launch_ready()
+        if not ready:
+            code, safe = self._returncode(), _safe_setting()
+            setting = (f", also with {safe}" if fell_back else
+                       f" (with {safe})" if self._amx.safe else "")
+            await self.stop()
+            raise StartError(f"llama-server {_start_failure(code, self.ready_timeout_s)}"
+                             f"{setting}; {_see(self.log_path)}")
+        self._supervisor = asyncio.create_task(self._supervise())
+        self._supervisor.add_done_callback(_report_end)
+
+    async def _launch_ready(self) -> bool:
+        """Launch, and whether it became ready in time."""
         try:
             await self._launch()
         except OSError as exc:
             raise StartError(f"cannot start llama-server {self.binary}: {exc}") from None
-        if not await self.wait_ready(self.ready_timeout_s):
-            code = self._proc.returncode if self._proc else None
-            await self.stop()
-            raise StartError(f"llama-server {_start_failure(code, self.ready_timeout_s)}"
-                             f"; {_see(self.log_path)}")
-        self._supervisor = asyncio.create_task(self._supervise())
-        self._supervisor.add_done_callback(_report_end)
+        return await self.wait_ready(self.ready_timeout_s)
+
+    def _returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    def _fell_back(self, code: int | None) -> bool:
+        """Whether a child's end by a CPU or memory fault turned the safe setting on for
+        the launches to come (`auto` mode, once: the setting is then kept)."""
+        if not self._amx.fall_back or code is None or -code not in amx.FAULT_SIGNALS:
+            return False
+        self._amx = amx.Decision(True, False, f"llama-server {assets.how_it_ended(code)}")
+        log.warning("llama_server_repack_off", reason=self._amx.reason,
+                    setting=_safe_setting(), docs="docs/backends.md, CPUs with AMX")
+        return True
 
     async def _launch(self) -> None:
         stdout = None
@@ -279,7 +309,7 @@ class ManagedLlamaServer:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.command(), stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL if stdout is None else stdout,
-                stderr=asyncio.subprocess.STDOUT,
+                stderr=asyncio.subprocess.STDOUT, env=self._amx.env(os.environ),
                 start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()))
         finally:
             if stdout is not None:
@@ -313,6 +343,7 @@ class ManagedLlamaServer:
                 if time.monotonic() - started > STABLE_AFTER_S:
                     backoff = BACKOFF_START_S
                 log.warning("llama_server_exited", exit_code=code, restart_in_s=backoff)
+                self._fell_back(code)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
             if self._stopping:
@@ -419,6 +450,10 @@ def split_args(raw: str) -> list[str]:
     return shlex.split(raw) if raw.strip() else []
 
 
+def _safe_setting() -> str:
+    return " ".join(f"{k}={v}" for k, v in amx.SAFE_ENV.items())
+
+
 def _start_failure(code: int | None, timeout_s: float) -> str:
     if code is None:
         return f"did not become ready within {timeout_s:.0f} s"
@@ -450,12 +485,13 @@ async def start_managed(settings: Settings, restart_counter: Adder | None = None
     `restart_counter` counts its restarts."""
     cache = settings.cache_dir
     binary, model = await asyncio.to_thread(
-        _resolve_assets, cache, settings.llama_server, settings.model_path)
+        _resolve_assets, cache, settings.llama_server, settings.model_path, settings.llama_amx)
     managed = ManagedLlamaServer(
         binary, model, slots=settings.llama_slots or settings.concurrency,
         ctx_per_slot=settings.llama_ctx_per_slot, extra_args=split_args(settings.llama_args),
         log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s,
-        restart_counter=restart_counter)
+        restart_counter=restart_counter, amx_mode=settings.llama_amx,
+        amx_free_build=assets.is_amx_free_build(binary, cache))
     await managed.start()
     changes: dict[str, object] = {"backend_url": managed.url}
     if not settings.model_path and settings.assistant_prefill:
@@ -466,10 +502,11 @@ async def start_managed(settings: Settings, restart_counter: Adder | None = None
     return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
 
 
-def _resolve_assets(cache: Path, llama_server: str, model_path: str) -> tuple[Path, Path]:
+def _resolve_assets(cache: Path, llama_server: str, model_path: str,
+                    amx_mode: LlamaAmx) -> tuple[Path, Path]:
     with assets.cache_lock(cache):
         binary = assets.resolve_llama_server(Path(llama_server) if llama_server else None,
-                                             cache, build=True)
+                                             cache, build=True, amx_mode=amx_mode)
         model = assets.resolve_model(Path(model_path) if model_path else None, cache,
                                      fetch_missing=True)
     return binary, model

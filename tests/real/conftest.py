@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from rerank_server import settings
-from rerank_server.managed import assets
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed import amx, assets
+from rerank_server.managed.llama_server import ManagedLlamaServer, free_port
 
 SLOTS = 4
 
@@ -33,11 +33,12 @@ class RealLlama:
 
 
 def assets_or_fail() -> tuple[Path, Path]:
-    cache = settings.load([]).cache_dir  # honours RERANK_CACHE_DIR, as `make assets` does
+    loaded = settings.load([])  # honours RERANK_CACHE_DIR, as `make assets` does
+    cache = loaded.cache_dir
     explicit = os.environ.get("RERANK_LLAMA_SERVER")
     try:
         binary = assets.resolve_llama_server(Path(explicit) if explicit else None, cache,
-                                             build=False)
+                                             build=False, amx_mode=loaded.llama_amx)
         model = assets.resolve_model(None, cache, fetch_missing=False)
     except assets.AssetError as exc:
         pytest.fail(f"real-backend assets missing: {exc}", pytrace=False)
@@ -92,11 +93,15 @@ def _serve(binary: Path, model: Path, tmp_path_factory: pytest.TempPathFactory,
            args: list[str]) -> Iterator[RealLlama]:
     port = free_port()
     log = tmp_path_factory.mktemp("llama") / "llama-server.log"
+    loaded = settings.load([])
+    # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
+    decision = amx.decide(loaded.llama_amx, args=args, environ=os.environ,
+                          amx_free_build=assets.is_amx_free_build(binary, loaded.cache_dir))
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
              "--no-webui", *args],
-            stdout=out, stderr=subprocess.STDOUT)
+            stdout=out, stderr=subprocess.STDOUT, env=decision.env(os.environ))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -114,3 +119,14 @@ def _serve(binary: Path, model: Path, tmp_path_factory: pytest.TempPathFactory,
     yield RealLlama(url, binary, model, proc)
     proc.terminate()
     proc.wait(10)
+
+
+async def healthy(managed: ManagedLlamaServer, not_pid: int) -> bool:
+    """Whether a llama-server other than `not_pid` answers the managed URL's /health."""
+    if managed.pid in (None, not_pid):
+        return False
+    try:
+        async with httpx.AsyncClient(timeout=1) as http:
+            return (await http.get(managed.url + "/health")).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -17,19 +17,8 @@ import structlog
 
 from rerank_server.errors import StartError
 from rerank_server.managed.llama_server import ManagedLlamaServer
-from tests.real.conftest import assets_or_fail
+from tests.real.conftest import assets_or_fail, healthy
 from tests.waiting import eventually
-
-
-async def _healthy(managed: ManagedLlamaServer, not_pid: int) -> bool:
-    """Whether a llama-server other than `not_pid` answers the managed URL's /health."""
-    if managed.pid in (None, not_pid):
-        return False
-    try:
-        async with httpx.AsyncClient(timeout=1) as http:
-            return (await http.get(managed.url + "/health")).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _gone(pid: int) -> bool:
@@ -64,7 +53,7 @@ async def test_a_wedged_llama_server_is_killed_and_restarted(tmp_path: Path) -> 
         assert wedged is not None
         with structlog.testing.capture_logs() as logged:
             os.kill(wedged, signal.SIGSTOP)
-            assert await eventually(lambda: _healthy(managed, wedged), 60, poll_s=0.2)
+            assert await eventually(lambda: healthy(managed, wedged), 60, poll_s=0.2)
         assert _gone(wedged)
         assert managed.restarts == 1
         [event] = [e for e in logged if e["event"] == "llama_server_unresponsive"]
@@ -91,7 +80,7 @@ async def test_a_restart_that_never_gets_ready_is_killed_and_tried_again(
         assert first is not None
         with structlog.testing.capture_logs() as logged:
             os.kill(first, signal.SIGKILL)
-            assert await eventually(lambda: _healthy(managed, first), 60, poll_s=0.2)
+            assert await eventually(lambda: healthy(managed, first), 60, poll_s=0.2)
         [stuck] = [e for e in logged if e["event"] == "llama_server_not_ready"]
         assert _gone(stuck["pid"])
         assert (tmp_path / "launches").read_text().strip() == "3"
@@ -124,7 +113,7 @@ async def test_a_restart_that_cannot_be_launched_is_tried_again(tmp_path: Path) 
             assert await eventually(
                 lambda: any(e["event"] == "llama_server_launch_failed" for e in logged), 30)
             (tmp_path / "away").rename(wrapper)
-            assert await eventually(lambda: _healthy(managed, first), 60, poll_s=0.2)
+            assert await eventually(lambda: healthy(managed, first), 60, poll_s=0.2)
         failed = next(e for e in logged if e["event"] == "llama_server_launch_failed")
         assert "FileNotFoundError" in failed["error"]
 
@@ -163,7 +152,7 @@ async def test_a_port_taken_while_llama_server_was_down_is_waited_for(
                 squatter.listen()
                 assert await eventually(
                     lambda: any(e["event"] == "llama_server_port_taken" for e in logged), 30)
-            assert await eventually(lambda: _healthy(managed, first), 60, poll_s=0.2)
+            assert await eventually(lambda: healthy(managed, first), 60, poll_s=0.2)
 
 
 async def test_a_llama_server_that_exits_at_start_is_one_line_with_its_code(

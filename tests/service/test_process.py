@@ -139,10 +139,13 @@ def test_a_managed_llama_server_that_cannot_start_is_one_line_and_exit_1(
     signalled = tmp_path / "llama-server-signalled"  # type: ignore[operator]
     signalled.write_text("#!/bin/sh\nkill -SEGV $$\n")
     signalled.chmod(0o755)
+    # (Launched a second time with LLAMA_ARG_REPACK=0, or the first on a CPU with AMX:
+    # tests/real/test_amx_fallback.py.)
     for binary, message in (("/nonexistent/llama-server", "not an executable file"),
                             (str(crashing), "llama-server exited with code 7 while starting"),
                             (str(signalled), "llama-server was killed by SIGSEGV while "
-                                             "starting; it wrote nothing (no ")):
+                                             "starting"),
+                            (str(signalled), "LLAMA_ARG_REPACK=0; it wrote nothing (no ")):
         proc = subprocess.run(
             # Any file as the model: nothing is downloaded, and nothing reads it.
             [sys.executable, "-m", "rerank_server", "--managed", "--llama-server", binary,
