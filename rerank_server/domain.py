@@ -55,6 +55,7 @@ class DegradedCode(StrEnum):
     OVERLOADED = "overloaded"
     SHUTTING_DOWN = "shutting_down"
     NO_RERANKER_WEIGHT = "no_reranker_weight"
+    CAPPED = "capped"
 
 
 class ScoreKind(StrEnum):

@@ -171,10 +171,12 @@ class Settings:
     timeout_ms: int = field(default=10_000, metadata=_opt(
         "Default time budget per request; the gRPC deadline shortens it.", minimum=1,
         group="ranking"))
-    max_candidates: int = field(default=40, metadata=_opt(
+    max_candidates: int = field(default=100, metadata=_opt(
         "Candidates scored per request (best retrieval ranks first); the rest follow in "
-        "retrieval order.", minimum=1, group="ranking"))
-    min_candidates: int = field(default=3, metadata=_opt(
+        "retrieval order, unscored, and the answer says so (degraded CAPPED). The default "
+        "scores all that --max-request-candidates admits; --timeout-ms bounds the time.",
+        minimum=1, group="ranking"))
+    min_candidates: int = field(default=1, metadata=_opt(
         "With fewer candidates, answer in retrieval order without scoring.", minimum=0,
         group="ranking"))
     max_chunk_chars: int = field(default=2000, metadata=_opt(

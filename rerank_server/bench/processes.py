@@ -20,7 +20,7 @@ import httpx
 
 from ..managed import amx, assets
 from ..managed.llama_server import free_port
-from ..settings import LlamaAmx, Settings
+from ..settings import load
 
 
 def cpu_seconds(pid: int) -> float:
@@ -132,12 +132,13 @@ def rerank_server(args: Sequence[str]) -> Iterator[tuple[int, int]]:
 def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
     """The cached llama-server build with the stand-in model (from `make assets`);
     `extra`: more llama-server arguments."""
-    cache = Settings().cache_dir
-    binary = assets.resolve_llama_server(None, cache, build=False)
+    settings = load([])  # RERANK_CACHE_DIR and RERANK_LLAMA_AMX, as `prepare` reads them
+    cache = settings.cache_dir
+    binary = assets.resolve_llama_server(None, cache, build=False, amx_mode=settings.llama_amx)
     model = assets.resolve_model(None, cache, fetch_missing=False)
     port = free_port()
     # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
-    decision = amx.decide(LlamaAmx.AUTO, args=extra, environ=os.environ,
+    decision = amx.decide(settings.llama_amx, args=extra, environ=os.environ,
                           amx_free_build=assets.is_amx_free_build(binary, cache))
     proc = subprocess.Popen([str(binary), "-m", str(model), "--port", str(port), "-np",
                              str(slots), "-c", str(slots * 2048), "--no-webui", *extra],

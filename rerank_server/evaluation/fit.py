@@ -3,8 +3,8 @@
 The reranker's scores are fetched once per query (`rerank-server eval` keeps them in its
 JSON); every candidate parameter set is then replayed offline. Per query the answer's
 order depends only on the reranker's weight `w` (`blending.adaptive_blend`: each
-candidate's final score is linear in `w` once the blend has settled its normalization on
-the best-ranked third of the scores, `blending.Settled`), so nDCG@10 is a step function of `w` whose
+candidate's final score is linear in `w`, the normalization being fixed by the request's
+scores, `blending.Settled`), so nDCG@10 is a step function of `w` whose
 steps lie where two candidates' lines cross. `Curve` computes those steps once, and
 a candidate's value on a query is a lookup at the weight it gives that query: the ~45,000
 candidates of the grid are scored in seconds. The figures a fit reports are then replayed
@@ -45,14 +45,15 @@ import numpy.typing as npt
 from ..domain import BlendStrategy
 from ..ranking.blending import (
     ADAPTIVE,
+    NO_WEIGHT,
     AdaptiveParams,
     Settled,
     adaptive_scores,
-    bases,
     blend,
     retrieval_input,
     spread,
 )
+from ..ranking.scripts import reads
 
 WEIGHT_LEVELS = (0.0, 0.25, 0.5, 0.75, 1.0)
 QUANTILES = 10  # thresholds at the deciles of the observed spreads and best scores
@@ -72,19 +73,23 @@ class ScoredQuery:
     ranks: tuple[int, ...]
     scores: tuple[float | None, ...]  # reranker scores; None where the pair failed
     rest: tuple[str, ...]  # the tail, in retrieval order
+    script: str = ""  # the request's writing system (`ranking.scripts`)
 
     def to_json(self) -> dict[str, Any]:
         return {"ids": list(self.ids), "ranks": list(self.ranks),
-                "scores": list(self.scores), "rest": list(self.rest)}
+                "scores": list(self.scores), "rest": list(self.rest), "script": self.script}
 
     @classmethod
     def from_json(cls, qid: str, data: dict[str, Any]) -> ScoredQuery:
         """As `to_json` wrote it (the `scored` part of an `eval-NAME.json`)."""
         return cls(qid, tuple(data["ids"]), tuple(data["ranks"]), tuple(data["scores"]),
-                   tuple(data["rest"]))
+                   tuple(data.get("rest", ())), str(data.get("script", "")))
 
-    def ordered(self, params: AdaptiveParams) -> list[str]:
-        """Document ids in the order the server would answer with `params`."""
+    def ordered(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> list[str]:
+        """Document ids in the order the server would answer with `params`, from a
+        profile whose model reads `scripts` (no weight for a request in another)."""
+        if not reads(scripts, self.script):
+            params = NO_WEIGHT
         return self._order(adaptive_scores(self.ranks, self.scores, params))
 
     def reranked(self) -> list[str]:
@@ -120,17 +125,20 @@ def ndcg(ordered: Sequence[str], judged: Mapping[str, int], k: int = CUTOFF) -> 
 
 
 class Curve:
-    """One query's nDCG@10 as a function of the reranker's weight `w` in 0..1."""
+    """One query's nDCG@10 as a function of the reranker's weight `w` in 0..1; an
+    untrusted one (a script the profile's model does not read) gets weight 0 from every
+    candidate."""
 
-    def __init__(self, query: ScoredQuery, judged: Mapping[str, int]) -> None:
-        basis, normalize_on = bases(query.ranks, query.scores)
+    def __init__(self, query: ScoredQuery, judged: Mapping[str, int],
+                 trusted: bool = True) -> None:
+        present = query.present
         # Fewer than two scores: the weight is min_weight (`adaptive_weight`); a spread
-        # below every threshold gives that.
-        self.spread = spread(basis) if len(basis) >= 2 else -1.0
-        self.top = max(basis, default=0.0)
+        # below every threshold gives that. Untrusted: a best score below every gate too.
+        self.spread = spread(present) if len(present) >= 2 and trusted else -1.0
+        self.top = max(present, default=0.0) if trusted else -1.0
         # final_i(w) = r_i + w * (n_i - r_i): n is the normalized score, r = 1/rank
         # (`blending.Settled`; the weight does not change n).
-        settled = Settled.on(basis, normalize_on=normalize_on)
+        settled = Settled.on(present)
         r = [retrieval_input(k) for k in query.ranks]
         n = [settled.normalized(k, p) for k, p in zip(query.ranks, query.scores, strict=True)]
         slope = [a - b for a, b in zip(n, r, strict=True)]
@@ -193,7 +201,8 @@ class Grid:
 
 
 def _cuts(values: Sequence[float]) -> list[float]:
-    ordered = sorted(values) or [0.0]
+    # (-1 marks no evidence: fewer than two scores, or a request its model does not read.)
+    ordered = sorted(v for v in values if v >= 0.0) or [0.0]
     return sorted({round(ordered[min(len(ordered) - 1, len(ordered) * q // QUANTILES)], 4)
                    for q in range(QUANTILES + 1)})
 
@@ -207,6 +216,9 @@ class Family(enum.StrEnum):
     GATE = "gate"
     # Spread thresholds, weights on a quarter grid and the gate, all fitted.
     FULL = "full"
+    # Spread thresholds alone (weight 0 below the one, 1 above the other), no gate: for
+    # a profile whose distrust is in its `scripts`, not in a best-score gate.
+    RAMP = "ramp"
 
 
 def grid(spreads: Sequence[float], tops: Sequence[float] = (),
@@ -217,6 +229,10 @@ def grid(spreads: Sequence[float], tops: Sequence[float] = (),
     gates = [(f, g) for f in reversed(top_cuts) for g in reversed(top_cuts) if g >= f]
     gates.append((0.0, 0.0))
     out = [AdaptiveParams(0.0, 0.0, 0.0, 0.0)]  # the retrieval order
+    if family is Family.RAMP:
+        out.extend(AdaptiveParams(noise, decisive) for noise in reversed(spread_cuts)
+                   for decisive in reversed(spread_cuts) if decisive >= noise)
+        return out
     if family is Family.GATE:
         out.extend(dataclasses.replace(ADAPTIVE, top_floor=floor, top_full=full)
                    for floor, full in gates)
@@ -276,17 +292,50 @@ def fit(queries: Sequence[ScoredQuery], qrels: Qrels, folds: int = 5, seed: int 
                fold_params=fold_params, grid_size=len(candidates))
 
 
+NEEDLE_TOP = 3  # the needle case asks for the relevant document in the top 3
+
+
+@dataclass(frozen=True, slots=True)
+class NeedleQuery:
+    """A needle request as scored (`evaluation/needle.py`): which document is relevant."""
+
+    query: ScoredQuery
+    needle: str
+
+    def found(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> bool:
+        return self.needle in self.query.ordered(params, scripts)[:NEEDLE_TOP]
+
+
 @dataclass(frozen=True, slots=True)
 class Collection:
-    """One data set's reranked queries and judgements, as `rerank-server eval` kept them."""
+    """One data set's reranked queries and judgements, as `rerank-server eval` kept them,
+    and its needle requests when the evaluation ran them (`--needle`)."""
 
     name: str
     queries: tuple[ScoredQuery, ...]
     qrels: Qrels
+    needles: tuple[NeedleQuery, ...] = ()
 
-    def per_query(self, params: AdaptiveParams) -> list[float]:
+    def per_query(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> list[float]:
         """nDCG@10 of each query under `params`, replayed exactly."""
-        return [ndcg(q.ordered(params), self.qrels.get(q.qid, {})) for q in self.queries]
+        return [ndcg(q.ordered(params, scripts), self.qrels.get(q.qid, {}))
+                for q in self.queries]
+
+    def read_needles(self, scripts: Sequence[str]) -> tuple[NeedleQuery, ...]:
+        """The needle requests in a script the profile's model reads: the others it gives
+        no weight, on purpose, so they are not asked of it."""
+        return tuple(n for n in self.needles if reads(scripts, n.query.script))
+
+    def needle_rate(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> float:
+        """How often the needle reaches the top 3 (of the requests the model reads)."""
+        cases = self.read_needles(scripts)
+        return sum(n.found(params, scripts) for n in cases) / len(cases) if cases else 0.0
+
+    def needle_reranked(self, scripts: Sequence[str] = ()) -> float:
+        """The same in pure reranking's order."""
+        cases = self.read_needles(scripts)
+        return sum(n.needle in n.query.reranked()[:NEEDLE_TOP] for n in cases) / len(cases) \
+            if cases else 0.0
 
     def reranked(self) -> list[float]:
         """nDCG@10 of each query in pure reranking's order."""
@@ -312,42 +361,69 @@ class CrossFit:
     bm25: dict[str, list[float]]
     reranker: dict[str, list[float]]  # pure reranking (`rerank_only`)
     grid_size: int
+    scripts: tuple[str, ...] = ()  # what the profile's model reads
+    needle_share: float = 0.0  # asked of it: of rerank_only's needle rate, per collection
+    needle_met: bool = True  # whether the profile fitted on all meets it
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a choice must do beside ranking well: the needle case, on each collection
+    that has needle requests its model reads, at least `share` of rerank_only's rate."""
+
+    share: float = 0.0
+    scripts: tuple[str, ...] = ()
+
+    def met(self, params: AdaptiveParams, collections: Sequence[Collection]) -> bool:
+        return all(c.needle_rate(params, self.scripts)
+                   >= self.share * c.needle_reranked(self.scripts) - TIE
+                   for c in collections if self.share and c.read_needles(self.scripts))
 
 
 def choose(collections: Sequence[Collection], curves: Mapping[str, Sequence[Curve]],
            best: Mapping[str, float], family: Family = Family.GATE,
-           ) -> tuple[AdaptiveParams, int]:
+           constraint: Constraint = Constraint()) -> tuple[AdaptiveParams, int, bool]:
     """The parameters whose worst collection falls least short of its `best` (the better
     of BM25 and pure reranking there); among equals the best mean over collections; then
-    the most cautious. Returns them and the grid's size."""
+    the most cautious; the first in that order that meets `constraint` (the first of all
+    when none does). Returns them, the grid's size and whether they meet it."""
     candidates = Grid(grid([c.spread for x in collections for c in curves[x.name]],
                            [c.top for x in collections for c in curves[x.name]], family))
     means = np.stack([candidates.values(curves[x.name]).mean(axis=1) for x in collections],
                      axis=1)
     targets = np.array([best[x.name] for x in collections])
     worst = (targets[None, :] - means).max(axis=1)
-    ok = worst <= worst.min() + TIE
-    overall = np.where(ok, means.mean(axis=1), -np.inf)
-    return candidates.params[_first_best(overall)], len(candidates)
+    least = worst <= worst.min() + TIE
+    # Worst shortfall first (the least ones alike), then the best mean, then cautious.
+    order = np.lexsort((np.arange(len(candidates)), -means.mean(axis=1),
+                        np.where(least, worst.min(), worst)))
+    for i in order:
+        if constraint.met(candidates.params[i], collections):
+            return candidates.params[i], len(candidates), True
+    return candidates.params[order[0]], len(candidates), False
 
 
-def fit_across(collections: Sequence[Collection], family: Family = Family.GATE) -> CrossFit:
-    """Fit on every collection, and on every collection but one for each one."""
+def fit_across(collections: Sequence[Collection], family: Family = Family.GATE,
+               constraint: Constraint = Constraint()) -> CrossFit:
+    """Fit on every collection, and on every collection but one for each one; a profile
+    whose model reads `constraint.scripts` gives other requests no weight."""
     if not collections or not all(c.queries for c in collections):
         raise ValueError("every collection needs reranked queries")
-    curves = {c.name: [Curve(q, c.qrels.get(q.qid, {})) for q in c.queries]
-              for c in collections}
+    scripts = constraint.scripts
+    curves = {c.name: [Curve(q, c.qrels.get(q.qid, {}), reads(scripts, q.script))
+                       for q in c.queries] for c in collections}
     bm25 = {c.name: c.per_query(BM25) for c in collections}
     reranker = {c.name: c.reranked() for c in collections}
     best = {c.name: max(statistics.fmean(bm25[c.name]), statistics.fmean(reranker[c.name]))
             for c in collections}
 
     def chosen(on: Sequence[Collection]) -> tuple[Choice, int]:
-        params, size = choose(on, curves, best, family)
+        params, size, _ = choose(on, curves, best, family, constraint)
         return Choice(params, tuple(c.name for c in on),
-                      {c.name: c.per_query(params) for c in collections}), size
+                      {c.name: c.per_query(params, scripts) for c in collections}), size
 
     everything, size = chosen(collections)
     held_out = {c.name: chosen([o for o in collections if o is not c])[0]
                 for c in collections if len(collections) > 1}
-    return CrossFit(everything, held_out, bm25, reranker, size)
+    return CrossFit(everything, held_out, bm25, reranker, size, scripts, constraint.share,
+                    constraint.met(everything.params, collections))

@@ -12,6 +12,12 @@ with the parameters fitted on the others (leave-one-collection-out). The table
 (`OUT/fit-NAME.md`, everything in `OUT/fit-NAME.json`) shows, per data set, BM25, the
 pure reranking (`rerank_only`), the held-out profile and the profile fitted on everything, with
 the share of pure reranking's gain each keeps and paired two-sided t-test p-values.
+
+With `--profile-scripts Latin` the profile's model is taken to read only that script:
+requests mostly in another get no weight, in the fit as in the server. With
+`--needle-share 0.9` (evaluations run with `--needle`) a choice must also bring the
+needle into the top 3 at least 0.9 times as often as `rerank_only` on every data set
+whose needle requests its model reads.
 """
 
 from __future__ import annotations
@@ -31,7 +37,16 @@ from typing import Any
 from ..ranking import blend_profiles
 from ..ranking.blend_profiles import BlendProfile, BlendProfiles
 from ..ranking.blending import AdaptiveParams
-from .fit import Choice, Collection, CrossFit, Family, ScoredQuery, fit_across
+from .fit import (
+    Choice,
+    Collection,
+    Constraint,
+    CrossFit,
+    Family,
+    NeedleQuery,
+    ScoredQuery,
+    fit_across,
+)
 from .json_out import without_nan
 from .run import HelpFormatter, p_value
 
@@ -56,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-model", default="",
                    help="model pattern the profile applies to (default: exactly the "
                         "served model's name)")
+    p.add_argument("--profile-scripts", default="",
+                   help="comma-separated scripts the model reads, e.g. Latin: requests "
+                        "mostly in another get no weight (docs/blending.md)")
+    p.add_argument("--needle-share", type=float, default=0.0,
+                   help="a choice must bring the needle into the top 3 at least this share "
+                        "as often as rerank_only, per data set (evaluations with --needle)")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--name", default="", help="output name (default: the profile's)")
     return p
@@ -72,9 +93,13 @@ def read(path: Path) -> tuple[Collection, str, str]:
                        "rerank-server eval of this version, with at least one query "
                        "reranked?)")
     queries = tuple(ScoredQuery.from_json(q, v) for q, v in sorted(data["scored"].items()))
+    needles = tuple(
+        NeedleQuery(ScoredQuery(q, tuple(v["ids"]), tuple(range(1, len(v["ids"]) + 1)),
+                                tuple(v["scores"]), (), str(v.get("script", ""))), v["needle"])
+        for q, v in sorted(((data.get("needle") or {}).get("scored") or {}).items()))
     name = str(data.get("dataset") or path.stem)
-    return Collection(name, queries, data["qrels"]), str(data.get("backend", "")), \
-        str(data.get("model", ""))
+    return Collection(name, queries, data["qrels"], needles), \
+        str(data.get("backend", "")), str(data.get("model", ""))
 
 
 def t_test(a: Sequence[float], b: Sequence[float]) -> float:
@@ -110,15 +135,22 @@ def row(name: str, result: CrossFit, choice: Choice) -> dict[str, Any]:
             "params": dataclasses.asdict(choice.params), "fitted_on": list(choice.fitted_on)}
 
 
-def report(result: CrossFit) -> dict[str, Any]:
+def report(result: CrossFit, collections: Sequence[Collection]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in result.bm25:
+    for c in collections:
+        name = c.name
         out[name] = {"queries": len(result.bm25[name]),
                      "bm25": round(statistics.fmean(result.bm25[name]), 4),
                      "reranker": round(statistics.fmean(result.reranker[name]), 4),
                      "fitted_on_all": row(name, result, result.everything)}
         if name in result.held_out:
             out[name]["held_out"] = row(name, result, result.held_out[name])
+        if c.needles:
+            out[name]["needle"] = {
+                "requests": len(c.needles), "read": len(c.read_needles(result.scripts)),
+                "rerank_only": round(c.needle_reranked(), 3),
+                "fitted_on_all": round(c.needle_rate(result.everything.params,
+                                                     result.scripts), 3)}
     return out
 
 
@@ -135,8 +167,21 @@ def markdown(title: str, rows: dict[str, Any], result: CrossFit, header: str) ->
         held = cell(r["held_out"]) if "held_out" in r else "–"
         lines.append(f"| {name} | {r['queries']} | {r['bm25']:.3f} | {r['reranker']:.3f} | "
                      f"{held} | {cell(r['fitted_on_all'])} |")
+    needles = [(name, r["needle"]) for name, r in rows.items() if "needle" in r]
+    if needles:
+        lines += ["", "Needle case (a relevant document at retrieval rank 11-20, in the top "
+                      "3), fitted on all against rerank_only: " + "; ".join(
+                          f"{name} {n['fitted_on_all']:.2f} / {n['rerank_only']:.2f}"
+                          + ("" if n["read"] == n["requests"]
+                             else f" ({n['read']} of {n['requests']} requests in a script "
+                                  "the model reads)") for name, n in needles) + "."]
+        if result.needle_share:
+            lines.append(f"Asked: at least {result.needle_share:g} of rerank_only's rate "
+                         "where the model reads the requests; "
+                         + ("met." if result.needle_met else "**not met** by any choice."))
+    scripts = f"; reads {', '.join(result.scripts)} only" if result.scripts else ""
     lines += ["", "Parameters:", "",
-              f"- fitted on all: {describe(result.everything.params)}"]
+              f"- fitted on all: {describe(result.everything.params)}{scripts}"]
     lines += [f"- held out {name}: {describe(choice.params)}"
               for name, choice in result.held_out.items()]
     return "\n".join(lines) + "\n"
@@ -147,17 +192,20 @@ def write_profile(args: argparse.Namespace, result: CrossFit, rows: dict[str, An
     name = args.profile_name or f"{backend}-{model.removesuffix('.gguf')}"
     fitted = {
         "method": "rerank-server fit: worst data set's shortfall from the better of BM25 "
-                  "and pure reranking (rerank_only), nDCG@10; leave-one-collection-out",
+                  "and pure reranking (rerank_only), nDCG@10; leave-one-collection-out"
+                  + (f"; needle case at least {result.needle_share:g} of rerank_only's"
+                     if result.needle_share else ""),
         "family": str(args.family), "grid": result.grid_size, "model": model,
         "date": time.strftime("%Y-%m-%d"),
         "collections": {c: {"queries": r["queries"], "bm25": r["bm25"],
                             "reranker": r["reranker"],
                             "fitted": r["fitted_on_all"]["ndcg@10"],
-                            "held_out": r.get("held_out", {}).get("ndcg@10")}
+                            "held_out": r.get("held_out", {}).get("ndcg@10"),
+                            **({"needle": r["needle"]} if "needle" in r else {})}
                         for c, r in rows.items()},
     }
     profile = BlendProfile(name, backend, args.profile_model or model,
-                           result.everything.params, fitted)
+                           result.everything.params, fitted, result.scripts)
     target: Path = args.fit_profile
     existing = blend_profiles.load(target) if target.exists() \
         else BlendProfiles((), str(target))
@@ -183,8 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     backend, model = scorers.pop()
     depth = {len(q.ids) for c, _, _ in inputs for q in c.queries}
-    result = fit_across([c for c, _, _ in inputs], args.family)
-    rows = report(result)
+    collections = [c for c, _, _ in inputs]
+    scripts = tuple(s.strip() for s in args.profile_scripts.split(",") if s.strip())
+    result = fit_across(collections, args.family, Constraint(args.needle_share, scripts))
+    rows = report(result, collections)
     title = args.name or args.profile_name or f"{backend}-{model}"
     header = (f"`{backend}` ({model}); family `{args.family}` ({result.grid_size} "
               f"candidates); up to {max(depth)} candidates reranked per query; nDCG@10 "

@@ -11,6 +11,10 @@ strategy, keeps the per-query values, and runs a paired two-sided t-test between
 runs. Output: `OUT/eval-NAME.json` (everything, per query included) and `OUT/eval-NAME.md`
 (the table; a letter after a value names each run it beats with p < 0.05).
 
+With `--needle` it also runs the needle case (`needle.py`) through every strategy: how
+often a relevant document that retrieval placed in the second half of 20 comes up into
+the top 3, each strategy's rate beside `rerank_only`'s.
+
 With `--fit-profile FILE` it also fits a blend profile for the server's backend and model
 on this data set (`fit.py`), adds the cross-validated run `profile_cv` to the table and
 writes the profile into FILE (other profiles in it are kept):
@@ -46,12 +50,14 @@ from ..errors import ConfigError
 from ..observability import logs
 from ..ranking import blend_profiles
 from ..ranking.blend_profiles import BlendProfile, BlendProfiles
+from ..ranking.scripts import dominant_script
 from ..settings import LogFormat, load
 from .beir import Dataset, DatasetError
 from .beir import load as load_dataset
 from .first_stage import Hit, bm25_top
 from .fit import ScoredQuery, fit, ndcg
 from .json_out import without_nan
+from .needle import Needle, needles, rate
 
 METRICS = ("ndcg@10", "recall@10", "recall@100", "mrr@10")
 STRATEGIES = ("position_aware", "linear", "rerank_only", "adaptive", "profile")
@@ -103,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model pattern the profile applies to, e.g. 'all-MiniLM-L6-v2*' "
                         "(default: exactly the served model's name)")
     p.add_argument("--folds", type=int, default=5, help="cross-validation folds for the fit")
+    p.add_argument("--needle", action="store_true",
+                   help="also run the needle case: a relevant document placed in the second "
+                        "half of 20 non-relevant ones; how often it reaches the top 3")
     return p
 
 
@@ -148,7 +157,8 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
             head = sorted(answer.results, key=lambda r: r.retrieval_rank)
             out.scored[qid] = ScoredQuery(
                 qid, tuple(r.id for r in head), tuple(r.retrieval_rank for r in head),
-                tuple(r.reranker_score for r in head), tuple(h.document.id for h in rest))
+                tuple(r.reranker_score for r in head), tuple(h.document.id for h in rest),
+                dominant_script(dataset.queries[qid], (c.text for c in candidates)))
         ordered = [r.id for r in answer.results] + [h.document.id for h in rest]
         out.run[qid] = ranking_run(ordered)
         bar.update()
@@ -158,6 +168,49 @@ async def rerank_run(client: AsyncRerankClient, dataset: Dataset,
     finally:
         bar.close()
     return out
+
+
+async def needle_run(client: AsyncRerankClient, dataset: Dataset, cases: Sequence[Needle],
+                     strategy: str, concurrency: int, timeout_s: float,
+                     ) -> tuple[list[list[str]], dict[str, dict[str, Any]]]:
+    """Each needle request's answer (ids in order) under `strategy`, and the model's
+    scores per query in retrieval order (`always_score`: a blend that gives the model no
+    weight still reports them)."""
+    slots = asyncio.Semaphore(concurrency)
+    answers: list[list[str]] = [[] for _ in cases]
+    scored: dict[str, dict[str, Any]] = {}
+
+    async def one(i: int, case: Needle) -> None:
+        candidates = [Candidate(id=d.id, text=d.text, title=d.title or None,
+                                retrieval_rank=r) for r, d in enumerate(case.documents, 1)]
+        async with slots:
+            answer = await client.rerank(dataset.queries[case.qid], candidates,
+                                         request_id=f"needle-{case.qid}",
+                                         blend_strategy=strategy, timeout=timeout_s,
+                                         max_candidates=len(candidates), always_score=True)
+        answers[i] = [r.id for r in answer.results]
+        head = sorted(answer.results, key=lambda r: r.retrieval_rank)
+        scored[case.qid] = {"ids": [r.id for r in head], "needle": case.needle,
+                            "scores": [r.reranker_score for r in head],
+                            "script": dominant_script(dataset.queries[case.qid],
+                                                      (d.text for d in case.documents))}
+
+    await asyncio.gather(*(one(i, c) for i, c in enumerate(cases)))
+    return answers, scored
+
+
+async def needle_rates(client: AsyncRerankClient, dataset: Dataset,
+                       hits: dict[str, list[Hit]], args: argparse.Namespace,
+                       ) -> dict[str, Any]:
+    """The needle case under every strategy evaluated (`needle.py`)."""
+    cases = needles(dataset, hits)
+    rates: dict[str, float] = {}
+    scored: dict[str, dict[str, Any]] = {}
+    for strategy in strategies(args):
+        answers, scored = await needle_run(client, dataset, cases, strategy,
+                                           args.concurrency, args.timeout_s)
+        rates[strategy] = rate([c.needle for c in cases], answers)
+    return {"queries": len(cases), "top": 3, "rates": rates, "scored": scored}
 
 
 def ranking_run(ordered: Sequence[str]) -> dict[str, float]:
@@ -257,6 +310,16 @@ def markdown(name: str, scores: dict[str, Any], header: str) -> str:
     lines += ["", f"A letter after a value: better than that run, paired two-sided t-test, "
                   f"p < {MAX_P}.", ""]
     lines += against_baselines(scores)
+    needle = scores.get("needle")
+    if needle:
+        rates = needle["rates"]
+        base = rates.get("rerank_only")
+        shares = ", ".join(f"{s} {r:.2f}" + (f" ({r / base:.0%} of rerank_only)"
+                                             if base and s != "rerank_only" else "")
+                           for s, r in rates.items())
+        lines += ["", f"Needle case ({needle['queries']} queries: a relevant document at "
+                      f"retrieval rank 11-20 under 19 non-relevant ones), how often it "
+                      f"reaches the top {needle['top']}: {shares}."]
     fitted = scores.get("fit")
     if fitted:
         prof, how = fitted["profile"], fitted["profile"]["fitted"]
@@ -322,6 +385,7 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
     backend = model = ""
     scored: dict[str, ScoredQuery] = {}
     blended_by: dict[str, str] = {}
+    needle = None
     try:
         async with AsyncRerankClient(target) as client:
             for strategy in strategies(args):
@@ -331,6 +395,8 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
                 backend, model = (done.backend, done.model) if done.backend else (backend, model)
                 scored = scored or done.scored
                 blended_by[strategy] = done.blended_by
+            if args.needle:
+                needle = await needle_rates(client, dataset, hits, args)
     finally:
         if server is not None:
             await server.stop(grace=0)
@@ -345,7 +411,7 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": dataset.name, "queries": len(dataset.queries),
         "documents": len(dataset.corpus), "depth": args.depth,
         "rerank_depth": args.rerank_depth, "backend": backend, "model": model,
-        "requests": outcome, "blended_by": blended_by, "fit": fitted,
+        "requests": outcome, "blended_by": blended_by, "fit": fitted, "needle": needle,
         # The model's raw scores per reranked query and their judgements: what a profile
         # is fitted on, kept so that `rerank-server fit` replays fits across data sets.
         "scored": {qid: sq.to_json() for qid, sq in scored.items()},

@@ -16,11 +16,14 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from importlib.resources import files
 from typing import Any, NoReturn
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from opentelemetry import trace
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -53,6 +56,13 @@ class HttpError(Exception):
 # Open without a token: load balancers and probes carry none; the API description says
 # nothing about the deployment (docs/security.md).
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+# Swagger UI's own files, served from the package (fastapi-offline ships them): `/docs`
+# works on a machine without internet, and sends no visitor's browser to a CDN.
+DOCS_ASSETS = "/docs/assets"
+# Said on every rerank answer that was not fully reranked, in every shape: TEI's answer is
+# a bare list, so a header is its only place for it.
+DEGRADED_HEADER = "X-Rerank-Degraded"
+UNKNOWN_MODEL = "unknown"  # until the backend names its model (`/v1/models`, `/info`)
 RERANK_PATHS = frozenset({"/v1/rerank", "/v2/rerank", "/rerank"})
 # A rerank body not in by then is refused (408): a client that sends slowly, or stops,
 # holds its bytes (counted against --max-inflight-bytes) and a connection no longer.
@@ -119,7 +129,8 @@ class _Gate:
         scope[ARRIVED] = time.perf_counter()
         headers = Headers(scope=scope)
         path = scope["path"]
-        if path not in OPEN_PATHS and not self._tokens.accepts(headers.get("authorization")):
+        if path not in OPEN_PATHS and not path.startswith(f"{DOCS_ASSETS}/") \
+                and not self._tokens.accepts(headers.get("authorization")):
             await _refuse(send, 401, "missing or invalid bearer token: send "
                                      "'Authorization: Bearer <token>'",
                           {"WWW-Authenticate": "Bearer"})
@@ -264,11 +275,25 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         description="Cohere/Jina- and TEI-compatible rerank API over rerank-server's "
                     "pipeline: results are the model's scores blended with the retrieval "
                     "order, and a failing model degrades an answer instead of failing it.",
-        docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+        docs_url=None, redoc_url=None, openapi_url="/openapi.json",
         # No body limit of FastAPI's: its middleware sits outside `_Gate` and would answer
         # in plain text, and stop the gate from giving back what it counted.
         max_body_size=None)
     telemetry = reranker.telemetry
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(files("fastapi_offline") / "static")),
+              name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json", title="rerank-server API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png")
+
+    def model() -> str:
+        return reranker.scorer.model or UNKNOWN_MODEL
+
     app.add_middleware(_Gate, tokens=tokens, max_active=max_active, inflight=inflight,
                        max_body_bytes=max_body_bytes,
                        rules=reranker.rules,
@@ -301,15 +326,18 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         rpc_failed(rpc, "", time.perf_counter(), "422", exc, internal=False)
         raise HttpError(422, _as_written(exc, field)) from None
 
-    async def run(rpc: str, query: RerankQuery, field: str,
+    async def run(rpc: str, query: RerankQuery, field: str, response: Response,
                   ) -> tuple[list[RankedCandidate], RerankSummary]:
-        """The pipeline's answer (the body's bytes are in the server-wide budget: `_Gate`)."""
+        """The pipeline's answer (the body's bytes are in the server-wide budget: `_Gate`),
+        its degraded reason in `response`'s headers."""
         started = time.perf_counter()
         try:
             _check_unicode(query, field)
             results, summary = await reranker.answer(query, None, telemetry.request_span())
             rpc_answered(rpc, summary, len(results))
             reranker.telemetry.metrics.record_rerank(summary)
+            if summary.degraded is not None:
+                response.headers[DEGRADED_HEADER] = summary.degraded.code.value
             return results, summary
         except InvalidRequest as exc:
             rpc_failed(rpc, reranker.rules.echoable_id(query.request_id), started, "422",
@@ -320,26 +348,35 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
                        exc, internal=False)
             raise HttpError(429, str(exc), {"Retry-After": "1"}) from None
 
+    async def cohere_answer(rpc: str, body: m.CohereRerankRequest, version: str,
+                            response: Response, echo: bool) -> m.CohereRerankResponse:
+        """A Cohere-shaped answer; `echo`: `return_documents` is honoured (not on
+        `/rerank`, where Infinity's and vLLM's clients parse `document` differently)."""
+        echoed = bool(body.return_documents) and echo
+        try:
+            query = _cohere_query(body)
+            if echoed:
+                _check_echoed(body.documents)
+        except InvalidRequest as exc:
+            refuse(rpc, "documents", exc)
+        results, summary = await run(rpc, query, "documents", response)
+        documents = body.documents if echoed else None
+        return m.CohereRerankResponse(
+            id=summary.request_id,
+            results=[m.CohereResult(
+                index=r.candidate.index, relevance_score=relevance,
+                document=_as_sent(documents[r.candidate.index])
+                if documents is not None else None,
+                id=r.candidate.id, reranker_score=r.reranker_score,
+                retrieval_rank=r.candidate.retrieval_rank)
+                for r, relevance in zip(results, relevance_scores(results), strict=True)],
+            meta=_meta(summary, version, model()))
+
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
-        async def rerank(body: m.CohereRerankRequest) -> m.CohereRerankResponse:
-            rpc = f"POST /v{version}/rerank"
-            try:
-                query = _cohere_query(body)
-                if body.return_documents:
-                    _check_echoed(body.documents)
-            except InvalidRequest as exc:
-                refuse(rpc, "documents", exc)
-            results, summary = await run(rpc, query, "documents")
-            documents = body.documents if body.return_documents else None
-            return m.CohereRerankResponse(
-                id=summary.request_id,
-                results=[m.CohereResult(
-                    index=r.candidate.index, relevance_score=r.score,
-                    document=_as_sent(documents[r.candidate.index])
-                    if documents is not None else None,
-                    id=r.candidate.id, reranker_score=r.reranker_score,
-                    retrieval_rank=r.candidate.retrieval_rank) for r in results],
-                meta=_meta(summary, version))
+        async def rerank(body: m.CohereRerankRequest,
+                         response: Response) -> m.CohereRerankResponse:
+            return await cohere_answer(f"POST /v{version}/rerank", body, version, response,
+                                       echo=True)
         return rerank
 
     for version in ("1", "2"):
@@ -349,23 +386,25 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
                  responses={401: {"model": m.Error}, 422: {"model": m.Error},
                             429: {"model": m.Error}})(cohere(version))
 
-    @app.post("/rerank", response_model=list[m.TeiResult], response_model_exclude_none=True,
-              tags=["rerank"], summary="Rerank, text-embeddings-inference shape",
+    @app.post("/rerank", response_model=list[m.TeiResult] | m.CohereRerankResponse,
+              response_model_exclude_none=True, tags=["rerank"],
+              summary="Rerank: text-embeddings-inference's shape (`texts`), or the "
+                      "Cohere-style one Infinity and vLLM clients send here (`documents`)",
               responses={401: {"model": m.Error}, 422: {"model": m.Error},
                          429: {"model": m.Error}})
-    async def tei_rerank(body: m.TeiRerankRequest) -> list[m.TeiResult]:
+    async def root_rerank(body: m.RootRerankRequest,
+                          response: Response) -> list[m.TeiResult] | m.CohereRerankResponse:
+        if isinstance(body, m.CohereRerankRequest):
+            return await cohere_answer("POST /rerank", body, "1", response, echo=False)
         query = RerankQuery(request_id=os.urandom(16).hex(), query=body.query,
                             candidates=tuple(Candidate(id=str(i), text=t, index=i,
                                                        retrieval_rank=i + 1)
                                              for i, t in enumerate(body.texts)),
-                            # Raw scores are asked for: score even if the blend ignores them.
-                            always_score=body.raw_scores)
-        results, _summary = await run("POST /rerank", query, "texts")
-        return [m.TeiResult(
-            index=r.candidate.index,
-            score=(r.reranker_score if body.raw_scores and r.reranker_score is not None
-                   else r.score),
-            text=r.candidate.text if body.return_text else None) for r in results]
+                            always_score=True)
+        results, _summary = await run("POST /rerank", query, "texts", response)
+        return [m.TeiResult(index=r.candidate.index, score=relevance,
+                            text=r.candidate.text if body.return_text else None)
+                for r, relevance in zip(results, relevance_scores(results), strict=True)]
 
     @app.get("/health", response_model=m.Health, tags=["operations"],
              responses={503: {"model": m.Health}})
@@ -373,9 +412,8 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         up = backend_up()
         state = "starting" if up is None else "up" if up else "down"
         # Open to all, so with tokens on it keeps the model's name to `/v1/models`.
-        model = "" if tokens.enabled else reranker.scorer.model
         body = m.Health(status="ok" if up else "unavailable", backend=state,  # type: ignore[arg-type]
-                        model=model)
+                        model="" if tokens.enabled else model())
         return JSONResponse(body.model_dump(), 200 if up else 503)
 
     # Some load balancers probe with HEAD (uvicorn leaves the body out). A route of its
@@ -387,10 +425,22 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     @app.get("/v1/models", response_model=m.ModelList, tags=["operations"],
              responses={401: {"model": m.Error}})
     async def list_models() -> m.ModelList:
-        return m.ModelList(data=[m.ModelCard(id=reranker.scorer.model or "unknown",
-                                             backend=reranker.scorer.kind)])
+        return m.ModelList(data=[m.ModelCard(id=model(), backend=reranker.scorer.kind)])
 
     return app
+
+
+def relevance_scores(results: Sequence[RankedCandidate]) -> list[float]:
+    """What a JSON client reads as relevance, result by result in the answer's order: the
+    model's own score, lowered where needed to the one before it (a running minimum), so
+    that the results are sorted by it and no document scores above what the model said
+    of it, whatever its retrieval rank; 0 for a document the model did not score."""
+    out: list[float] = []
+    ceiling = 1.0
+    for r in results:
+        ceiling = min(ceiling, r.reranker_score if r.reranker_score is not None else 0.0)
+        out.append(ceiling)
+    return out
 
 
 def _as_written(exc: InvalidRequest, documents: str) -> str:
@@ -475,7 +525,7 @@ def _field(loc: Sequence[Any]) -> str:
             continue
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "Document"):  # which member of a union failed: not a field
+        elif part in ("str", "Document", "tei", "cohere"):  # a union's member: not a field
             continue
         else:
             out += f".{part}" if out else str(part)
@@ -543,14 +593,15 @@ def _cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
         blend=BlendStrategy(body.blend_strategy) if body.blend_strategy else None,
         max_candidates=body.max_candidates,
         timeout_s=body.timeout_ms / 1000 if body.timeout_ms else None,
-        max_tokens_per_doc=body.max_tokens_per_doc, always_score=body.always_score)
+        # Every document gets the model's judgement (`relevance_scores`), whatever the blend.
+        max_tokens_per_doc=body.max_tokens_per_doc, always_score=True)
 
 
-def _meta(s: RerankSummary, version: str) -> m.Meta:
+def _meta(s: RerankSummary, version: str, model: str) -> m.Meta:
     return m.Meta(
         api_version=m.ApiVersion(version=version),
         billed_units=m.BilledUnits(search_units=1), reranked=s.reranked,
         degraded=m.Degraded(code=s.degraded.code.value, message=s.degraded.message)
         if s.degraded else None,
-        backend=s.backend, model=s.model, blend_strategy=s.blend.value,
+        backend=s.backend, model=model, blend_strategy=s.blend.value,
         blend_profile=s.blend_profile or None, scored=s.scored, failed=s.failed)

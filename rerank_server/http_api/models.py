@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 INT64_MAX = 2**63 - 1  # the proto's widest integer field
 
@@ -77,7 +77,8 @@ class CohereRerankRequest(Extras):
     model: str | None = Field(
         None, description="Accepted for compatibility; the server scores with its model.")
     top_n: Count | None = Field(None, ge=0, description="Results to return; default all.")
-    return_documents: bool = Field(False, description="Include each document's text.")
+    return_documents: bool | None = Field(
+        None, description="Include each document as sent (on /v1 and /v2; null: no).")
     rank_fields: list[Annotated[str, Field(max_length=MAX_FIELD_NAME_CHARS)]] | None = Field(
         None, max_length=64,  # read for every document: a long list is work per document
         description="v1: the fields of object documents to read, as `field: value` "
@@ -87,11 +88,14 @@ class CohereRerankRequest(Extras):
     max_chunks_per_doc: Count | None = Field(None, description="v1: accepted and ignored.")
 
 
+RELEVANCE = ("The model's judgement of the document on 0..1, never above the model's own "
+             "score and never above the result before it, so results are sorted by it; 0 "
+             "for a document the model did not score (docs/http.md).")
+
+
 class CohereResult(BaseModel):
     index: int = Field(description="Position of the document in the request.")
-    relevance_score: float = Field(
-        description="The final score results are ordered by: the model's score blended "
-                    "with the retrieval rank (docs/http.md). Higher is more relevant.")
+    relevance_score: float = Field(description=RELEVANCE)
     # A plain object, not a model: the answer leaves out fields that are None, and a model
     # would lose the fields the caller sent as null with them.
     document: dict[str, Any] | None = Field(
@@ -141,8 +145,8 @@ class TeiRerankRequest(BaseModel):
 
     query: str
     texts: list[str]
-    raw_scores: bool = Field(False, description="Score each text with the model's own "
-                                                "score instead of the blended one.")
+    raw_scores: bool = Field(False, description="Accepted: `score` is the model's own "
+                                                "score either way (docs/http.md).")
     return_text: bool = False
     truncate: bool = Field(False, description="Accepted: documents are always cut to fit "
                                               "the model's context.")
@@ -151,8 +155,20 @@ class TeiRerankRequest(BaseModel):
 
 class TeiResult(BaseModel):
     index: int
-    score: float
+    score: float = Field(description=RELEVANCE)
     text: str | None = None
+
+
+def _root_shape(body: Any) -> str:
+    """TEI's body names its documents `texts`; Cohere's, Infinity's and vLLM's `documents`."""
+    fields = body if isinstance(body, dict) else vars(body)
+    return "tei" if "texts" in fields or "documents" not in fields else "cohere"
+
+
+# `POST /rerank`: TEI's body, or the Cohere-style one Infinity and vLLM clients send there.
+RootRerankRequest = Annotated[
+    Annotated[TeiRerankRequest, Tag("tei")] | Annotated[CohereRerankRequest, Tag("cohere")],
+    Discriminator(_root_shape)]
 
 
 class ModelCard(BaseModel):

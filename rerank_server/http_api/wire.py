@@ -55,8 +55,9 @@ class _Cohere(msgspec.Struct, omit_defaults=True):
     always_score: Scalar | msgspec.UnsetType = _UNSET
 
 
-class _Tei(msgspec.Struct, omit_defaults=True):
-    query: Scalar | msgspec.UnsetType = _UNSET
+class _Root(_Cohere, omit_defaults=True):
+    """`/rerank`: TEI's fields beside Cohere's (Infinity and vLLM clients post there)."""
+
     texts: list[Scalar] | msgspec.UnsetType = _UNSET
     raw_scores: Scalar | msgspec.UnsetType = _UNSET
     return_text: Scalar | msgspec.UnsetType = _UNSET
@@ -68,18 +69,18 @@ class _CohereOnly(_Cohere, forbid_unknown_fields=True):
     pass
 
 
-class _TeiOnly(_Tei, forbid_unknown_fields=True):
+class _RootOnly(_Root, forbid_unknown_fields=True):
     pass
 
 
 _Decoders = dict[str, msgspec.json.Decoder[Any]]
 _DECODERS: _Decoders = {"/v1/rerank": msgspec.json.Decoder(_Cohere),
                         "/v2/rerank": msgspec.json.Decoder(_Cohere),
-                        "/rerank": msgspec.json.Decoder(_Tei)}
+                        "/rerank": msgspec.json.Decoder(_Root)}
 # The same shapes with nothing else beside them (see `_with_surrogates`).
 _WHOLE: _Decoders = {"/v1/rerank": msgspec.json.Decoder(_CohereOnly),
                      "/v2/rerank": msgspec.json.Decoder(_CohereOnly),
-                     "/rerank": msgspec.json.Decoder(_TeiOnly)}
+                     "/rerank": msgspec.json.Decoder(_RootOnly)}
 # A UTF-16 surrogate escape; in a copy only ever checked for shape, so an escaped
 # backslash before one (literal text) changing too does no harm.
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -116,16 +117,16 @@ def checked(path: str, body: bytes, rules: RequestRules) -> bytes:
     return _ENCODER.encode(request)
 
 
-def _count(request: _Cohere | _Tei, rules: RequestRules) -> None:
+def _count(request: _Cohere, rules: RequestRules) -> None:
     """The candidate cap (`check_candidate_count`), before any document is built: the
     only place a JSON request's documents are counted."""
-    field = "texts" if isinstance(request, _Tei) else "documents"
-    documents = getattr(request, field)
-    if documents is not _UNSET:
-        try:
-            check_candidate_count(field, len(documents), rules)
-        except InvalidRequest as exc:
-            raise ShapeError(str(exc)) from None
+    for field in ("texts", "documents"):
+        documents = getattr(request, field, _UNSET)
+        if documents is not _UNSET:
+            try:
+                check_candidate_count(field, len(documents), rules)
+            except InvalidRequest as exc:
+                raise ShapeError(str(exc)) from None
 
 
 def _bad_utf8_at(body: bytes) -> int | str:
@@ -138,14 +139,14 @@ def _bad_utf8_at(body: bytes) -> int | str:
     return "?"
 
 
-def _with_surrogates(path: str, body: bytes) -> _Cohere | _Tei | None:
+def _with_surrogates(path: str, body: bytes) -> _Cohere | None:
     """`body`, which msgspec refused for a lone surrogate escape, decoded with the
     surrogates blanked when it may go on as it is (None when not): it has that request's
     shape and nothing beside (no unknown field whose contents would be built unchecked).
     The standard library's parser then reads the surrogate, and the app names the field
     that holds it (`is not valid Unicode`), as before this layer existed."""
     try:
-        whole: _Cohere | _Tei = _WHOLE[path].decode(_SURROGATE.sub(rb"\\u0020", body))
+        whole: _Cohere = _WHOLE[path].decode(_SURROGATE.sub(rb"\\u0020", body))
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     return whole

@@ -362,7 +362,7 @@ def build_llama_server(cache: Path, jobs: int | None = None,
     _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
     jobs = jobs or os.cpu_count() or 2
     say(f"building llama-server with {jobs} jobs; this takes minutes the first time "
-        "(6.5-11 min on 2 cores; progress follows)")
+        "(7-11 min on 2 cores; progress follows)")
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
          "cmake build", progress=True)
     built = build / "bin" / "llama-server"

@@ -3,8 +3,8 @@
 A profile file is JSON:
 
     {"profiles": [{"name": "minilm-l6", "backend": "embedding",
-                   "model": "all-MiniLM-L6-v2*",
-                   "spread_noise": 0.05, "spread_decisive": 0.09,
+                   "model": "all-MiniLM-L6-v2*", "scripts": ["Latin"],
+                   "spread_noise": 0.04, "spread_decisive": 0.08,
                    "min_weight": 0.0, "max_weight": 1.0,
                    "fitted": {...how it was fitted, kept as written...}}]}
 
@@ -12,7 +12,9 @@ A profile file is JSON:
 (the default is the file shipped in the package). The `profile` blend strategy uses the
 first profile whose `backend` is the server's backend kind and whose `model` (a
 shell-style pattern) matches the served model's name; with none, it blends with the
-built-in adaptive parameters and the response names no profile.
+built-in adaptive parameters and the response names no profile. A profile that lists
+`scripts` (the writing systems its model reads, `scripts.py`) gives the model no weight on
+a request mostly in another script.
 
 `BlendResolver` makes that choice for a request (`settle`), once its scores are in: by
 then the backend's answers have named its model, so even the first request after start
@@ -33,7 +35,8 @@ import structlog
 
 from ..domain import BlendStrategy
 from ..errors import ConfigError
-from .blending import ADAPTIVE, AdaptiveParams
+from .blending import ADAPTIVE, NO_WEIGHT, AdaptiveParams
+from .scripts import reads
 
 log = structlog.get_logger(__name__)
 
@@ -49,12 +52,19 @@ class BlendProfile:
     model: str  # shell-style pattern over the served model's name
     params: AdaptiveParams
     fitted: dict[str, Any] = field(default_factory=dict)
+    scripts: tuple[str, ...] = ()  # what its model reads (`scripts.py`); empty: any
 
     def matches(self, backend: str, model: str) -> bool:
         return backend == self.backend and bool(model) and fnmatchcase(model, self.model)
 
+    def reads(self, script: str) -> bool:
+        """Whether its model reads text mostly in `script` (`scripts.reads`)."""
+        return reads(self.scripts, script)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "backend": self.backend, "model": self.model}
+        if self.scripts:
+            out["scripts"] = list(self.scripts)
         out.update({p: getattr(self.params, p) for p in _PARAMS})
         if self.fitted:
             out["fitted"] = self.fitted
@@ -87,6 +97,7 @@ class Blend:
     strategy: BlendStrategy
     params: AdaptiveParams = ADAPTIVE
     profile: str = ""
+    note: str = ""  # why the profile gives no weight here, when that is the request's text
 
 
 class _Once:
@@ -114,13 +125,19 @@ class BlendResolver:
         self.profiles = profiles
         self._unprofiled: set[tuple[str, str]] = set()  # (backend, model) already logged
 
-    def resolve(self, strategy: BlendStrategy, backend: str, model: str) -> Blend:
+    def resolve(self, strategy: BlendStrategy, backend: str, model: str,
+                script: Callable[[], str] = str) -> Blend:
         """`PROFILE` becomes the profile matching backend and model, or the built-in
-        adaptive blend when none matches (or the model is not known yet)."""
+        adaptive blend when none matches (or the model is not known yet). A profile whose
+        model does not read the request's `script` gives it no weight."""
         if strategy is not BlendStrategy.PROFILE:
             return Blend(strategy)
         profile = self.profiles.find(backend, model)
         if profile is not None:
+            if profile.scripts and not profile.reads(written := script()):  # ask once
+                return Blend(strategy, NO_WEIGHT, profile.name,
+                             f" on text in {written} script (its model reads "
+                             f"{', '.join(profile.scripts)})")
             return Blend(strategy, profile.params, profile.name)
         if (backend, model) not in self._unprofiled:
             self._unprofiled.add((backend, model))
@@ -129,9 +146,11 @@ class BlendResolver:
         return Blend(BlendStrategy.ADAPTIVE)
 
     def settle(self, strategy: BlendStrategy, backend: Callable[[], str],
-               model: Callable[[], str]) -> Callable[[], Blend]:
-        """The request's blend, resolved on first call and the same on every later one."""
-        return _Once(lambda: self.resolve(strategy, backend(), model()))
+               model: Callable[[], str], script: Callable[[], str] = str,
+               ) -> Callable[[], Blend]:
+        """The request's blend, resolved on first call and the same on every later one;
+        `script` is asked only of a profile that names scripts."""
+        return _Once(lambda: self.resolve(strategy, backend(), model(), script))
 
 
 def load(path: str | Path | None = None) -> BlendProfiles:
@@ -180,7 +199,12 @@ def parse(document: Any, source: str) -> BlendProfiles:
             params = AdaptiveParams(**numbers)
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-        unknown = set(entry) - {"name", "backend", "model", "fitted", *_PARAMS}
+        scripts = entry.get("scripts", [])
+        if not isinstance(scripts, list) or not all(isinstance(x, str) and x
+                                                    for x in scripts):
+            raise ConfigError(f"{where}.scripts: a list of script names is required "
+                              "(e.g. [\"Latin\"])")
+        unknown = set(entry) - {"name", "backend", "model", "fitted", "scripts", *_PARAMS}
         if unknown:
             raise ConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
         fitted = entry.get("fitted", {})
@@ -188,5 +212,6 @@ def parse(document: Any, source: str) -> BlendProfiles:
             raise ConfigError(f"{where}.fitted: expected an object")
         if any(p.name == text_fields["name"] for p in profiles):
             raise ConfigError(f"{where}.name: {text_fields['name']!r} is used twice")
-        profiles.append(BlendProfile(params=params, fitted=fitted, **text_fields))
+        profiles.append(BlendProfile(params=params, fitted=fitted, scripts=tuple(scripts),
+                                     **text_fields))
     return BlendProfiles(tuple(profiles), source)

@@ -10,6 +10,10 @@ retrieval rank-1 candidate scores at least 0.75 while no other can exceed 0.75
 A pair that was submitted but got no score is ordered as if the reranker agreed with
 retrieval (its reranker input is taken as `1 / rank`): no invented constant, and failed
 candidates keep their retrieval order relative to each other.
+
+The request-wide blends (`adaptive`, `profile`) weigh and normalize a request on all of
+its scores (`Settled`), so no candidate's score is ignored or clipped for where retrieval
+put it (docs/blending.md).
 """
 
 from __future__ import annotations
@@ -72,11 +76,8 @@ def ramp(x: float, low: float, high: float) -> float:
 
 
 ADAPTIVE = AdaptiveParams()
-# Strategies whose weight depends on the scores of the request: nothing is released before
-# they settle (`Settled`): the weight on the best-ranked half of the candidates (sooner
-# when those already in fix it, `weight_bounds`), the normalization on the best-ranked
-# third; at least `SETTLE_MIN` candidates each.
-SETTLE_MIN = 4
+NO_WEIGHT = AdaptiveParams(0.0, 0.0, 0.0, 0.0)  # the retrieval order, whatever the scores
+# Strategies whose weight and scale depend on every score of the request (`Settled`).
 REQUEST_WIDE = frozenset({BlendStrategy.ADAPTIVE, BlendStrategy.PROFILE})
 
 
@@ -102,9 +103,8 @@ def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> f
     """Final score under a fixed strategy. `None` (pair failed) is ordered as if the
     reranker agreed with retrieval, except under `rerank_only`, which orders by the
     reranker's scores alone: there a failed pair scores 0 and so follows every scored one
-    but one scored 0, in retrieval order (as a pair beyond the cap does). Standing in
-    `1/rank` there put a failed rank 1 above every score short of 1.0. The adaptive
-    strategy blends a whole request at once (`adaptive_blend`)."""
+    but one scored 0, in retrieval order (as a pair beyond the cap does). The request-wide
+    strategies blend a whole request at once (`adaptive_blend`)."""
     if strategy in REQUEST_WIDE:
         raise ValueError(f"the {strategy} blend needs the whole request: use adaptive_blend")
     r = retrieval_input(rank)
@@ -117,11 +117,8 @@ def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> f
 
 
 def spread(scores: Sequence[float]) -> float:
-    """The evidence the adaptive blend weighs: the population standard deviation.
-
-    Computed in floats with compensated sums, not with `statistics.pstdev`, whose exact
-    rational arithmetic took 61 µs for 20 scores against 3.5 µs (`python -m timeit`; a
-    test holds the two within 1e-12)."""
+    """The evidence the adaptive blend weighs: the population standard deviation, in
+    floats with compensated sums (`statistics.pstdev`'s exact arithmetic costs 17x)."""
     n = len(scores)
     if n < 2:
         return 0.0
@@ -140,92 +137,19 @@ def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) 
     return params.weight(spread(scores), max(scores))
 
 
-def settle_count(n: int) -> int:
-    """How many of a request's `n` scored candidates, best retrieval ranks first, settle a
-    request-wide blend's weight (`Settled`): half, and at least `SETTLE_MIN` (a small
-    request's whole spread is little to wait for, and half of it little evidence)."""
-    return min(n, max(SETTLE_MIN, (n + 1) // 2))
-
-
-def normalize_count(n: int) -> int:
-    """How many of them, best retrieval ranks first, settle its normalization: a third,
-    and at least `SETTLE_MIN`."""
-    return min(n, max(SETTLE_MIN, (n + 2) // 3))
-
-
-def bases(ranks: Sequence[int], scores: Sequence[float | None],
-          ) -> tuple[list[float], list[float]]:
-    """The scores a request-wide blend settles on, those present among its best-ranked
-    candidates (ties in rank by position): the `settle_count` that weigh it, and the
-    `normalize_count` that normalize it."""
-    order = sorted(range(len(ranks)), key=lambda i: (ranks[i], i))
-    present = [(k, p) for k, i in enumerate(order) if (p := scores[i]) is not None]
-    weigh, normalize = settle_count(len(ranks)), normalize_count(len(ranks))
-    return [p for k, p in present if k < weigh], [p for k, p in present if k < normalize]
-
-
-def settle_basis(ranks: Sequence[int], scores: Sequence[float | None]) -> list[float]:
-    """The scores a request-wide blend's weight settles on (`bases`)."""
-    return bases(ranks, scores)[0]
-
-
-# Slack on the bounds below, so that rounding never calls a weight certain that the
-# scores, computed another way (`spread`), would put a hair off a threshold.
-_SLACK = 1e-9
 _FLAT = 1e-12  # a normalization range no wider than this is no range (`Settled`)
-
-
-def weight_bounds(known: Sequence[float], unknown: int,
-                  params: AdaptiveParams = ADAPTIVE) -> tuple[float, float]:
-    """The least and greatest weight `adaptive_weight` can give `known` plus up to
-    `unknown` more scores, each anywhere in 0..1 or missing (a failed pair).
-
-    The weight rises with the spread and with the best score, so the extremes of those
-    bound it. The spread is least with the others at the known mean and greatest with
-    them at 0 or 1 (a convex function's maximum over a box lies at a corner, and only
-    how many are at 1 matters); the best score lies between the known best and 1."""
-    k = len(known)
-    total = math.fsum(known)
-    squares = math.fsum(x * x for x in known)
-    top_known = max(known, default=0.0)
-    lows: list[float] = []
-    highs: list[float] = []
-    for present in range(unknown + 1):  # how many of the others end up scored
-        n = k + present
-        top_low = top_known if k else 0.0
-        top_high = 1.0 if present else top_known
-        if n < 2:
-            lows.append(params.min_weight * ramp(top_low, params.top_floor, params.top_full))
-            highs.append(params.min_weight * ramp(top_high, params.top_floor, params.top_full))
-            continue
-        # Least spread: the others at the known mean (anywhere equal when none is known).
-        deviation = squares - total * total / k if k else 0.0
-        least = math.sqrt(max(0.0, deviation) / n)
-        # Greatest: j of the others at 1, the rest at 0; the variance is concave in j.
-        best = 0.0
-        centre = n / 2 - total
-        for j in {max(0, min(present, math.floor(centre))),
-                  max(0, min(present, math.ceil(centre)))}:
-            mean = (total + j) / n
-            best = max(best, math.sqrt(max(0.0, (squares + j) / n - mean * mean)))
-        lows.append(params.weight(max(0.0, least * (1 - _SLACK) - _SLACK),
-                                  top_low - _SLACK))
-        highs.append(params.weight(best * (1 + _SLACK) + _SLACK, top_high + _SLACK))
-    return min(lows), max(highs)
 
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """A request-wide blend, settled on its best-ranked candidates' scores.
+    """A request-wide blend, settled on every score of the request.
 
-    `w * n + (1 - w) * 1/rank`, where `w` is `adaptive_weight` of the best-ranked half's
-    scores and n is a reranker score min-max normalized on the best-ranked third's range
-    and clipped to 0..1 (so
-    decisive scores span 0..1 like the retrieval input, whatever their absolute scale). A
-    failed pair's n is its 1/rank, as in the other blends. Once settled, every candidate's
-    final score depends on its own score only, and no later score can exceed 1 after
-    normalization: results are released while the rest are still being scored
-    (`upper_bound`), and `Rerank` and `RerankStream` still agree (docs/blending.md).
+    `w * n + (1 - w) * 1/rank`, where `w` is `adaptive_weight` of the request's scores
+    and n a score min-max normalized on their range (so the best score is 1 and the worst
+    0, whatever the scorer's scale: P(yes), cosine, a grade / 10). A failed pair's n is
+    its 1/rank, as in the other blends. Every scored candidate counts alike wherever
+    retrieval put it: a document at rank 15 that the model prefers clearly enough weighs
+    in the spread and tops the scale like one at rank 1.
     """
 
     weight: float
@@ -233,21 +157,17 @@ class Settled:
     high: float
 
     @classmethod
-    def on(cls, basis: Sequence[float], params: AdaptiveParams = ADAPTIVE,
-           normalize_on: Sequence[float] | None = None) -> Settled:
-        """Weighted by `basis` (the half), normalized on `normalize_on` (the third;
-        `basis` when not given)."""
-        return cls.weighted(adaptive_weight(basis, params),
-                            basis if normalize_on is None else normalize_on)
+    def on(cls, scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) -> Settled:
+        return cls.weighted(adaptive_weight(scores, params), scores)
 
     @classmethod
-    def weighted(cls, weight: float, normalize_on: Sequence[float]) -> Settled:
-        low, high = (min(normalize_on), max(normalize_on)) if normalize_on else (0.0, 0.0)
+    def weighted(cls, weight: float, scores: Sequence[float]) -> Settled:
+        low, high = (min(scores), max(scores)) if scores else (0.0, 0.0)
         return cls(weight, low, high)
 
     def normalized(self, rank: int, score: float | None) -> float:
-        # A range too narrow to tell scores apart (a basis of equal scores, or equal but
-        # for rounding) normalizes nothing: every candidate keeps its retrieval input.
+        # A range too narrow to tell scores apart (equal scores, or equal but for
+        # rounding) normalizes nothing: every candidate keeps its retrieval input.
         if score is None or self.high - self.low <= _FLAT:
             return retrieval_input(rank)
         return min(1.0, max(0.0, (score - self.low) / (self.high - self.low)))
@@ -255,10 +175,14 @@ class Settled:
     def final(self, rank: int, score: float | None) -> float:
         return self.finals(((rank, score),))[0]
 
+    def upper_bound(self, rank: int) -> float:
+        """The highest final score a candidate still being scored could reach."""
+        return self.weight + (1.0 - self.weight) * retrieval_input(rank)
+
     def finals(self, ranked: Iterable[tuple[int, float | None]]) -> list[float]:
         """`final` of each (rank, score): `normalized` and the blend inline, one loop for
-        a whole request's scores (the same arithmetic, with the clip as comparisons and
-        `retrieval_input` as `1.0 / rank`: 0.35 against 0.8 µs a score)."""
+        a whole request's scores (the clip as comparisons, `retrieval_input` as
+        `1.0 / rank`: 0.35 against 0.8 µs a score)."""
         weight, low, span = self.weight, self.low, self.high - self.low
         keep = 1.0 - weight
         flat = span <= _FLAT
@@ -276,10 +200,6 @@ class Settled:
             out.append(weight * n + keep * r)
         return out
 
-    def upper_bound(self, rank: int) -> float:
-        """The highest final score a candidate still being scored could reach."""
-        return self.weight + (1.0 - self.weight) * retrieval_input(rank)
-
 
 def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
                     params: AdaptiveParams = ADAPTIVE) -> list[float]:
@@ -290,9 +210,8 @@ def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
 def adaptive_blend(ranks: Sequence[int], scores: Sequence[float | None],
                    params: AdaptiveParams = ADAPTIVE) -> tuple[list[float], float]:
     """Final scores under the request-wide blend (`Settled`), and the reranker's weight."""
-    weigh, normalize = bases(ranks, scores)
-    settled = Settled.on(weigh, params, normalize)
-    return [settled.final(r, p) for r, p in zip(ranks, scores, strict=True)], settled.weight
+    settled = Settled.on([p for p in scores if p is not None], params)
+    return settled.finals(zip(ranks, scores, strict=True)), settled.weight
 
 
 def scores_can_matter(strategy: BlendStrategy, params: AdaptiveParams,

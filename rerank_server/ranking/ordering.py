@@ -5,13 +5,13 @@ The final order is: the scored set (the best `max_candidates` by retrieval rank)
 retrieval order. While pairs are outstanding, the best resolved candidate can be released
 once no outstanding candidate could still beat it, that is once its score is above every
 outstanding candidate's upper bound (`blending.upper_bound`), or equal to it with the
-better retrieval position. The request-wide blends hold everything until the blend
-settles (`blending.Settled`): the best-ranked third is in (the normalization) and the
-weight is certain, either because the best-ranked half is in or because the scores of
-the half already in fix it whatever the others will be (`blending.weight_bounds`);
-from then on they release like the others. `RerankStream` sends results at exactly those
+better retrieval position. The request-wide blends weigh and normalize on every score
+(`blending.Settled`), so until the last one is in neither a place nor a final score is
+certain: they release everything at the end, except when their parameters give the model
+no weight, where every final score is 1/rank from the start and results go out in
+retrieval order as their scores arrive. `RerankStream` sends results at exactly those
 moments; `Rerank` uses the same engine and simply waits for the end, so both give the
-same order.
+same order and the same scores.
 
 `Emitter` numbers what is released 1, 2, ... and stops at `top_k`.
 """
@@ -75,20 +75,14 @@ class IncrementalRanking:
         # once their candidate resolves.
         self._pending: dict[int, Candidate] = {c.index: c for c in scored}
         # A request-wide blend holds every outcome until it settles, so it needs no
-        # bounds until then (`_settle` sets them).
+        # bounds until then (`_settle` sets them when it settles early).
         self._bounds: list[tuple[float, int, int]] = [] if self._request_wide else [
             (-blending.upper_bound(strategy, c.retrieval_rank), c.retrieval_rank, c.index)
             for c in scored]
         heapq.heapify(self._bounds)
         self._resolved: list[Placed] = []  # a heap while anything is outstanding
         self._tail_released = False
-        # Request-wide blends: the candidates whose scores settle it, those resolved
-        # before it settled, and the settled blend.
-        best_ranked = sorted(scored, key=_BY_RANK) if self._request_wide else []
-        n = len(scored)
-        # The weight settles on the best-ranked half, the normalization on the third.
-        self._basis = frozenset(c.index for c in best_ranked[:blending.settle_count(n)])
-        self._normal = frozenset(c.index for c in best_ranked[:blending.normalize_count(n)])
+        # Request-wide blends: those resolved before the blend settled, and the blend.
         self._held: list[tuple[Candidate, float | None]] = []
         self._settled: blending.Settled | None = None
         self.reranker_weight: float | None = None  # set when a request-wide blend settles
@@ -103,17 +97,15 @@ class IncrementalRanking:
 
     def resolve_all(self, outcomes: Iterable[tuple[int, float | None]]) -> None:
         """Record pairs' outcomes (candidate index, score or `None`) that arrived together.
-
-        A request-wide blend tries to settle once, after all of them: a batch of 40 used
-        to try after each pair past the best-ranked third, each try bounding the weight
-        over every way the rest could turn out."""
+        A request-wide blend settles once the last is in, or at the first when its
+        parameters give the model no weight."""
         pending, held = self._pending, self._held
         if self._request_wide and self._settled is None:
             before = len(held)
             for candidate_index, reranker_score in outcomes:
                 held.append((pending.pop(candidate_index), reranker_score))
             # Only once something arrived: an empty group (no cache hits) settles nothing.
-            if len(held) > before and self._normal.isdisjoint(pending):
+            if len(held) > before and (not pending or self._params().max_weight == 0.0):
                 self._settle()
             return
         for candidate_index, reranker_score in outcomes:
@@ -123,28 +115,12 @@ class IncrementalRanking:
             heapq.heappush(self._resolved, _placed(score, c, reranker_score))
 
     def _settle(self) -> None:
-        """The best-ranked third is in: settle the blend once its weight is certain (the
-        half is in, or the scores in fix it whatever the rest will be), place what is
-        held, and bound what is still outstanding."""
-        params = self._params()
-        basis, normal = self._basis, self._normal
-        known: list[float] = []  # the half's scores (the weight) and the third's (the scale)
-        normal_scores: list[float] = []
-        for c, p in self._held:
-            if p is not None:
-                if c.index in basis:
-                    known.append(p)
-                if c.index in normal:
-                    normal_scores.append(p)
-        basis_outstanding = len(basis.intersection(self._pending))
-        if basis_outstanding:
-            low, high = blending.weight_bounds(known, basis_outstanding, params)
-            if low != high:
-                return
-            weight = low
-        else:
-            weight = blending.adaptive_weight(known, params)
-        settled = blending.Settled.weighted(weight, normal_scores)
+        """Settle the blend on the scores in (all of them, or any when the model has no
+        weight: then every final score is 1/rank), place what is held, and bound what is
+        still outstanding."""
+        scores = [p for _, p in self._held if p is not None]
+        settled = (blending.Settled.on(scores, self._params()) if not self._pending
+                   else blending.Settled.weighted(0.0, scores))
         self._settled, self.reranker_weight = settled, settled.weight
         held, resolved = self._held, self._resolved
         finals = settled.finals([(c.retrieval_rank, p) for c, p in held])

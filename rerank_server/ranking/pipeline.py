@@ -41,6 +41,7 @@ from .chunking import CHUNK_ON_LOOP_CHARS, chars_to_chunk, document_texts, head_
 from .ordering import Emitter, IncrementalRanking
 from .request import Request, RequestRules
 from .score_cache import Scope, ScoreCache
+from .scripts import dominant_script
 from .shaping import Shaped, shape, skip_reason
 from .validation import resolve
 
@@ -169,8 +170,6 @@ class Reranker:
         started = time.perf_counter()
         telemetry = self.telemetry
         request = self.resolve(query)
-        blend = self.blends.settle(request.blend, lambda: self.scorer.kind,
-                                   lambda: self.scorer.model)
 
         with telemetry.step("rerank.shape") as span:
             shaped = shape(request)
@@ -180,6 +179,9 @@ class Reranker:
             if span.is_recording():
                 span.set_attributes(_shape_attributes(request, shaped,
                                                       0 if skip else len(scored_set)))
+        blend = self.blends.settle(
+            request.blend, lambda: self.scorer.kind, lambda: self.scorer.model,
+            lambda: dominant_script(request.query, (c.text for c in scored_set)))
         # A profile is chosen by the model's name: until the backend has told it, the
         # pairs are sent (and the profile is chosen once their answers are in).
         if skip is None and not request.always_score and (
@@ -294,7 +296,8 @@ class Reranker:
         if final:
             yield final
         yield self._summary(request, shaped, settled, ranking, outcome,
-                            overloaded or outcome.degraded(), started)
+                            overloaded or outcome.degraded() or _capped(scored_set, tail),
+                            started)
 
     def _summary(self, request: Request, shaped: Shaped, blend: Blend,
                  ranking: IncrementalRanking, outcome: _Outcome, degraded: Degraded | None,
@@ -383,13 +386,23 @@ class _Outcome:
                         f"{failed} of {self.submitted} pairs failed ({kinds})")
 
 
+def _capped(scored: list[Candidate], tail: list[Candidate]) -> Degraded | None:
+    """CAPPED when candidates beyond `max_candidates` were left unscored."""
+    if not tail:
+        return None
+    return Degraded(DegradedCode.CAPPED,
+                    f"{len(tail)} of {len(scored) + len(tail)} candidates were not scored "
+                    f"(max_candidates={len(scored)}): they follow in retrieval order")
+
+
 def _no_reranker_weight(request: Request, blend: Blend, scored: list[Candidate],
                         ) -> Degraded | None:
     """NO_RERANKER_WEIGHT when no score could change the answer: the pairs are not sent."""
     if scores_can_matter(blend.strategy, blend.params, [c.retrieval_rank for c in scored],
                          request.top_k):
         return None
-    why = (f"blend profile {blend.profile} gives the reranker no weight" if blend.profile
+    why = (f"blend profile {blend.profile} gives the reranker no weight{blend.note}"
+           if blend.profile
            else f"no score can change the first {request.top_k} places under the "
                 f"{blend.strategy.value} blend")
     return Degraded(DegradedCode.NO_RERANKER_WEIGHT,

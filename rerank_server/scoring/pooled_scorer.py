@@ -1,7 +1,8 @@
 """What every scorer shares: its backend pool, and the model's name.
 
 The name is the configured `--model` when there is one; otherwise the backend's own, read
-from `/v1/models` when the backend comes up and from the `model` field of its answers.
+when the backend comes up (OpenAI-style `/v1/models`, or TEI's `/info`) and from the
+`model` field of its answers.
 It goes into responses and into score-cache keys, with the scorer's `variant`.
 """
 
@@ -66,10 +67,14 @@ def model_name(reported: str) -> str:
 
 
 async def served_model(pool: BackendPool) -> str:
-    """The first model an OpenAI-style `/v1/models` lists, or "" when it cannot be read."""
+    """The first model an OpenAI-style `/v1/models` lists, else TEI's `/info` `model_id`;
+    "" when neither can be read."""
     body = await pool.get_json("/v1/models")
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list) and data and isinstance(data[0], dict) \
             and isinstance(data[0].get("id"), str):
         return model_name(data[0]["id"])
+    info = await pool.get_json("/info")
+    if isinstance(info, dict) and isinstance(info.get("model_id"), str) and info["model_id"]:
+        return model_name(info["model_id"])
     return ""

@@ -115,3 +115,24 @@ async def test_a_bad_profile_file_stops_the_server_from_starting(
                         http_port=0, blend_profile=str(path))
     with pytest.raises(ConfigError, match=r"profiles\[0\].*max_weight <= 1"):
         await build_server(settings)
+
+
+async def test_a_profile_gives_no_weight_to_text_its_model_cannot_read(
+        start_server: StartServer, fake_llama: FakeLlamaServer, tmp_path: Path) -> None:
+    """A profile for a model that reads the Latin script: an English request follows the
+    model; an Arabic one keeps the retrieval order, sends no pair, and says why."""
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps({"profiles": [
+        {**profile("latin-reader", "fake-reranker*", 1.0), "scripts": ["Latin"]}]}))
+    _, client = await started(start_server, fake_llama, blend_profile=str(path))
+    async with client:
+        english = await client.rerank("q", DOCS, blend_strategy="profile")
+        assert [r.id for r in english.results] == ["d", "c", "b", "a"]
+        sent = len(fake_llama.documents())
+        arabic = [Candidate(id=x, text=f"نص عربي عن الموضوع رقم {x}") for x in "abcd"]
+        answer = await client.rerank("ما هو الموضوع؟", arabic, blend_strategy="profile")
+        assert [r.id for r in answer.results] == ["a", "b", "c", "d"]
+        assert len(fake_llama.documents()) == sent
+        assert answer.summary.degraded_code == "no_reranker_weight"
+        assert "on text in Arabic script (its model reads Latin)" in str(
+            answer.summary.degraded_message)

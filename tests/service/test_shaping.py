@@ -72,10 +72,12 @@ async def test_strong_signal_skip_keeps_retrieval_order(
 
 
 async def test_min_candidates_counts_after_deduplication(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    server = await start_server(min_candidates=3)
     lists = [RankedList("v", [{"id": "a", "text": "x"}, {"id": "b", "text": "y"}]),
              RankedList("w", [{"id": "b", "text": "y"}, {"id": "a", "text": "x"}])]
-    answer = await client.rerank("q", lists=lists)
+    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        answer = await client.rerank("q", lists=lists)
     assert answer.summary.degraded_code == "too_few_candidates"
     assert fake_llama.requests == []
 

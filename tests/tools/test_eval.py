@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from rerank_server.evaluation import beir
+from rerank_server.evaluation.first_stage import bm25_top
+from rerank_server.evaluation.needle import SIZE, needles
 from rerank_server.evaluation.run import main
 from tests.fakes.llama import FakeLlamaServer
 
@@ -19,6 +21,16 @@ TOPICS = {
     "q2": ("river bridge repair", "river bridge repair river bridge river"),
     "q3": ("violin string tuning", "violin string tuning violin string violin"),
 }
+
+
+def write_beir(root: Path, corpus: list[dict[str, str]], queries: list[dict[str, str]],
+               qrels: list[str]) -> Path:
+    """A data set in BEIR layout under `root`."""
+    root.mkdir()
+    (root / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in corpus) + "\n")
+    (root / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n")
+    (root / "qrels.tsv").write_text("\n".join(qrels) + "\n")
+    return root
 
 
 def write_dataset(root: Path, header: bool) -> Path:
@@ -33,11 +45,7 @@ def write_dataset(root: Path, header: bool) -> Path:
             corpus.append({"_id": f"{qid}-noise{i}", "title": "",
                            "text": f"{query.split()[1]} filler text number {i}"})
     queries.append({"_id": "unjudged", "text": "no judgements for this one"})
-    root.mkdir()
-    (root / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in corpus) + "\n")
-    (root / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n")
-    (root / "qrels.tsv").write_text("\n".join(qrels) + "\n")
-    return root
+    return write_beir(root, corpus, queries, qrels)
 
 
 @pytest.mark.parametrize("header", [True, False])
@@ -177,3 +185,51 @@ def test_json_has_no_bare_nan_and_time_is_the_whole_run(
     result = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
     assert result["p_values"]["bm25"]["position_aware"]["ndcg@10"] is None
     assert result["seconds"] > 0
+
+
+def needle_dataset(root: Path, graded: bool) -> Path:
+    """Two queries of 25 documents on their topic; one judged relevant (it says GOOD).
+    Graded: the rest judged 0 (as TREC DL); else unjudged (as Vaswani)."""
+    corpus, queries, qrels = [], [], []
+    for qid, topic in (("q1", "apple orchard"), ("q2", "river bridge")):
+        queries.append({"_id": qid, "text": topic})
+        corpus.append({"_id": f"{qid}-good", "title": "", "text": f"GOOD {topic}"})
+        qrels.append(f"{qid}\t{qid}-good\t2")
+        for i in range(24):
+            corpus.append({"_id": f"{qid}-n{i}", "title": "", "text": f"{topic} {topic} {i}"})
+            if graded:
+                qrels.append(f"{qid}\t{qid}-n{i}\t0")
+    return write_beir(root, corpus, queries, qrels)
+
+
+@pytest.mark.parametrize("graded", [True, False])
+def test_needle_requests_hide_a_relevant_document_in_the_second_half(
+        tmp_path: Path, graded: bool) -> None:
+    data = beir.load(needle_dataset(tmp_path / "n", graded))
+    cases = needles(data, bm25_top(data, 30))
+    assert [c.qid for c in cases] == ["q1", "q2"]
+    for case in cases:
+        assert len(case.documents) == SIZE and 11 <= case.position <= 20
+        others = [d.id for d in case.documents if d.id != case.needle]
+        assert case.needle.endswith("-good") and all("-n" in d for d in others)
+        assert others == sorted(others, key=lambda d: [h.document.id for h in
+                                                        bm25_top(data, 30)[case.qid]].index(d))
+    assert needles(data, bm25_top(data, 30)) == cases  # the same positions every run
+
+
+def test_eval_needle_reports_each_strategy_against_rerank_only(
+        tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    fake_llama.scores = {"GOOD": 0.95}
+    fake_llama.default_score = 0.3
+    data = needle_dataset(tmp_path / "n", graded=True)
+    out = tmp_path / "out"
+    code = main([str(data), "--server", f"--backend-url {fake_llama.url} --no-probe "
+                 "--metrics-port 0", "--depth", "30", "--blend",
+                 "rerank_only,position_aware,adaptive", "--needle", "--out", str(out)])
+    assert code == 0
+    needle = json.loads((out / "eval-n.json").read_text())["needle"]
+    assert needle["queries"] == 2
+    assert needle["rates"]["rerank_only"] == 1.0 and needle["rates"]["adaptive"] == 1.0
+    scored = needle["scored"]["q1"]
+    assert scored["script"] == "Latin" and len(scored["scores"]) == SIZE
+    assert "Needle case (2 queries" in (out / "eval-n.md").read_text()

@@ -113,9 +113,9 @@ def test_codes_this_client_does_not_know_are_read_not_raised() -> None:
     """The proto only ever adds values: a newer server's degraded code or blend strategy
     failed the whole answer with a ValueError (not a RerankError) in this client."""
     response = pb.RerankResponse(request_id="r", blend_strategy=99,  # type: ignore[arg-type]
-                                 degraded=pb.DegradedReason(code=13, message="new"))  # type: ignore[arg-type]
+                                 degraded=pb.DegradedReason(code=99, message="new"))  # type: ignore[arg-type]
     summary = RerankAnswer.from_pb(response).summary
-    assert summary.degraded_code == "unknown_13" and summary.degraded_message == "new"
+    assert summary.degraded_code == "unknown_99" and summary.degraded_message == "new"
     assert summary.blend_strategy == "unknown_99"
     known = pb.RerankResponse(degraded=pb.DegradedReason(
         code=pb.DEGRADED_REASON_CODE_TOO_FEW_CANDIDATES))

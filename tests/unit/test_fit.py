@@ -3,7 +3,9 @@ as far as its scores carry signal, judged on queries it did not fit on."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import statistics
 
 import numpy as np
 import pytest
@@ -11,8 +13,10 @@ from ranx import Qrels, Run, evaluate
 
 from rerank_server.evaluation.fit import (
     Collection,
+    Constraint,
     Curve,
     Family,
+    NeedleQuery,
     ScoredQuery,
     fit,
     fit_across,
@@ -23,7 +27,6 @@ from rerank_server.ranking.blending import (
     ADAPTIVE,
     AdaptiveParams,
     adaptive_weight,
-    settle_basis,
 )
 
 DEPTH = 20
@@ -33,8 +36,7 @@ def make_queries(n: int, informative: bool, seed: int = 1,
                  ) -> tuple[list[ScoredQuery], dict[str, dict[str, int]]]:
     """Per query, 20 reranked candidates and one tail document.
 
-    Informative: the one highly relevant document sits at BM25 rank 4..7 (in the third a
-    request-wide blend normalizes on, so no clipping ties it with another) and the scorer
+    Informative: the one highly relevant document sits at BM25 rank 4..7 and the scorer
     gives it 0.4 more than the noise everyone gets. Not: BM25 already has the relevant
     documents on top and the scorer's values are noise.
     """
@@ -106,7 +108,7 @@ def test_the_fast_curve_agrees_with_the_exact_replay(seed: int) -> None:
             params = AdaptiveParams(0.0, 0.0, w := rng.choice([0.0, 0.25, 1.0, rng.random()]),
                                     w)
             expected = ndcg(q.ordered(params), qrels[q.qid])
-            weight = adaptive_weight(settle_basis(q.ranks, q.scores), params)
+            weight = adaptive_weight(q.present, params)
             near = np.abs(curve.steps - weight) < 1e-9
             if near.any():
                 # Exactly where two candidates tie (clipped scores make round weights
@@ -158,9 +160,7 @@ def test_failed_pairs_keep_their_retrieval_place_in_the_replay() -> None:
 
 
 def collection(name: str, n: int, readable: bool, seed: int) -> Collection:
-    """Readable: the relevant document sits at BM25 rank 4..7 (in the third a request-wide
-    blend normalizes on; beyond it, its score would be clipped to the third's best and
-    tie with it) and gets the best score,
+    """Readable: the relevant document sits at BM25 rank 4..7 and gets the best score,
     0.9, above noise at 0.3..0.6. Unreadable (a model on a script it cannot read): BM25
     already has it first, and the scores spread as widely but stay low (0..0.45), with
     the relevant document near the bottom: the spread alone would trust them fully."""
@@ -203,3 +203,55 @@ def test_fit_across_gates_out_the_collection_the_scorer_cannot_read() -> None:
         mean(result.bm25["english"]))
     with pytest.raises(ValueError, match="reranked queries"):
         fit_across([Collection("empty", (), {})])
+
+
+def test_a_profile_that_reads_one_script_gives_the_others_no_weight() -> None:
+    """The unreadable collection's requests are in another script: with `scripts` the fit
+    replays them in retrieval order, as the server will answer them, so nothing needs a
+    gate on the best score, and the readable one keeps pure reranking's gain."""
+    readable = collection("english", 30, readable=True, seed=1)
+    unreadable = collection("arabic", 30, readable=False, seed=2)
+    arabic = Collection("arabic", tuple(dataclasses.replace(q, script="Arabic")
+                                        for q in unreadable.queries), unreadable.qrels)
+    english = Collection("english", tuple(dataclasses.replace(q, script="Latin")
+                                          for q in readable.queries), readable.qrels)
+    result = fit_across([english, arabic], Family.RAMP, Constraint(0.0, ("Latin",)))
+    per_query = result.everything.per_query
+    assert statistics.fmean(per_query["arabic"]) == statistics.fmean(result.bm25["arabic"])
+    english, bm25 = statistics.fmean(per_query["english"]), statistics.fmean(result.bm25["english"])
+    assert english >= 0.95 * statistics.fmean(result.reranker["english"]) and english > bm25 + 0.3
+    assert result.everything.params.top_full == 0.0  # the script does the distrusting
+
+
+def needle_collection(margin: float, n: int = 40, seed: int = 3) -> Collection:
+    """Needle requests whose relevant document, at rank 11..20, scores `margin` above the
+    noise (0.40..0.48) the others get; judged queries on which BM25 is perfect, so that
+    nDCG@10 alone prefers the retrieval order."""
+    rng = random.Random(seed)
+    needles, queries, qrels = [], [], {}
+    for q in range(n):
+        ids = tuple(f"n{q}-d{r}" for r in range(1, 21))
+        at = rng.randint(11, 20)
+        scores = tuple(0.44 + margin if r == at else rng.uniform(0.40, 0.48)
+                       for r in range(1, 21))
+        needles.append(NeedleQuery(ScoredQuery(f"n{q}", ids, tuple(range(1, 21)), scores,
+                                               ()), ids[at - 1]))
+        queries.append(ScoredQuery(f"q{q}", ids, tuple(range(1, 21)), scores, ()))
+        qrels[f"q{q}"] = {ids[0]: 2, ids[1]: 1}
+    return Collection("c", tuple(queries), qrels, tuple(needles))
+
+
+def test_the_needle_share_rules_out_a_blend_that_keeps_the_needle_down() -> None:
+    """nDCG@10 alone picks the retrieval order here; asked for the needle case, the fit
+    takes the first choice in its order that lifts the needle as often as pure
+    reranking does (or, when none can, says so)."""
+    c = needle_collection(margin=0.2)
+    assert c.needle_reranked() == 1.0
+    unconstrained = fit_across([c], Family.RAMP)
+    assert c.needle_rate(unconstrained.everything.params) < 0.9
+    constrained = fit_across([c], Family.RAMP, Constraint(0.9))
+    assert constrained.needle_met
+    assert c.needle_rate(constrained.everything.params) >= 0.9
+    impossible = fit_across([c], Family.RAMP, Constraint(1.5))
+    assert not impossible.needle_met
+    assert impossible.everything.params == unconstrained.everything.params

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rerank_server.domain import BlendStrategy, Candidate
-from rerank_server.ranking.blending import AdaptiveParams, adaptive_weight
+from rerank_server.ranking import blending
+from rerank_server.ranking.blending import AdaptiveParams
 from rerank_server.ranking.ordering import IncrementalRanking
 from tests.blend_oracle import final_scores
 
@@ -100,49 +100,30 @@ def test_fail_outstanding_releases_everything() -> None:
     assert len(ranking.release()) == 6
 
 
-def test_a_request_wide_blend_streams_once_the_third_is_in_and_the_weight_certain() -> None:
-    """12 candidates: the normalization settles on ranks 1..4; their spread is so wide
-    that no two scores of ranks 5..6 could bring the half's below the decisive 0.10, so
-    the weight is certain (1) and the best is released while ranks 5..12 are still
-    being scored; nothing before."""
-    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(12), [])
-    for i, score in enumerate([0.2, 0.9, 0.4]):
+def test_a_request_wide_blend_releases_once_every_score_is_in() -> None:
+    """Its weight and scale depend on every score, so no place nor final score is
+    certain before the last: then everything goes out, in the full sort's order."""
+    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(6), [])
+    for i, score in enumerate([0.9, 0.1, 0.2, 0.4, 0.3]):
         ranking.resolve(i, score)
-        assert ranking.release() == []
-    ranking.resolve(3, 0.1)  # the third is in; spread 0.31, at least 0.25 with the half
+        assert ranking.release() == [] and ranking.reranker_weight is None
+    ranking.resolve(5, 0.95)
     assert ranking.reranker_weight == 1.0
-    # Rank 2 (0.9, the settled maximum) can be beaten by no later score: released.
-    assert [p.candidate.id for p in ranking.release()] == ["1"]
-    assert ranking.outstanding == 8
-    for i in range(4, 12):
-        ranking.resolve(i, 0.0)
-    assert [p.candidate.id for p in ranking.release()][:3] == ["2", "0", "3"]
+    assert [p.candidate.id for p in ranking.release()] == ["5", "0", "3", "4", "2", "1"]
 
 
-def test_a_weight_the_half_could_still_change_waits_for_the_half() -> None:
-    """Ranks 1..4 spread by 0.074, between noise and decisive: ranks 5..6 could still
-    move the weight anywhere from 0.01 to 1, so nothing is released until they are in."""
-    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(12), [])
-    for i, score in enumerate([0.5, 0.6, 0.7, 0.55]):
-        ranking.resolve(i, score)
-    assert ranking.release() == [] and ranking.reranker_weight is None
-    ranking.resolve(4, 0.52)
-    assert ranking.release() == []
-    ranking.resolve(5, 0.58)  # the half is in: spread 0.063, a weight of 0.08
-    assert ranking.reranker_weight == pytest.approx(adaptive_weight([0.5, 0.6, 0.7, 0.55,
-                                                                     0.52, 0.58]))
-
-
-def test_scores_above_the_settled_range_count_as_its_top() -> None:
-    """A later score above the best-ranked half's maximum is normalized to 1, like that
-    maximum: the two are then ordered by retrieval rank (the price of streaming)."""
-    ranking = IncrementalRanking(BlendStrategy.ADAPTIVE, _cands(8), [])
-    for i, score in enumerate([0.1, 0.3, 0.2, 0.6]):
-        ranking.resolve(i, score)
-    for i in range(4, 8):
-        ranking.resolve(i, 0.95 if i == 7 else 0.1)
-    ids = [p.candidate.id for p in ranking.release()]
-    assert ids[:2] == ["3", "7"]
+def test_a_blend_that_gives_the_model_no_weight_streams_in_retrieval_order() -> None:
+    """Every final score is 1/rank whatever the scores: each result goes out as soon as
+    its own score and those of the better-ranked are in."""
+    ranking = IncrementalRanking(BlendStrategy.PROFILE, _cands(4), [],
+                                 lambda: blending.NO_WEIGHT)
+    ranking.resolve(1, 0.9)
+    assert ranking.release() == [] and ranking.reranker_weight == 0.0
+    ranking.resolve(0, 0.1)
+    assert [(p.candidate.id, p.score) for p in ranking.release()] == [("0", 1.0), ("1", 0.5)]
+    ranking.resolve(3, 0.5)
+    ranking.resolve(2, 0.2)
+    assert [p.candidate.id for p in ranking.release()] == ["2", "3"]
 
 
 def test_an_empty_group_settles_nothing() -> None:

@@ -16,7 +16,7 @@ def test_defaults_are_safe() -> None:
     assert (s.host, s.port) == ("127.0.0.1", 50051)
     assert s.backend_url == "http://127.0.0.1:8080"
     assert s.blend_strategy is BlendStrategy.PROFILE  # the shipped profiles, else adaptive
-    assert (s.max_candidates, s.max_request_candidates, s.min_candidates) == (40, 100, 3)
+    assert (s.max_candidates, s.max_request_candidates, s.min_candidates) == (100, 100, 1)
     assert (s.max_chunk_chars, s.concurrency) == (2000, 4)
 
 

@@ -56,16 +56,18 @@ class _BlendStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlendSt
     """
     BLEND_STRATEGY_ADAPTIVE: _BlendStrategy.ValueType  # 4
     """Trust the reranker as far as its scores in this request carry evidence: the weight
-    of its (request-normalized) score grows with the spread of its scores, from 0 (the
-    retrieval order) to 1 (the reranker's order). A result streams once no score still
-    outstanding could move it (the weight is bounded as pairs arrive). See
-    docs/blending.md.
+    of its score, normalized on the range of all the request's scores, grows with their
+    spread, from 0 (the retrieval order) to 1 (the reranker's order). Every scored
+    candidate counts alike, whatever its retrieval rank. Results stream when the last
+    score is in (the final scores depend on all of them). See docs/blending.md.
     """
     BLEND_STRATEGY_PROFILE: _BlendStrategy.ValueType  # 5
     """The adaptive blend with parameters fitted offline for the server's backend and
     model (a blend profile, `--blend-profile`); `blend_profile` in the answer names it.
-    With no profile for the model, the answer is blended by ADAPTIVE and says so in
-    `blend_strategy`. Results stream as for ADAPTIVE.
+    A profile that names the scripts its model reads gives no weight to a request in
+    another (NO_RERANKER_WEIGHT). With no profile for the model, the answer is blended by
+    ADAPTIVE and says so in `blend_strategy`. Results stream as for ADAPTIVE, or as
+    their scores arrive, in retrieval order, when the profile gives no weight.
     """
 
 class BlendStrategy(_BlendStrategy, metaclass=_BlendStrategyEnumTypeWrapper):
@@ -87,16 +89,18 @@ pair scored exactly 0 goes by retrieval rank).
 """
 BLEND_STRATEGY_ADAPTIVE: BlendStrategy.ValueType  # 4
 """Trust the reranker as far as its scores in this request carry evidence: the weight
-of its (request-normalized) score grows with the spread of its scores, from 0 (the
-retrieval order) to 1 (the reranker's order). A result streams once no score still
-outstanding could move it (the weight is bounded as pairs arrive). See
-docs/blending.md.
+of its score, normalized on the range of all the request's scores, grows with their
+spread, from 0 (the retrieval order) to 1 (the reranker's order). Every scored
+candidate counts alike, whatever its retrieval rank. Results stream when the last
+score is in (the final scores depend on all of them). See docs/blending.md.
 """
 BLEND_STRATEGY_PROFILE: BlendStrategy.ValueType  # 5
 """The adaptive blend with parameters fitted offline for the server's backend and
 model (a blend profile, `--blend-profile`); `blend_profile` in the answer names it.
-With no profile for the model, the answer is blended by ADAPTIVE and says so in
-`blend_strategy`. Results stream as for ADAPTIVE.
+A profile that names the scripts its model reads gives no weight to a request in
+another (NO_RERANKER_WEIGHT). With no profile for the model, the answer is blended by
+ADAPTIVE and says so in `blend_strategy`. Results stream as for ADAPTIVE, or as
+their scores arrive, in retrieval order, when the profile gives no weight.
 """
 Global___BlendStrategy: _TypeAlias = BlendStrategy  # noqa: Y015
 
@@ -165,6 +169,11 @@ class _DegradedReasonCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_De
     have given (the scores are the retrieval ones), without the round trip;
     `RerankOptions.always_score` scores anyway.
     """
+    DEGRADED_REASON_CODE_CAPPED: _DegradedReasonCode.ValueType  # 13
+    """More candidates than `max_candidates` (the server's, or `RerankOptions.max_candidates`):
+    the best-ranked `max_candidates` were scored and reranked, the rest follow them in
+    retrieval order without a `reranker_score`. `reranked` stays true.
+    """
 
 class DegradedReasonCode(_DegradedReasonCode, metaclass=_DegradedReasonCodeEnumTypeWrapper):
     """Why a response was not (fully) reranked."""
@@ -203,6 +212,11 @@ weight (a blend profile with `max_weight` 0, such as a model fitted to have no s
 or `top_k` asks only for places no score can move. The order is the one scoring would
 have given (the scores are the retrieval ones), without the round trip;
 `RerankOptions.always_score` scores anyway.
+"""
+DEGRADED_REASON_CODE_CAPPED: DegradedReasonCode.ValueType  # 13
+"""More candidates than `max_candidates` (the server's, or `RerankOptions.max_candidates`):
+the best-ranked `max_candidates` were scored and reranked, the rest follow them in
+retrieval order without a `reranker_score`. `reranked` stays true.
 """
 Global___DegradedReasonCode: _TypeAlias = DegradedReasonCode  # noqa: Y015
 
@@ -646,10 +660,14 @@ class RankedResult(_message.Message):
     rank: _builtins.int
     """Final 1-based rank."""
     score: _builtins.float
-    """Final score that ordered the results (the blend). Comparable within one response."""
+    """The final score that ordered the results: the reranker's score blended with the
+    retrieval rank (`blend_strategy`), on 0..1. It carries the retrieval rank's share, so
+    it compares results within one response only; threshold on `reranker_score`.
+    """
     reranker_score: _builtins.float
-    """The reranker's relevance score, 0..1 (Cohere/Jina: `relevance_score`). Absent when
-    the candidate was not scored (beyond `max_candidates`, or its pair failed).
+    """The model's own judgement of the candidate, 0..1, the same on every request:
+    what to threshold on. Absent when the model did not score it (beyond
+    `max_candidates`, its pair failed, or no pair was sent); then `degraded` says why.
     """
     retrieval_score: _builtins.float
     """The candidate's `retrieval_score`, echoed."""
