@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from ..managed import amx, assets
-from ..managed.llama_server import free_port
+from ..managed.llama_server import RAM_CACHE_OFF, free_port
 from ..settings import load
 
 
@@ -140,8 +140,11 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
     # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
     decision = amx.decide(settings.llama_amx, args=extra, environ=os.environ,
                           amx_free_build=assets.is_amx_free_build(binary, cache))
+    # As managed mode runs it: without the host-memory prompt cache, which grew the
+    # stand-in to 3.5 GB over one streaming scenario (and slows every task as it grows).
     proc = subprocess.Popen([str(binary), "-m", str(model), "--port", str(port), "-np",
-                             str(slots), "-c", str(slots * 2048), "--no-webui", *extra],
+                             str(slots), "-c", str(slots * 2048), "--no-webui",
+                             *RAM_CACHE_OFF, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=decision.env(os.environ))
     try:
