@@ -26,6 +26,7 @@ from pathlib import Path
 import structlog
 
 from . import __version__
+from .allocator import MemoryReturn
 from .api.grpc_server import GrpcEdge, check_free
 from .http_api.app import create_app
 from .http_api.server import HttpEdge
@@ -176,7 +177,8 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         stack.push_async_callback(lag.stop)
         reranker = Reranker(request_rules(settings), scorer, telemetry, cache,
                             BlendResolver(profiles), loop_lag=lambda: lag.recent_s)
-        inflight = InflightBytes(settings.max_inflight_bytes)  # both edges share it
+        # Both edges share it; what they give back may be returned to the system.
+        inflight = InflightBytes(settings.max_inflight_bytes, MemoryReturn().freed)
         edge = await GrpcEdge.start(
             settings, reranker, telemetry, tokens, inflight=inflight,
             tls=CertificateFiles.from_paths(settings.tls_cert, settings.tls_key,

@@ -93,8 +93,10 @@ class Settings:
     max_concurrent_rpcs: int = field(default=256, metadata=_opt(
         "Reranker RPCs handled at once; more are refused with RESOURCE_EXHAUSTED (health "
         "checks are never refused).", minimum=1))
-    max_message_bytes: int = field(default=16 * 1024 * 1024, metadata=_opt(
-        "Largest request or response message in bytes.", minimum=1024,
+    max_message_bytes: int = field(default=4 * 1024 * 1024, metadata=_opt(
+        "Largest request or response message in bytes (gRPC's own default; a larger gRPC "
+        "message is refused from its length, before it is read). It sizes the memory a "
+        "burst of large requests takes (docs/reliability.md, \"Memory\").", minimum=1024,
         maximum=2**31 - 1))  # gRPC takes a 32-bit int: more was an OverflowError
     max_inflight_bytes: int = field(default=64 * 1024 * 1024, metadata=_opt(
         "Request bytes being worked on at once, over all calls (a worker's: each has its "

@@ -8,8 +8,10 @@ Usage: python scripts/check_deploy.py
    pinned version with `kubernetes-validate`, strictly (unknown fields are errors).
 2. Cross-checks what the manifests say against what the server does: every RERANK_*
    variable is a real setting, probe ports are the configured gRPC port, readiness asks
-   for the service the server registers, the grace period exceeds the server's, and the
-   containers run non-root on a read-only root filesystem.
+   for the service the server registers, the grace period exceeds the server's, the
+   containers run non-root on a read-only root filesystem, and the rerank-server
+   container's memory limit is 25% above what its settings let it hold
+   (`memory_estimate`, docs/reliability.md "Memory is bounded").
 3. Parses deploy/Dockerfile and deploy/compose.yaml (Docker cannot run on our machines)
    and checks their references: stages, exec-form entry point and health check, the
    non-root user, exposed ports, the compose wiring by service name, health checks and
@@ -148,6 +150,7 @@ def check_deployment(where: str, deployment: dict[str, Any],
                            "declared")
         check_secrets(where, pod, container, env, problems)
         check_security(where, pod, container, problems)
+        check_memory(where, container, env, problems)
     drains = [_prestop_sleep(c) + float(container_env(c, config_maps, where, problems).get(
         env_name("grace_period_s"), DEFAULTS.grace_period_s)) for c in ours]
     for container in pod["containers"]:
@@ -163,6 +166,41 @@ def check_deployment(where: str, deployment: dict[str, Any],
                            "llama-server needs a preStop sleep of at least rerank-server's "
                            f"preStop + RERANK_GRACE_PERIOD_S ({max(drains, default=0):g} s) "
                            "so that requests in flight are scored while it drains")
+
+
+# docs/reliability.md, "Memory is bounded": peak RSS for G gRPC calls arriving at once.
+BASE_MIB, PER_BYTE_HELD, DESIGN_CONCURRENT_MESSAGES, HEADROOM = 100, 3.5, 16, 1.25
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def memory_estimate(env: dict[str, str]) -> float:
+    """The peak RSS, in bytes, of one rerank-server with these settings, for
+    `DESIGN_CONCURRENT_MESSAGES` maximal gRPC messages arriving at once; times its
+    workers (each has its own budget)."""
+    message = int(env.get(env_name("max_message_bytes"), DEFAULTS.max_message_bytes))
+    inflight = int(env.get(env_name("max_inflight_bytes"), DEFAULTS.max_inflight_bytes))
+    workers = max(1, int(env.get(env_name("workers"), DEFAULTS.workers)))
+    one = BASE_MIB * 2**20 + PER_BYTE_HELD * max(DESIGN_CONCURRENT_MESSAGES * message, inflight)
+    return workers * one
+
+
+def _quantity(value: str) -> float:
+    for suffix, factor in _UNITS.items():
+        if value.endswith(suffix):
+            return float(value.removesuffix(suffix)) * factor
+    return float(value)
+
+
+def check_memory(where: str, container: dict[str, Any], env: dict[str, str],
+                 problems: Problems) -> None:
+    limit = container.get("resources", {}).get("limits", {}).get("memory")
+    problems.check(limit is not None, where, "the rerank-server container needs a memory limit")
+    if limit is None:
+        return
+    needed = HEADROOM * memory_estimate(env)
+    problems.check(_quantity(str(limit)) >= needed, where,
+                   f"memory limit {limit} is below {needed / 2**20:.0f} Mi: 25% above what "
+                   "its settings let it hold (docs/reliability.md, \"Memory is bounded\")")
 
 
 def _prestop_sleep(container: dict[str, Any]) -> float:

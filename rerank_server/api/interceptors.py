@@ -211,8 +211,14 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _unary(self, behavior: Behavior, method: str, limited: bool,
                allowed: bool, span: Callable[[], Opened] | None) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            async with self._admitted(method, limited, allowed, context, span):
-                return await behavior(request, context)
+            try:
+                async with self._admitted(method, limited, allowed, context, span):
+                    return await behavior(request, context)
+            except BaseException:
+                # The failure's traceback keeps this frame (through gRPC's abort, in a
+                # cycle): not the request bytes with it (`service.Rerank`).
+                del request
+                raise
         return call
 
     def _streaming(self, behavior: Behavior, method: str, limited: bool,
@@ -228,19 +234,23 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any],
                        ) -> AsyncIterator[Any]:
-            async with self._admitted(method, limited, allowed, context, span):
-                if not limited:  # health's Watch: quiet for long spells by design
-                    async for response in behavior(request, context):
-                        yield response
-                    return
-                watch = _SendWatch(method)
-                try:
-                    async for response in behavior(request, context):
-                        watch.sending(response.ByteSize())
-                        yield response  # resumed once grpc has sent it
-                        watch.sent()
-                finally:
-                    watch.close()
+            try:
+                async with self._admitted(method, limited, allowed, context, span):
+                    if not limited:  # health's Watch: quiet for long spells by design
+                        async for response in behavior(request, context):
+                            yield response
+                        return
+                    watch = _SendWatch(method)
+                    try:
+                        async for response in behavior(request, context):
+                            watch.sending(response.ByteSize())
+                            yield response  # resumed once grpc has sent it
+                            watch.sent()
+                    finally:
+                        watch.close()
+            except BaseException:
+                del request  # as in `_unary`
+                raise
         return call
 
 

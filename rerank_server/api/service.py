@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+import traceback
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from typing import Any
 
 import grpc
@@ -44,6 +45,15 @@ class _Seen:
     """What is known of a call's request for its log line, even if it fails early."""
 
     request_id = ""
+
+
+class _Progress:
+    """How far a RerankStream got, for its log line."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.first_ms: float | None = None
+        self.answered = False
 
 
 class AnswerTooLarge(Exception):
@@ -148,56 +158,74 @@ class RerankService:
         finally:
             self.inflight.give_back(size)
 
+    # A call that fails holds nothing of its request when it is reported: the work runs
+    # in a helper whose frame has ended by then (`_abort` clears the ended frames), and the
+    # handler lets go of its bytes. A failed call's exception sits in a reference cycle
+    # through gRPC's abort, and with the collector tuned down (`freeze_startup_objects`)
+    # a flood of refused 12 MB requests otherwise kept each one alive for seconds.
+
     async def Rerank(self, raw: bytes,
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
         started, seen = time.perf_counter(), _Seen()
         try:
-            async with self._admitted(raw, seen) as query:
-                del raw  # the domain query holds what is needed
-                # One span for the call and its request (`Telemetry.request_span`). Not
-                # for RerankStream: a stream cancelled while gRPC waits to send ends its
-                # server span before the pipeline is closed, and the scoring's counts
-                # would be lost with it.
-                results, summary = await self._reranker.answer(
-                    query, _deadline(context), self._reranker.telemetry.request_span())
-                measured = query.return_text or self._lists_may_overflow(query, results)
-            return self._answer("Rerank", results, summary, measured)
+            return await self._rerank(raw, seen, context)
         except asyncio.CancelledError:
             rpc_cancelled("Rerank", seen.request_id, started, _ended(context))
             raise
         except Exception as exc:
+            del raw
             await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
+
+    async def _rerank(self, raw: bytes, seen: _Seen,
+                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
+        async with self._admitted(raw, seen) as query:
+            del raw  # the domain query holds what is needed
+            # One span for the call and its request (`Telemetry.request_span`). Not for
+            # RerankStream: a stream cancelled while gRPC waits to send ends its server
+            # span before the pipeline is closed, and the scoring's counts would be lost.
+            results, summary = await self._reranker.answer(
+                query, _deadline(context), self._reranker.telemetry.request_span())
+            measured = query.return_text or self._lists_may_overflow(query, results)
+        return self._answer("Rerank", results, summary, measured)
 
     async def RerankStream(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any],
                            ) -> AsyncIterator[pb.RerankStreamMessage]:
         started, seen = time.perf_counter(), _Seen()
-        sent = 0
-        first_ms: float | None = None
-        answered = False
+        progress = _Progress()
         try:
-            async with self._admitted(raw, seen) as query, \
-                    contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items:
+            messages = self._stream(raw, seen, context, started, progress)
+            async with contextlib.aclosing(messages):
                 del raw
-                # To the pipeline's end (the summary is its last item), and closed at once
-                # when the client goes away: a generator left suspended is closed only
-                # when the event loop gets to its finalizer.
-                async for item in items:
-                    if isinstance(item, RerankSummary):
-                        self._finish("RerankStream", item, sent, first_result_ms=first_ms)
-                        answered = True
-                        yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
-                        continue
-                    if first_ms is None:
-                        first_ms = (time.perf_counter() - started) * 1000
-                    sent += 1
-                    yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
+                async for message in messages:
+                    yield message
         except (asyncio.CancelledError, GeneratorExit):
-            if not answered:  # cancelled while results were still going out
+            if not progress.answered:  # cancelled while results were still going out
                 rpc_cancelled("RerankStream", seen.request_id, started, _ended(context))
             raise
         except Exception as exc:
             await self._abort(context, "RerankStream", seen.request_id, started, exc)
+
+    async def _stream(self, raw: bytes, seen: _Seen,
+                      context: grpc.aio.ServicerContext[Any, Any], started: float,
+                      progress: _Progress) -> AsyncGenerator[pb.RerankStreamMessage, None]:
+        async with self._admitted(raw, seen) as query, \
+                contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items:
+            del raw
+            # To the pipeline's end (the summary is its last item), and closed at once
+            # when the client goes away: a generator left suspended is closed only when
+            # the event loop gets to its finalizer.
+            async for item in items:
+                if isinstance(item, RerankSummary):
+                    self._finish("RerankStream", item, progress.sent,
+                                 first_result_ms=progress.first_ms)
+                    progress.answered = True
+                    yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
+                    continue
+                if progress.first_ms is None:
+                    progress.first_ms = (time.perf_counter() - started) * 1000
+                progress.sent += 1
+                yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
 
     async def RerankBatch(self, requests: AsyncIterable[bytes],
                           context: grpc.aio.ServicerContext[Any, Any],
@@ -228,6 +256,7 @@ class RerankService:
                     rpc_cancelled("RerankBatch", seen.request_id, started, _ended(context))
                     raise
                 except Exception as exc:
+                    traceback.clear_frames(exc.__traceback__)  # see `Rerank`
                     code, message = _status_for(exc)
                     if isinstance(exc, InvalidRequest) and not seen.request_id \
                             and not message.startswith("requests["):
@@ -300,6 +329,7 @@ class RerankService:
 
     async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str,
                      request_id: str, started: float, exc: Exception) -> None:
+        traceback.clear_frames(exc.__traceback__)
         code, message = _status_for(exc)
         rpc_failed(rpc, request_id, started, code.name, exc,
                    internal=code is grpc.StatusCode.INTERNAL)

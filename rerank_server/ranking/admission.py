@@ -10,6 +10,8 @@ the pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class Overloaded(Exception):
     """The server-wide budget for request bytes in flight is spent."""
@@ -19,9 +21,10 @@ class InflightBytes:
     """The bytes of requests being worked on, against a server-wide budget. A request
     larger than the whole budget is still taken when nothing else is in flight."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, released: Callable[[int], None] | None = None) -> None:
         self.limit = limit
         self.used = 0
+        self._released = released  # told of every size given back (`allocator`)
 
     def take(self, size: int, own: int = 0) -> None:
         """Count `size` more bytes; `own` of those in flight are the same request's
@@ -34,3 +37,5 @@ class InflightBytes:
 
     def give_back(self, size: int) -> None:
         self.used -= size
+        if self._released is not None:
+            self._released(size)

@@ -44,7 +44,7 @@ async def test_many_long_documents_of_short_sentences_leave_the_server_responsiv
     100 documents of 128 KiB in 6-character sentences of the query's own words. It held
     the event loop for minutes (scoring each window afresh over every query term), and
     every other call and health check waited. Now it is cut in seconds, off the loop."""
-    server = await start_server(max_candidates=100)
+    server = await start_server(max_candidates=100, max_message_bytes=16 << 20)
     query = " ".join(f"w{i:03d}" for i in range(800))  # 3,999 characters
     doc = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
     gaps: list[float] = []
@@ -73,7 +73,7 @@ async def test_a_deadline_counts_the_time_spent_before_scoring(
     retrieval order, within the caller's 3 s deadline. The scoring budget was the whole
     deadline counted from when scoring began, so the answer came that much too late:
     DEADLINE_EXCEEDED, no answer at all."""
-    server = await start_server(max_candidates=100)
+    server = await start_server(max_candidates=100, max_message_bytes=16 << 20)
     fake_llama.latency_s = 60.0
     query = " ".join(f"w{i:03d}" for i in range(800))
     doc = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
@@ -94,7 +94,7 @@ async def test_a_request_behind_a_long_chunking_answers_within_its_deadline(
     long enough to go to that thread) waited its turn and answered after its 1.5 s
     deadline: DEADLINE_EXCEEDED. It now waits half its time at most, then scores the
     heads of its documents."""
-    server = await start_server(max_candidates=100)
+    server = await start_server(max_candidates=100, max_message_bytes=16 << 20)
     query = " ".join(f"w{i:03d}" for i in range(800))
     costly = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
     small = [f"document {n}: " + "plain words of a long text. " * 2200 for n in range(3)]

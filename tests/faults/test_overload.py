@@ -184,7 +184,8 @@ async def test_a_stream_its_client_never_reads_gives_its_place_back(
     (here the only one, --max-concurrent-rpcs 1) and request bytes are given back.
     Before, they stayed taken for as long as the client kept the connection."""
     monkeypatch.setattr(interceptors, "SEND_STALL_S", 1.0)
-    server = await start_server(max_concurrent_rpcs=1, max_candidates=100)
+    server = await start_server(max_concurrent_rpcs=1, max_candidates=100,
+                                max_message_bytes=16 << 20)
     # 13 MB of results: more than the connection's windows and buffers take unread.
     request = build_request("q", [f"{i} " + "x" * 130_000 for i in range(100)],
                             max_chunk_chars=131_072, return_text=True)

@@ -601,7 +601,8 @@ async def test_an_answer_its_client_never_reads_is_not_kept_for_ever(
     server's memory for as long as the client kept the connection, 13 MB a connection
     here. Now the connection goes once nothing was taken for SEND_STALL_S."""
     monkeypatch.setattr(http_server_module, "SEND_STALL_S", 1.0)
-    server = await start_server(http_port=free_port(), max_candidates=100)
+    server = await start_server(http_port=free_port(), max_candidates=100,
+                                max_message_bytes=16 << 20)
     docs = [f"{i} " + "x" * 130_000 for i in range(100)]  # 13 MB back
     body = json.dumps({"query": "q", "documents": docs, "return_documents": True}).encode()
     sock = socket.socket()
