@@ -213,8 +213,13 @@ class BackendPool:
 
     def _failed(self, endpoint: Endpoint) -> None:
         endpoint.failures_in_row += 1
-        if endpoint.ejected_until is None and endpoint.failures_in_row >= self._ejection.after:
+        if endpoint.ejected_until is not None:
+            return
+        if endpoint.failures_in_row >= self._ejection.after:
             self._eject(endpoint, f"{endpoint.failures_in_row} failed calls in a row")
+        elif endpoint.http.stuck:
+            self._eject(endpoint, f"all {endpoint.concurrency} slots held by calls that "
+                                  "got no answer")
 
     def _succeeded(self, endpoint: Endpoint) -> None:
         endpoint.answered_at = self._clock()

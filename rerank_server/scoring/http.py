@@ -2,14 +2,17 @@
 
 Bounded calls: a call holds one of the instance's `--concurrency` slots from before it is
 sent until it has ended, whoever stopped waiting for it, so the backend never sees more
-than `--concurrency` calls from this server.
+than `--concurrency` calls from this server: a model server goes on working on a call
+whose client hung up, so closing the connection would free a slot the backend still
+fills.
 
 Abandoned calls: when a request stops waiting (its budget ran out, its client went away),
 pairs still waiting for a slot are dropped before anything is sent, and a call already on
-the wire is abandoned: it may still finish within a short leash (four times the recent
-call latency, at least `ABANDON_MIN_S`, at most the call timeout, counted from when it was
-sent), and is cancelled when the leash runs out; that counts as a timeout of the instance
-(`backend_pool.py` ejects an instance after a few in a row). Calls are never cancelled
+the wire is abandoned: it runs on, unwaited for, until the backend answers it or the call
+timeout (`--backend-timeout-ms`) ends it. Past a short leash (four times the recent call
+latency, at least `ABANDON_MIN_S`, at most the call timeout, counted from when it was
+sent) it counts as a timeout of the instance (`backend_pool.py` ejects an instance after
+a few in a row), so a hung backend is still taken out within seconds. Calls are never cancelled
 while still waiting for a pool connection: a slot is taken before the httpx call starts,
 and the connection pool is larger than the slots, so httpcore's pool-slot leak on
 cancellation under contention (httpcore #1093) cannot happen where httpcore is used
@@ -219,7 +222,7 @@ class HttpBackend:
         self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
         self._calls: dict[asyncio.Future[Any], float] = {}  # call on the wire -> sent at
-        self._given_up: set[asyncio.Future[Any]] = set()  # abandoned, cancelled by the leash
+        self._given_up: set[asyncio.Future[Any]] = set()  # abandoned, past the leash: reported
         # What admission estimates read (backend_pool.BackendPool.estimate_s).
         self.queued_pairs = 0
         self.in_flight_pairs = 0
@@ -289,6 +292,13 @@ class HttpBackend:
         self._slots.release()
 
     @property
+    def stuck(self) -> bool:
+        """Whether every slot is held by a call past its leash: the backend has taken
+        all it may have and answers none (a hung one), and no further call can be sent
+        to count as one more failure."""
+        return len(self._given_up) >= self.concurrency
+
+    @property
     def load(self) -> float:
         """Calls holding or waiting for a slot, abandoned ones included, per slot: what
         balancing compares (a hung instance full of abandoned calls is not idle)."""
@@ -314,14 +324,10 @@ class HttpBackend:
         except BackendCallError as exc:
             ended = (exc,)
             raise
-        except asyncio.CancelledError:
-            if asyncio.current_task() in self._given_up:  # the leash ran out, not shutdown
-                ended = (BackendCallError(Failure.TIMEOUT, "abandoned call got no answer "
-                                          f"within {loop.time() - started:.1f} s"),)
-            raise
         finally:
             self.in_flight_pairs -= pairs
-            if ended is not None:
+            # A call past its leash was reported a timeout then (`_abandon`).
+            if ended is not None and asyncio.current_task() not in self._given_up:
                 self.on_outcome(ended[0])
 
     def _answered(self, pairs: int, started: float) -> tuple[None] | None:
@@ -359,10 +365,13 @@ class HttpBackend:
 
         def give_up() -> None:
             # Only while the call is on the wire: a task that made its call itself may
-            # be past it (and `_forget` would never drop it from `_given_up`).
+            # be past it (and `_forget` would never drop it from `_given_up`). Reported
+            # now, not cancelled: the backend may be working on it (module docstring).
             if not call.done() and call in self._calls:
                 self._given_up.add(call)
-                call.cancel()
+                self.on_outcome(BackendCallError(
+                    Failure.TIMEOUT, "abandoned call got no answer within "
+                    f"{loop.time() - sent_at:.1f} s"))
 
         handle = loop.call_later(delay, give_up)
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 from grpc_health.v1 import health_pb2
 from rerank_client import AsyncRerankClient
 
@@ -18,7 +19,7 @@ from rerank_server.scoring import http as http_module
 from rerank_server.scoring.base import Emit, ScoreRequest
 from tests.conftest import StartServer
 from tests.fakes.json_server import JsonServer
-from tests.fakes.llama import EXCEEDS_CONTEXT, FakeLlamaServer
+from tests.fakes.llama import EXCEEDS_CONTEXT, HANG, OK, FakeLlamaServer
 from tests.waiting import eventually
 
 DOCS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
@@ -151,3 +152,45 @@ async def test_a_scorer_let_go_mid_call_goes_no_further() -> None:
     finally:
         await backend.aclose()
         fake.stop()
+
+
+@pytest.mark.parametrize(("latency_s", "mode", "deadline_s"), [
+    (0.1, OK, None),    # quick calls, clients cancelling at random
+    (2.0, OK, 0.5),     # calls slower than every caller's deadline
+    (0.0, HANG, 0.5),   # a backend that takes calls and never answers
+])
+async def test_a_cancellation_storm_never_gives_the_backend_more_than_concurrency(
+        start_server: StartServer, fake_llama: FakeLlamaServer, latency_s: float,
+        mode: str, deadline_s: float | None) -> None:
+    """A model server goes on working on a call whose client hung up, so a slot given back
+    when the connection closes is one the backend still fills: the backend's own count of
+    calls in hand must stay within --concurrency however clients give up."""
+    fake_llama.latency_s, fake_llama.mode = latency_s, mode
+    server = await start_server(concurrency=4, health_interval_s=0.5)
+    rng = random.Random(11)
+    gave_up = answered = 0
+
+    async def churn(client: AsyncRerankClient, until: float) -> None:
+        nonlocal gave_up, answered
+        while time.monotonic() < until:
+            call = asyncio.ensure_future(client.rerank(f"q {rng.random()}", DOCS,
+                                                       timeout=deadline_s))
+            if deadline_s is None:
+                await asyncio.sleep(rng.uniform(0.01, 0.12))
+                if not call.done():
+                    call.cancel()
+            outcome = (await asyncio.gather(call, return_exceptions=True))[0]
+            if isinstance(outcome, BaseException) or not outcome.reranked:
+                gave_up += 1  # the client, or the server at the deadline, stopped waiting
+            else:
+                answered += 1
+
+    try:
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+            await asyncio.gather(*(churn(client, time.monotonic() + 4) for _ in range(24)))
+    finally:
+        fake_llama.unhang()
+    print(f"latency {latency_s} s {mode}: {gave_up} given up, {answered} answered, backend "
+          f"max in flight {fake_llama.max_in_flight} (--concurrency 4)")
+    assert gave_up > 20
+    assert fake_llama.max_in_flight <= 4, "the backend was handed more than --concurrency"
