@@ -21,6 +21,10 @@ only package registries):
 - With `--rank-head-model`, the same MiniLM-L6 with an untrained one-logit classification
   head, so that `llama-server --rerank` serves it on `/v1/rerank`: a real peer for the
   `rerank` backend's tests (its scores are deterministic, not relevance).
+- With `--speed-twin q8_0[,f16]`, a Qwen3-Reranker-0.6B speed twin (`speed_twin.py`):
+  the real architecture and sizes with random weights, as a causal LM and with a rank
+  head, checked by llama-server loading each. For speed and protocol at the real size;
+  its scores mean nothing.
 
 Every step writes to a temporary name and renames at the end, so an interrupted run
 leaves nothing half-made behind and simply starts that step again. The CMake build folder
@@ -39,15 +43,18 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import StartError
 from ..settings import LlamaAmx, default_cache_dir, env_name
@@ -340,6 +347,62 @@ def _convert_venv(cache: Path, source: Path) -> Path:
     return python
 
 
+SPEED_TWIN_TYPES = ("q8_0", "f16")
+SPEED_TWIN_HEADS = ("lm", "rank")  # `chat`/`completion`, and `llama-server --rerank`
+
+
+def speed_twin_path(cache: Path, head: str, kind: str) -> Path:
+    return cache / "models" / f"qwen3-reranker-0.6b-speed-twin-{head}.{kind}.gguf"
+
+
+def prepare_speed_twin(cache: Path, kinds: Sequence[str], llama_server: Path) -> list[Path]:
+    """Both heads of the speed twin for each of `kinds`, written by `speed_twin.py` in the
+    converter's environment (llama.cpp's `gguf` package), each loaded once by
+    `llama_server` before it is kept: a file it cannot load is no twin."""
+    made = []
+    for kind in kinds:
+        for head in SPEED_TWIN_HEADS:
+            target = speed_twin_path(cache, head, kind)
+            if not target.exists():
+                python = _convert_venv(cache, llama_source(cache))
+                tokenizer = prepare_model(cache)
+                say(f"writing the Qwen3-Reranker-0.6B speed twin ({head}, {kind}); a minute")
+                tmp = target.with_suffix(".partial")
+                _run([str(python), str(Path(__file__).with_name("speed_twin.py")),
+                      str(tokenizer), str(tmp), kind, head], "speed twin")
+                _check_loads(llama_server, tmp, ["--rerank"] if head == "rank" else [])
+                os.replace(tmp, target)
+            made.append(target)
+    return made
+
+
+def _check_loads(binary: Path, model: Path, args: Sequence[str]) -> None:
+    """`binary` serves `model` (its /health answers 200) within two minutes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1",
+                             "--port", str(port), "--no-webui", "-c", "2048", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+            time.sleep(0.5)
+        ended = "was not ready in 120 s" if proc.returncode is None \
+            else how_it_ended(proc.returncode)
+        raise AssetError(f"llama-server did not load {model.name}: it {ended}")
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+
+
 def build_llama_server(cache: Path, jobs: int | None = None,
                        amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Path:
     """Build llama-server from the pinned llama.cpp source into the cache (once)."""
@@ -491,16 +554,19 @@ def cache_lock(cache: Path) -> Iterator[None]:
 
 def prepare(cache: Path, llama_server: Path | None = None,
             model: Path | None = None, embedding: bool = False,
-            rank_head: bool = False, amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Assets:
+            rank_head: bool = False, amx_mode: LlamaAmx = LlamaAmx.AUTO,
+            speed_twin: Sequence[str] = ()) -> Assets:
     """Everything managed mode needs (with `embedding`, the MiniLM GGUF; with `rank_head`,
     MiniLM with an untrained rank head for `llama-server --rerank`); prints what it did
     and records it in manifest.json."""
     with cache_lock(cache):
-        return _prepare(cache, llama_server, model, embedding, rank_head, amx_mode)
+        return _prepare(cache, llama_server, model, embedding, rank_head, amx_mode,
+                        speed_twin)
 
 
 def _prepare(cache: Path, llama_server: Path | None, model: Path | None,
-             embedding: bool, rank_head: bool, amx_mode: LlamaAmx) -> Assets:
+             embedding: bool, rank_head: bool, amx_mode: LlamaAmx,
+             speed_twin: Sequence[str] = ()) -> Assets:
     say(f"cache: {cache}")
     cached = cached_llama_server(cache, amx_mode)
     built_before = cached.exists()
@@ -523,7 +589,7 @@ def _prepare(cache: Path, llama_server: Path | None, model: Path | None,
     say(f"llama-server: {binary} (version {version})")
     model_path = resolve_model(model, cache, fetch_missing=True, verify=True)
     say(f"model: {model_path} ({model_path.stat().st_size} bytes)")
-    manifest = {
+    manifest: dict[str, Any] = {
         "llama_server": {"path": str(binary), "version": version, "llama_amx": amx_mode,
                          "source": f"{LLAMA_CPP_SOURCE.project}=={LLAMA_CPP_SOURCE.version}",
                          "source_sha256": LLAMA_CPP_SOURCE.sha256},
@@ -540,6 +606,12 @@ def _prepare(cache: Path, llama_server: Path | None, model: Path | None,
             "rank-head model", prepare_rank_head_model(cache),
             f"{minilm} with an untrained one-logit classification head (torch seed 0, "
             "normal std 0.05)")
+    if speed_twin:
+        manifest["speed_twin"] = {
+            path.name: {"path": str(path), "sha256": sha256_of(path),
+                        "made_by": "rerank_server/managed/speed_twin.py: Qwen3-0.6B sizes, "
+                                   "random weights (seed 0), SmolLM2's tokenizer"}
+            for path in prepare_speed_twin(cache, speed_twin, binary)}
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     say("ready")
@@ -576,6 +648,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rank-head-model", action="store_true",
                         help="also build MiniLM-L6 with an untrained rank head for "
                              "`llama-server --rerank` (tests of the rerank backend)")
+    parser.add_argument("--speed-twin", default="", metavar="TYPES",
+                        help="also write a Qwen3-Reranker-0.6B speed twin (random weights) "
+                             f"in these types, comma-separated, of {', '.join(SPEED_TWIN_TYPES)} "
+                             "(docs/benchmarks.md)")
     amx_variable = env_name("llama_amx")
     parser.add_argument("--llama-amx", choices=list(LlamaAmx), default=None,
                         help="auto and off build llama-server without llama.cpp's AMX "
@@ -584,10 +660,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = args.llama_amx or os.environ.get(amx_variable) or LlamaAmx.AUTO
     if raw not in list(LlamaAmx):
         parser.error(f"{amx_variable}={raw}: choose from {', '.join(LlamaAmx)}")
+    twin = [k.strip() for k in args.speed_twin.split(",") if k.strip()]
+    if any(k not in SPEED_TWIN_TYPES for k in twin):
+        parser.error(f"--speed-twin {args.speed_twin}: choose from {', '.join(SPEED_TWIN_TYPES)}")
     try:
         prepare(args.cache_dir.expanduser(), args.llama_server, args.model_path,
                 embedding=args.embedding_model, rank_head=args.rank_head_model,
-                amx_mode=LlamaAmx(raw))
+                amx_mode=LlamaAmx(raw), speed_twin=twin)
     except AssetError as exc:
         print(f"rerank-server prepare: error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,121 @@
+"""A speed twin of Qwen3-Reranker-0.6B: its architecture and sizes, random weights.
+
+    python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank}
+
+Run by the converter's environment (`assets.prepare_speed_twin`), which has llama.cpp's
+own `gguf` package and numpy; nothing of rerank-server is imported here.
+
+Qwen3-0.6B: 28 layers, hidden size 1024, 16 query and 8 key/value heads of 128, FFN 3072,
+RMS norm, rope base 1e6, tied embeddings. `lm` keeps the causal LM head (the `chat` and
+`completion` paths); `rank` adds what llama.cpp's converter gives a Qwen3-Reranker: rank
+pooling, the labels "yes" and "no" and a two-row `cls.output` (for `llama-server
+--rerank`). The tokenizer is taken whole from TOKENIZER.gguf (SmolLM2's: 49,152 tokens
+against Qwen3's 151,669; the LM head is the only tensor that size changes, one matrix
+product per sequence, a tiny part of a 0.6B pass). Its scores mean nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import Keys, PoolingType
+from gguf.quants import quantize
+
+N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF = 28, 1024, 16, 8, 128, 3072
+ARCH = "qwen3"
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the "
+    "Query and the Instruct provided. Note that the answer can only be \"yes\" or \"no\"."
+    "<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant "
+    "passages that answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> list[str]:
+    """Every `tokenizer.*` field of `reader`, as it is; the vocabulary."""
+    tokens: list[str] = []
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            item = field.types[1]
+            values = [field.parts[i] for i in field.data]
+            if item == GGUFValueType.STRING:
+                values = [bytes(v).decode("utf-8", errors="replace") for v in values]
+            else:
+                values = [v.tolist()[0] for v in values]
+            writer.add_array(field.name, values)
+            if field.name == Keys.Tokenizer.LIST:
+                tokens = values
+        elif kind == GGUFValueType.STRING:
+            writer.add_string(field.name, bytes(field.parts[field.data[0]]).decode())
+        else:
+            value = field.parts[field.data[0]].tolist()[0]
+            {GGUFValueType.UINT32: writer.add_uint32, GGUFValueType.INT32: writer.add_int32,
+             GGUFValueType.BOOL: writer.add_bool, GGUFValueType.FLOAT32: writer.add_float32,
+             }.get(kind, writer.add_uint32)(field.name, value)
+    return tokens
+
+
+def _tensor(writer: GGUFWriter, name: str, shape: tuple[int, ...], kind: str,
+            rng: np.random.Generator, norm: bool = False) -> None:
+    """A random weight (numpy shape: rows, columns), or a norm of ones (kept F32)."""
+    if norm:
+        writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+        return
+    data = rng.standard_normal(shape, dtype=np.float32) * 0.02
+    if kind == "f16":
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        writer.add_tensor(name, quantize(data, GGMLQuantizationType.Q8_0),
+                          raw_dtype=GGMLQuantizationType.Q8_0)
+
+
+def main(tokenizer: str, out: str, kind: str, head: str) -> None:
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(out, ARCH)
+    writer.add_name(f"Qwen3-Reranker-0.6B speed twin ({head}, random weights)")
+    writer.add_file_type(7 if kind == "q8_0" else 1)  # MOSTLY_Q8_0, MOSTLY_F16
+    writer.add_context_length(40960)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    tokens = _copy_tokenizer(GGUFReader(tokenizer), writer)
+    if head == "rank":
+        writer.add_pooling_type(PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
+    _tensor(writer, "token_embd.weight", (len(tokens), N_EMBD), kind, rng)
+    _tensor(writer, "output_norm.weight", (N_EMBD,), kind, rng, norm=True)
+    if head == "rank":
+        _tensor(writer, "cls.output.weight", (2, N_EMBD), kind, rng)
+    for i in range(N_LAYER):
+        b = f"blk.{i}"
+        _tensor(writer, f"{b}.attn_norm.weight", (N_EMBD,), kind, rng, norm=True)
+        _tensor(writer, f"{b}.attn_q.weight", (N_HEAD * HEAD_DIM, N_EMBD), kind, rng)
+        _tensor(writer, f"{b}.attn_k.weight", (N_HEAD_KV * HEAD_DIM, N_EMBD), kind, rng)
+        _tensor(writer, f"{b}.attn_v.weight", (N_HEAD_KV * HEAD_DIM, N_EMBD), kind, rng)
+        _tensor(writer, f"{b}.attn_output.weight", (N_EMBD, N_HEAD * HEAD_DIM), kind, rng)
+        _tensor(writer, f"{b}.attn_q_norm.weight", (HEAD_DIM,), kind, rng, norm=True)
+        _tensor(writer, f"{b}.attn_k_norm.weight", (HEAD_DIM,), kind, rng, norm=True)
+        _tensor(writer, f"{b}.ffn_norm.weight", (N_EMBD,), kind, rng, norm=True)
+        _tensor(writer, f"{b}.ffn_gate.weight", (N_FF, N_EMBD), kind, rng)
+        _tensor(writer, f"{b}.ffn_up.weight", (N_FF, N_EMBD), kind, rng)
+        _tensor(writer, f"{b}.ffn_down.weight", (N_EMBD, N_FF), kind, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
