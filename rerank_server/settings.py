@@ -40,6 +40,15 @@ class LlamaAmx(StrEnum):
     OFF = "off"    # built without them; LLAMA_ARG_REPACK=0 always
 
 
+class ManagedBackend(StrEnum):
+    """How managed mode scores with its llama-server (managed/llama_server.py)."""
+
+    AUTO = "auto"  # by the model's GGUF metadata: a reranker's fastest path, else --backend
+    CHAT = "chat"
+    COMPLETION = "completion"
+    RERANK = "rerank"  # llama-server --rerank: a GGUF with a rank head
+
+
 class LogFormat(StrEnum):
     AUTO = "auto"
     JSON = "json"
@@ -309,6 +318,12 @@ class Settings:
         "How long to wait for a (re)started llama-server to load its model; a restart that "
         "is not ready by then is killed and tried again.", minimum=1,
         group="managed"))
+    managed_backend: ManagedBackend = field(default=ManagedBackend.AUTO, metadata=_opt(
+        "How managed mode scores: auto reads the model's GGUF metadata and scores a "
+        "reranker (Qwen3-Reranker, a rank head) by the path measured fastest, completion; "
+        "any other model by --backend. chat, completion, or rerank (llama-server "
+        "--rerank, for a GGUF with a rank head) choose. docs/backends.md, \"Reranker "
+        "models in managed mode\".", group="managed"))
     llama_amx: LlamaAmx = field(default=LlamaAmx.AUTO, metadata=_opt(
         "llama.cpp's AMX kernels, which crash the pinned build on Intel Xeon 4th generation "
         "and later: auto (the cache's build is compiled without them; another llama-server "

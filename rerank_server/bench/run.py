@@ -226,6 +226,28 @@ async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
     return sum(not ok for ok in await asyncio.gather(*(one(d) for d in docs)))
 
 
+_DOCUMENT = "@@document@@"
+
+
+async def _direct_completion(http: httpx.AsyncClient, url: str, query: str,
+                             docs: Sequence[str], slots: int, batch: int,
+                             shared: asyncio.Semaphore | None = None) -> int:
+    """`/completion` with arrays of prompts, `batch` to a call, `slots` calls in flight:
+    the prompt rendered once by llama-server's own template (`/apply-template`), as the
+    `completion` backend does."""
+    messages = [{"role": "system", "content": prompt.SYSTEM_PROMPT},
+                {"role": "user", "content": prompt.user_message(DEFAULT_INSTRUCTION, query,
+                                                                _DOCUMENT)}]
+    rendered = (await http.post(url + "/apply-template", json={"messages": messages})
+                ).json()["prompt"]
+    prompts = [rendered.replace(_DOCUMENT, doc) for doc in docs]
+    chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    return await _direct_batches(
+        http, url, "/completion",
+        [{"prompt": c, "n_probs": 20, "n_predict": 1, "temperature": 0.0} for c in chunks],
+        [len(c) for c in chunks], slots, shared)
+
+
 async def _direct_batches(http: httpx.AsyncClient, url: str, path: str,
                           bodies: Sequence[dict[str, Any]], pairs: Sequence[int], slots: int,
                           shared: asyncio.Semaphore | None = None) -> int:
@@ -250,6 +272,8 @@ def direct_call(kind: str, slots: int, batch: int,
     pairs; a failed query embedding, every pair)."""
     if kind == "chat":
         return partial(_direct_chat, slots=slots, shared=shared)
+    if kind == "completion":
+        return partial(_direct_completion, slots=slots, batch=batch, shared=shared)
 
     async def batched(http: httpx.AsyncClient, url: str, query: str,
                       docs: Sequence[str]) -> int:
@@ -276,7 +300,7 @@ async def _through(client: AsyncRerankClient, query: str, docs: Sequence[str]) -
     return len(docs) - answer.summary.scored
 
 
-DIRECT_KINDS = ("chat", "embedding", "rerank")
+DIRECT_KINDS = ("chat", "completion", "embedding", "rerank")
 
 
 async def model(url: str, rounds: int, count: int, kind: str = "chat",
@@ -293,7 +317,7 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
     args = ["--backend", kind, "--backend-url", url, "--concurrency", str(slots),
             "--max-batch", str(batch), "--timeout-ms", "120000",
             "--blend-strategy", "position_aware", "--max-candidates", str(max(count, 1))]
-    if kind == "chat":
+    if kind in ("chat", "completion"):
         args.append("--no-assistant-prefill")
     with rerank_server(args) as (port, _):
         async with AsyncRerankClient(f"127.0.0.1:{port}") as client, \
