@@ -4,7 +4,8 @@
 # given one per line on stdin: "NAME PATH LLAMA-ARGS...", PATH one of chat, completion,
 # rerank (the rank head under --rerank). For each: a fresh llama-server, then
 # `rerank-server bench --scenarios model` (median of ROUNDS, PASSAGES passages;
-# rerank-server's --concurrency is the -np, its --max-batch 32).
+# rerank-server's --concurrency is the -np, its --max-batch 32), and the same weights and
+# tokens in eager PyTorch beside it when a Python with torch is at hand (`bench` says).
 #
 # Usage: scripts/bench_twin.sh [ROUNDS] [PASSAGES] [OUT] < settings
 #   e.g. echo "np4 chat -np 4 -c 8192" | scripts/bench_twin.sh 2 40
@@ -38,7 +39,8 @@ while read -r name path llama; do
   done
   .venv/bin/rerank-server bench --scenarios model --backend-url "http://127.0.0.1:$port" \
     --slots "${slots:-4}" --backend "$path" --rounds "$rounds" --passages "$count" \
-    --out "$out/$name" | grep -E "^\`$path\`" | sed "s/^/$name: /"
+    --eager-model "$model" --out "$out/$name" | grep -E "^(\`$path\`|Physical)" \
+    | sed "s/^/$name: /"
   kill "$pid" 2>/dev/null || true
   wait "$pid" || true
   pid=""

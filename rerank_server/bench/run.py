@@ -20,7 +20,10 @@ ratios beside times (these machines are noisy). Scenarios:
   at the slot count, the best direct strategy) and through rerank-server (chat backend,
   same concurrency); through/direct is our efficiency. With `--clients 1,4,16`, also
   pairs/s with that many clients at once for `--seconds` each, directly (one limit of
-  the slot count for all of them) and through.
+  the slot count for all of them) and through. Then the physical limit beside it: the
+  same weights and tokens in eager PyTorch (`eager.py`: the stand-in, or `--eager-model`
+  for a `--backend-url`), when a Python with torch is at hand (this one, or the
+  converter's environment from `rerank-server prepare`), as through / eager.
 - throughput: 1, 4, 16 and 64 concurrent clients (each on its own connection) against
   the fake backend, with 1 and N `--workers` (`--workers 1,2`): requests/s,
   pairs/s, p50/p99, errors.
@@ -55,6 +58,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,9 +66,10 @@ from typing import Any
 import httpx
 from rerank_client import AsyncRerankClient, RerankError, Result, Summary
 
+from ..managed import assets
 from ..scoring import prompt
-from ..settings import DEFAULT_INSTRUCTION
-from . import replay
+from ..settings import DEFAULT_INSTRUCTION, load
+from . import physical, replay
 from .processes import bare_grpc, cpu_seconds, fake_backend, llama_server, rerank_server
 from .telemetry import KINDS as TELEMETRY_KINDS
 from .telemetry import telemetry_cost, telemetry_markdown
@@ -229,18 +234,24 @@ async def _direct_chat(http: httpx.AsyncClient, url: str, query: str,
 _DOCUMENT = "@@document@@"
 
 
-async def _direct_completion(http: httpx.AsyncClient, url: str, query: str,
-                             docs: Sequence[str], slots: int, batch: int,
-                             shared: asyncio.Semaphore | None = None) -> int:
-    """`/completion` with arrays of prompts, `batch` to a call, `slots` calls in flight:
-    the prompt rendered once by llama-server's own template (`/apply-template`), as the
-    `completion` backend does."""
+async def rendered_prompts(http: httpx.AsyncClient, url: str, query: str,
+                           docs: Sequence[str]) -> list[str]:
+    """Each pair's prompt, rendered once by llama-server's own template
+    (`/apply-template`)."""
     messages = [{"role": "system", "content": prompt.SYSTEM_PROMPT},
                 {"role": "user", "content": prompt.user_message(DEFAULT_INSTRUCTION, query,
                                                                 _DOCUMENT)}]
     rendered = (await http.post(url + "/apply-template", json={"messages": messages})
                 ).json()["prompt"]
-    prompts = [rendered.replace(_DOCUMENT, doc) for doc in docs]
+    return [rendered.replace(_DOCUMENT, doc) for doc in docs]
+
+
+async def _direct_completion(http: httpx.AsyncClient, url: str, query: str,
+                             docs: Sequence[str], slots: int, batch: int,
+                             shared: asyncio.Semaphore | None = None) -> int:
+    """`/completion` with arrays of prompts, `batch` to a call, `slots` calls in flight,
+    rendered as the `completion` backend renders them."""
+    prompts = await rendered_prompts(http, url, query, docs)
     chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     return await _direct_batches(
         http, url, "/completion",
@@ -303,12 +314,22 @@ async def _through(client: AsyncRerankClient, query: str, docs: Sequence[str]) -
 DIRECT_KINDS = ("chat", "completion", "embedding", "rerank")
 
 
+@dataclass(frozen=True)
+class Eager:
+    """Where to measure the physical limit: the backend's GGUF and a Python with torch
+    (`physical.py`); `skipped` says why it is not measured when either is missing."""
+    model: Path | None = None
+    python: Path | None = None
+    skipped: str = ""
+
+
 async def model(url: str, rounds: int, count: int, kind: str = "chat",
                 slots: int = SLOTS, clients: Sequence[int] = (),
-                seconds: float = 5.0) -> dict[str, Any]:
+                seconds: float = 5.0, eager: Eager = Eager()) -> dict[str, Any]:
     """The same passages scored directly and through rerank-server, alternating; then,
     for each count in `clients`, that many clients sending requests back to back for
-    `seconds`, directly and through, in pairs/s (`_load`)."""
+    `seconds`, directly and through, in pairs/s (`_load`); then the same pairs in eager
+    PyTorch (`physical.py`) when `eager` can."""
     docs = passages(count, seed=11)
     times: dict[str, list[float]] = {"direct": [], "through": []}
     lost = {"direct": 0, "through": 0}  # pairs not scored, over the measured rounds
@@ -336,15 +357,33 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
                         lost[path] += missed
             load = {str(n): await _load(n, seconds, port, url, kind, slots, batch, docs)
                     for n in clients}
+            limit = await _eager(http, url, docs, rounds, eager)
     direct_s, through_s = (statistics.median(times["direct"]),
                            statistics.median(times["through"]))
+    if "pairs_per_s" in limit:
+        limit["through_over_eager"] = round(len(docs) / through_s / limit["pairs_per_s"], 3)
     return {"backend": kind, "passages": len(docs), "slots": slots, "rounds": rounds,
-            "direct_ms": round(direct_s * 1000), "through_ms": round(through_s * 1000),
+            "eager": limit, "direct_ms": round(direct_s * 1000),
+            "through_ms": round(through_s * 1000),
             "through_over_direct": round(through_s / direct_s, 3),
             "direct_pairs_per_s": round(len(docs) / direct_s, 1),
             "through_pairs_per_s": round(len(docs) / through_s, 1),
             "direct_failed_pairs": lost["direct"], "through_unscored_pairs": lost["through"],
             "load": load}
+
+
+async def _eager(http: httpx.AsyncClient, url: str, docs: Sequence[str], rounds: int,
+                 eager: Eager) -> dict[str, Any]:
+    """The physical limit's report, or why there is none (the bench goes on without)."""
+    if eager.model is None or eager.python is None:
+        return {"skipped": eager.skipped}
+    try:
+        prompts = await rendered_prompts(http, url, "which passage is about river energy",
+                                         docs)
+        tokens = await physical.prompt_tokens(http, url, prompts)
+        return await physical.eager_limit(eager.python, eager.model, tokens, rounds)
+    except (httpx.HTTPError, KeyError, ValueError, RuntimeError) as exc:
+        return {"skipped": f"failed: {exc}"}
 
 
 async def _load(clients: int, seconds: float, port: int, url: str, kind: str, slots: int,
@@ -654,6 +693,7 @@ def markdown(report: dict[str, Any]) -> str:
                   f"({m['direct_pairs_per_s']} pairs/s), through rerank-server "
                   f"{m['through_ms']} ms ({m['through_pairs_per_s']} pairs/s), ratio "
                   f"{m['through_over_direct']}.", ""]
+        lines += [_eager_line(m.get("eager", {})), ""]
         rows = [m, *m.get("load", {}).values()]
         lost = [sum(r[key] for r in rows)
                 for key in ("direct_failed_pairs", "through_unscored_pairs")]
@@ -714,6 +754,15 @@ def markdown(report: dict[str, Any]) -> str:
                   f"slots, median of {b['rounds']}: chat {b['chat_ms']} ms, completion "
                   f"{b['completion_ms']} ms (ratio {b['completion_over_chat']}).", ""]
     return "\n".join(lines)
+
+
+def _eager_line(eager: dict[str, Any]) -> str:
+    if "pairs_per_s" not in eager:
+        return f"Physical limit not measured: {eager.get('skipped') or 'not asked'}."
+    return (f"Physical limit, the same weights and tokens in eager PyTorch ({eager['device']}, "
+            f"{eager['dtype']}, batches of {eager['batch']}, {eager['tokens']} tokens): "
+            f"{eager['ms']} ms ({eager['pairs_per_s']} pairs/s); through rerank-server is "
+            f"{eager['through_over_eager']} of it.")
 
 
 def plots(report: dict[str, Any], out: Path) -> list[str]:
@@ -785,7 +834,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if "model" in chosen:
                 report["model"] = await model(
                     llama, args.rounds, args.passages, args.backend, slots,
-                    [int(n) for n in args.clients.split(",") if n], args.seconds)
+                    [int(n) for n in args.clients.split(",") if n], args.seconds,
+                    _eager_setting(args, external))
             if "streaming" in chosen:
                 report["streaming"] = await streaming(
                     llama, args.rounds, args.stream_latency_ms,
@@ -804,6 +854,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["settings"] = await settings_grid(
             [(np, ub) for np, ub in grid], args.rounds, args.passages)
     return report
+
+
+def _eager_setting(args: argparse.Namespace, external: bool) -> Eager:
+    if args.no_eager:
+        return Eager(skipped="--no-eager")
+    cache = load([]).cache_dir
+    model_path = args.eager_model or (None if external else assets.resolve_model(
+        None, cache, fetch_missing=False))
+    if model_path is None:
+        return Eager(skipped="--eager-model names the GGUF that --backend-url serves")
+    python = args.eager_python or physical.torch_python(cache)
+    if python is None:
+        return Eager(skipped="no Python with torch and gguf (--eager-python, or "
+                             "`rerank-server prepare --speed-twin q8_0` builds one)")
+    return Eager(model_path, python)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -837,6 +902,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=SLOTS,
                         help="--backend-url's parallel slots: the concurrency of both "
                              "the direct client and rerank-server")
+    parser.add_argument("--eager-model", type=Path, default=None,
+                        help="model: the GGUF that --backend-url serves, for the physical "
+                             "limit (the stand-in when bench starts llama-server)")
+    parser.add_argument("--eager-python", type=Path, default=None,
+                        help="model: a Python with torch and gguf for the physical limit "
+                             "(default: this one if it has them, else the converter's)")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="model: skip the physical limit")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
     if args.backend != "chat" and not args.backend_url:

@@ -53,7 +53,15 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
         assert all(telemetry[s]["cpu_ms_per_request"] > 0
                    for s in ("off", "metrics", "metrics+traces", "metrics+traces+steps",
                              "metrics+traces+calls"))
-    assert report["model"]["through_over_direct"] > 0
+    model = report["model"]
+    assert model["through_over_direct"] > 0
+    # The physical limit beside it: the stand-in's weights and the same 3 prompts' tokens
+    # in eager PyTorch (the converter's environment, built by `make test-assets`).
+    eager = model["eager"]
+    assert (eager["pairs"], eager["rounds"], eager["dtype"]) == (3, 1, "float32"), eager
+    assert eager["tokens"] > 3 * 100 and eager["pairs_per_s"] > 0
+    assert eager["through_over_eager"] == pytest.approx(
+        model["through_pairs_per_s"] / eager["pairs_per_s"], rel=0.05)
     streaming = report["streaming"]
     assert set(streaming) == {"fixed 30 ms x2, 12", "fixed 5 ms x4, 6", "llama-server x4, 6"}
     for label, blends in streaming.items():
@@ -82,6 +90,7 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (tmp_path / "bench.md").read_text()
     assert "#### Overhead" in markdown and "#### Telemetry, `rerank`" in markdown
+    assert f"through rerank-server is {eager['through_over_eager']} of it" in markdown
 
 
 @pytest.mark.parametrize("kind", ["embedding", "rerank"])
@@ -100,7 +109,11 @@ def test_model_and_streaming_against_any_backend(tmp_path: Path, kind: str) -> N
     assert model["through_over_direct"] > 0 and model["direct_pairs_per_s"] > 0
     assert "external x2, 4" in report["streaming"]
     assert "backends" not in report  # chat against completion is for llama-server
-    assert url in (tmp_path / "bench.md").read_text()
+    # No GGUF known for a backend bench did not start: no physical limit, and why.
+    assert model["eager"] == {"skipped": "--eager-model names the GGUF that --backend-url "
+                                         "serves"}
+    markdown = (tmp_path / "bench.md").read_text()
+    assert url in markdown and "Physical limit not measured: --eager-model" in markdown
 
 
 def test_the_settings_grid_runs_llama_server_per_cell(tmp_path: Path) -> None:
