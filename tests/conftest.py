@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+import structlog
 from rerank_client import AsyncRerankClient
 
 from rerank_server.observability import logs
@@ -16,6 +17,16 @@ from rerank_server.settings import LogFormat, Settings
 from tests.fakes.llama import FakeLlamaServer
 
 logs.configure("debug", LogFormat.JSON)
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_configured() -> Iterator[None]:
+    """A test that runs a CLI's `main` in-process sets up logging as that CLI does
+    (`eval` at warning): put the suite's back, so later tests' log lines are written and
+    `capture_logs` sees them."""
+    before = structlog.get_config()
+    yield
+    structlog.configure(**before)
 
 
 @pytest.fixture

@@ -277,9 +277,10 @@ def score(dataset: Dataset, runs: dict[str, Run]) -> dict[str, Any]:
     with warnings.catch_warnings():
         # Expected here, not news for the reader: a blend that keeps BM25's ranking gives
         # two identical runs (scipy: "precision loss ... nearly identical"), and ranx's
-        # compiled metrics warn on every call about their own integer cast.
+        # compiled metrics warn, when numba compiles them, about their own integer cast
+        # (a message numba may wrap in terminal escapes, hence the leading ".*").
         warnings.filterwarnings("ignore", "Precision loss occurred", RuntimeWarning)
-        warnings.filterwarnings("ignore", "unsafe cast from uint64 to int64")
+        warnings.filterwarnings("ignore", ".*unsafe cast from uint64 to int64")
         report = compare(qrels, ranx_runs, metrics=list(METRICS), stat_test="student",
                          max_p=MAX_P).to_dict()
         # ranx returns per-query values in its own (sorted) query order, not the data set's.
