@@ -7,7 +7,7 @@
 # rerank-server's --concurrency is the -np, its --max-batch 32), and the same weights and
 # tokens in eager PyTorch beside it when a Python with torch is at hand (`bench` says).
 #
-# Usage: scripts/bench_twin.sh [ROUNDS] [PASSAGES] [OUT] < settings
+# Usage: [EAGER=0] scripts/bench_twin.sh [ROUNDS] [PASSAGES] [OUT] < settings
 #   e.g. echo "np4 chat -np 4 -c 8192" | scripts/bench_twin.sh 2 40
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,16 +17,18 @@ out=${3:-bench-results/twin}
 cache=${RERANK_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rerank-server}
 binary=$(ls "$cache"/llama.cpp/*-no-amx/llama-server | head -n 1)
 port=18191
+eager=""
+[ "${EAGER:-1}" = 0 ] && eager=--no-eager  # EAGER=0: without the physical limit
 mkdir -p "$out"
 pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; true' EXIT  # no llama-server outlives us
 
 while read -r name path llama; do
   [ -z "$name" ] && continue
-  model="$cache/models/qwen3-reranker-0.6b-speed-twin-lm.q8_0.gguf"
+  model="$cache/models/qwen3-reranker-0.6b-speed-twin2-lm.q8_0.gguf"
   slots=$(echo "$llama" | sed -n 's/.*-np \([0-9]*\).*/\1/p')
   if [ "$path" = rerank ]; then
-    model="$cache/models/qwen3-reranker-0.6b-speed-twin-rank.q8_0.gguf"
+    model="$cache/models/qwen3-reranker-0.6b-speed-twin2-rank.q8_0.gguf"
     llama="$llama --rerank"
   fi
   # shellcheck disable=SC2086  # the settings are words
@@ -39,7 +41,7 @@ while read -r name path llama; do
   done
   .venv/bin/rerank-server bench --scenarios model --backend-url "http://127.0.0.1:$port" \
     --slots "${slots:-4}" --backend "$path" --rounds "$rounds" --passages "$count" \
-    --eager-model "$model" --out "$out/$name" | grep -E "^(\`$path\`|Physical)" \
+    $eager --eager-model "$model" --out "$out/$name" | grep -E "^(\`$path\`|Physical|\*\*Not comparable)" \
     | sed "s/^/$name: /"
   kill "$pid" 2>/dev/null || true
   wait "$pid" || true

@@ -366,6 +366,8 @@ async def model(url: str, rounds: int, count: int, kind: str = "chat",
             "eager": limit, "direct_ms": round(direct_s * 1000),
             "through_ms": round(through_s * 1000),
             "through_over_direct": round(through_s / direct_s, 3),
+            **{f"{path}_p{q}_ms": round(pct(times[path], q / 100) * 1000)
+               for path in ("direct", "through") for q in (50, 95)},
             "direct_pairs_per_s": round(len(docs) / direct_s, 1),
             "through_pairs_per_s": round(len(docs) / through_s, 1),
             "direct_failed_pairs": lost["direct"], "through_unscored_pairs": lost["through"],
@@ -692,7 +694,9 @@ def markdown(report: dict[str, Any]) -> str:
                   f"median of {m['rounds']} rounds: direct {m['direct_ms']} ms "
                   f"({m['direct_pairs_per_s']} pairs/s), through rerank-server "
                   f"{m['through_ms']} ms ({m['through_pairs_per_s']} pairs/s), ratio "
-                  f"{m['through_over_direct']}.", ""]
+                  f"{m['through_over_direct']}; p50/p95 direct {m['direct_p50_ms']}/"
+                  f"{m['direct_p95_ms']} ms, through {m['through_p50_ms']}/"
+                  f"{m['through_p95_ms']} ms.", ""]
         lines += [_eager_line(m.get("eager", {})), ""]
         rows = [m, *m.get("load", {}).values()]
         lost = [sum(r[key] for r in rows)

@@ -351,8 +351,12 @@ SPEED_TWIN_TYPES = ("q8_0", "f16")
 SPEED_TWIN_HEADS = ("lm", "rank")  # `chat`/`completion`, and `llama-server --rerank`
 
 
+SPEED_TWIN_VERSION = 2  # in the file name: a cache keeps no twin of an older recipe
+
+
 def speed_twin_path(cache: Path, head: str, kind: str) -> Path:
-    return cache / "models" / f"qwen3-reranker-0.6b-speed-twin-{head}.{kind}.gguf"
+    return cache / "models" / (f"qwen3-reranker-0.6b-speed-twin{SPEED_TWIN_VERSION}-{head}"
+                               f".{kind}.gguf")
 
 
 def prepare_speed_twin(cache: Path, kinds: Sequence[str], llama_server: Path) -> list[Path]:

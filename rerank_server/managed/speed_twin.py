@@ -11,12 +11,16 @@ RMS norm, rope base 1e6, tied embeddings. `lm` keeps the causal LM head (the `ch
 pooling, the labels "yes" and "no" and a two-row `cls.output` (for `llama-server
 --rerank`). The tokenizer is taken whole from TOKENIZER.gguf (SmolLM2's: 49,152 tokens
 against Qwen3's 151,669; the LM head is the only tensor that size changes, one matrix
-product per sequence, a tiny part of a 0.6B pass). Its scores mean nothing.
+product per sequence, a tiny part of a 0.6B pass). Its scores mean nothing, but every
+pair gets one: an anchor puts "yes" and "no" first among the next token's logprobs (see
+`_anchor`), as a trained reranker's would be, so the `chat` and `completion` paths score
+each pair as they would a real model's rather than finding no answer and degrading.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -61,17 +65,42 @@ def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> list[str]:
 
 
 def _tensor(writer: GGUFWriter, name: str, shape: tuple[int, ...], kind: str,
-            rng: np.random.Generator, norm: bool = False) -> None:
+            rng: np.random.Generator, norm: bool = False,
+            shape_it: Callable[[np.ndarray], np.ndarray] = lambda w: w) -> None:
     """A random weight (numpy shape: rows, columns), or a norm of ones (kept F32)."""
     if norm:
         writer.add_tensor(name, np.ones(shape, dtype=np.float32))
         return
-    data = rng.standard_normal(shape, dtype=np.float32) * 0.02
+    data = shape_it(rng.standard_normal(shape, dtype=np.float32) * 0.02)
     if kind == "f16":
         writer.add_tensor(name, data.astype(np.float16))
     else:
         writer.add_tensor(name, quantize(data, GGMLQuantizationType.Q8_0),
                           raw_dtype=GGMLQuantizationType.Q8_0)
+
+
+ANCHOR, ANSWER_LIFT = 30.0, 2.0
+
+
+def _answers(tokens: list[str]) -> list[int]:
+    """The vocabulary's spellings of the answers ("yes", "No", " yes": BPE's "Ġ" is a
+    space), every one `logprobs.p_yes` reads."""
+    return [i for i, t in enumerate(tokens)
+            if t.replace("\u0120", " ").strip().lower() in ("yes", "no")]
+
+
+def _anchor(embd: np.ndarray, answers: list[int]) -> np.ndarray:
+    """Random weights give no next token a preference: "yes" and "no" would seldom be
+    among the top 20 logprobs the scorers read. So dimension 0 of every embedding is
+    `ANCHOR`, far above what the 28 random layers add to the residual stream there (a few
+    units), which keeps that dimension large and positive up to the (tied) LM head; the
+    answers' rows carry `ANSWER_LIFT` more, which raises their logits over every other
+    token's by far more than the random spread. The anchor dominates the residual
+    stream, so every pair gets nearly the same P(yes); it meant nothing anyway. The
+    shapes, and so the work, are the model's."""
+    embd[:, 0] = ANCHOR
+    embd[answers, 0] += ANSWER_LIFT
+    return embd
 
 
 def main(tokenizer: str, out: str, kind: str, head: str) -> None:
@@ -94,7 +123,9 @@ def main(tokenizer: str, out: str, kind: str, head: str) -> None:
         writer.add_pooling_type(PoolingType.RANK)
         writer.add_classifier_output_labels(["yes", "no"])
         writer.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
-    _tensor(writer, "token_embd.weight", (len(tokens), N_EMBD), kind, rng)
+    answers = _answers(tokens)
+    _tensor(writer, "token_embd.weight", (len(tokens), N_EMBD), kind, rng,
+            shape_it=lambda w: _anchor(w, answers))
     _tensor(writer, "output_norm.weight", (N_EMBD,), kind, rng, norm=True)
     if head == "rank":
         _tensor(writer, "cls.output.weight", (2, N_EMBD), kind, rng)

@@ -107,6 +107,8 @@ def test_model_and_streaming_against_any_backend(tmp_path: Path, kind: str) -> N
     model = report["model"]
     assert (model["backend"], model["slots"], model["passages"]) == (kind, 2, 5)
     assert model["through_over_direct"] > 0 and model["direct_pairs_per_s"] > 0
+    assert 0 < model["direct_p50_ms"] <= model["direct_p95_ms"]
+    assert 0 < model["through_p50_ms"] <= model["through_p95_ms"]
     assert "external x2, 4" in report["streaming"]
     assert "backends" not in report  # chat against completion is for llama-server
     # No GGUF known for a backend bench did not start: no physical limit, and why.
