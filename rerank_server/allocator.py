@@ -34,9 +34,13 @@ def _malloc_trim() -> Callable[[int], int] | None:
 class MemoryReturn:
     """Counts freed request bytes (`freed`, from the event loop) and trims the heap."""
 
-    def __init__(self, every_bytes: int = EVERY_BYTES, tail_bytes: int = TAIL_BYTES,
-                 min_interval_s: float = MIN_INTERVAL_S,
-                 trim: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        every_bytes: int = EVERY_BYTES,
+        tail_bytes: int = TAIL_BYTES,
+        min_interval_s: float = MIN_INTERVAL_S,
+        trim: Callable[[int], int] | None = None,
+    ) -> None:
         self._trim = trim if trim is not None else _malloc_trim()
         self._every = every_bytes
         self._tail = tail_bytes

@@ -22,22 +22,39 @@ from .workers import run
 
 # name -> (module with `main(argv) -> int`, one line for --help, optional extra it needs)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "prepare": ("rerank_server.managed.assets",
-                "build llama-server and fetch the models for managed mode into the cache", ""),
-    "healthcheck": ("rerank_server.api.healthcheck",
-                    "exit 0 if a running server's gRPC health says SERVING", ""),
-    "eval": ("rerank_server.evaluation.run",
-             "ranking quality on a BEIR data set: BM25 against each blend", "eval"),
-    "fit": ("rerank_server.evaluation.fit_command",
-            "fit a blend profile across data sets from eval outputs", "eval"),
-    "bench": ("rerank_server.bench.run",
-              "speed: overhead, telemetry, efficiency, throughput, streaming", "bench"),
+    "prepare": (
+        "rerank_server.managed.assets",
+        "build llama-server and fetch the models for managed mode into the cache",
+        "",
+    ),
+    "healthcheck": (
+        "rerank_server.api.healthcheck",
+        "exit 0 if a running server's gRPC health says SERVING",
+        "",
+    ),
+    "eval": (
+        "rerank_server.evaluation.run",
+        "ranking quality on a BEIR data set: BM25 against each blend",
+        "eval",
+    ),
+    "fit": (
+        "rerank_server.evaluation.fit_command",
+        "fit a blend profile across data sets from eval outputs",
+        "eval",
+    ),
+    "bench": (
+        "rerank_server.bench.run",
+        "speed: overhead, telemetry, efficiency, throughput, streaming",
+        "bench",
+    ),
 }
 # What the optional extra installs (pyproject.toml, [project.optional-dependencies]), by
 # top-level module: looked for before a tool starts, so it fails before any work.
-EXTRA_MODULES = {"eval": ("bm25s", "Stemmer", "ranx", "tqdm", "matplotlib", "numpy", "scipy"),
-                 # Plots only: a GPU machine measuring its backend needs no BM25 or metrics.
-                 "bench": ("matplotlib",)}
+EXTRA_MODULES = {
+    "eval": ("bm25s", "Stemmer", "ranx", "tqdm", "matplotlib", "numpy", "scipy"),
+    # Plots only: a GPU machine measuring its backend needs no BM25 or metrics.
+    "bench": ("matplotlib",),
+}
 
 
 def subcommands_help() -> str:
@@ -58,8 +75,10 @@ def _subcommand(name: str) -> Callable[[Sequence[str]], int] | str:
     module, _, extra = SUBCOMMANDS[name]
     missing = [m for m in EXTRA_MODULES.get(extra, ()) if not _installed(m)]
     if missing:
-        return (f"rerank-server {name} needs the optional '{extra}' dependencies "
-                f"(missing: {', '.join(missing)}): pip install 'rerank-server[{extra}]'")
+        return (
+            f"rerank-server {name} needs the optional '{extra}' dependencies "
+            f"(missing: {', '.join(missing)}): pip install 'rerank-server[{extra}]'"
+        )
     main: Callable[[Sequence[str]], int] = importlib.import_module(module).main
     return main
 

@@ -61,8 +61,8 @@ class DegradedCode(StrEnum):
 class ScoreKind(StrEnum):
     """How a list's retrieval scores are brought to 0..1."""
 
-    AUTO = "auto"              # similarity if every score is within 0..1, else lexical
-    LEXICAL = "lexical"        # min-max within the list (BM25 and other unbounded scores)
+    AUTO = "auto"  # similarity if every score is within 0..1, else lexical
+    LEXICAL = "lexical"  # min-max within the list (BM25 and other unbounded scores)
     SIMILARITY = "similarity"  # clamped to 0..1 (cosine and other bounded scores)
 
 

@@ -31,8 +31,9 @@ class BindError(OSError):
 
     def __init__(self, setting: str, address: str, reason: str = "") -> None:
         detail = f": {reason}" if reason else ""
-        super().__init__(f"cannot listen on {address} ({setting}){detail}; is another "
-                         "server using that port?")
+        super().__init__(
+            f"cannot listen on {address} ({setting}){detail}; is another server using that port?"
+        )
         self.setting = setting
         self.address = address
 

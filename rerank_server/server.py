@@ -56,21 +56,31 @@ def request_rules(settings: Settings) -> RequestRules:
     """What the ranking core needs of the settings, read once at start."""
     s = settings
     return RequestRules(
-        max_request_candidates=s.max_request_candidates, max_query_chars=s.max_query_chars,
-        max_document_chars=s.max_document_chars, max_id_chars=s.max_id_chars,
-        max_lists=s.max_lists, max_metadata_entries=s.max_metadata_entries,
+        max_request_candidates=s.max_request_candidates,
+        max_query_chars=s.max_query_chars,
+        max_document_chars=s.max_document_chars,
+        max_id_chars=s.max_id_chars,
+        max_lists=s.max_lists,
+        max_metadata_entries=s.max_metadata_entries,
         max_metadata_key_chars=s.max_metadata_key_chars,
         max_metadata_value_chars=s.max_metadata_value_chars,
         max_metadata_request_chars=s.max_metadata_request_chars,
-        blend=s.blend_strategy, instruction=s.instruction,
-        timeout_s=s.timeout_ms / 1000, max_candidates=s.max_candidates,
-        max_chunk_chars=s.max_chunk_chars, max_tokens_per_doc=s.max_tokens_per_doc,
+        blend=s.blend_strategy,
+        instruction=s.instruction,
+        timeout_s=s.timeout_ms / 1000,
+        max_candidates=s.max_candidates,
+        max_chunk_chars=s.max_chunk_chars,
+        max_tokens_per_doc=s.max_tokens_per_doc,
         fusion_k=s.fusion_k,
         original_list_weight=s.original_list_weight,
-        expansion_list_weight=s.expansion_list_weight, skip_within_top_k=s.skip_within_top_k,
-        strong_signal_skip=s.strong_signal_skip, disabled=s.disabled,
-        min_candidates=s.min_candidates, strong_signal_min=s.strong_signal_min,
-        strong_signal_gap=s.strong_signal_gap)
+        expansion_list_weight=s.expansion_list_weight,
+        skip_within_top_k=s.skip_within_top_k,
+        strong_signal_skip=s.strong_signal_skip,
+        disabled=s.disabled,
+        min_candidates=s.min_candidates,
+        strong_signal_min=s.strong_signal_min,
+        strong_signal_gap=s.strong_signal_gap,
+    )
 
 
 @dataclass
@@ -124,19 +134,22 @@ class _Edges:
 
     async def aclose(self) -> None:
         await self.grpc.health.enter_graceful_shutdown()
-        await asyncio.gather(self.grpc.aclose(),
-                             *([self.http.aclose()] if self.http is not None else []))
+        await asyncio.gather(
+            self.grpc.aclose(), *([self.http.aclose()] if self.http is not None else [])
+        )
 
 
 def _open_cache(settings: Settings, telemetry: Telemetry) -> ScoreCache:
     path = Path(settings.cache_path).expanduser() if settings.cache_path else None
-    return ScoreCache(settings.cache_entries, settings.cache_ttl_s, path,
-                      metrics=telemetry.metrics)
+    return ScoreCache(settings.cache_entries, settings.cache_ttl_s, path, metrics=telemetry.metrics)
 
 
-async def build_server(settings: Settings, scorer: Scorer | None = None,
-                       telemetry: Telemetry | None = None, reuse_port: bool = False,
-                       ) -> RunningServer:
+async def build_server(
+    settings: Settings,
+    scorer: Scorer | None = None,
+    telemetry: Telemetry | None = None,
+    reuse_port: bool = False,
+) -> RunningServer:
     """Create, bind and start the server; the port is the bound one (settings.port may be 0).
 
     In managed mode this first starts llama-server (building or fetching assets that are
@@ -149,10 +162,13 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
     tokens = TokenSet.load(settings.auth_tokens, settings.auth_tokens_file)
     CertificateFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     if settings.api_key:
-        log.warning("deprecated_setting", setting="--api-key / RERANK_API_KEY",
-                    use="--backend-api-key / RERANK_BACKEND_API_KEY",
-                    meaning="the key rerank-server sends TO its backend; callers of "
-                            "rerank-server authenticate with --auth-tokens")
+        log.warning(
+            "deprecated_setting",
+            setting="--api-key / RERANK_API_KEY",
+            use="--backend-api-key / RERANK_BACKEND_API_KEY",
+            meaning="the key rerank-server sends TO its backend; callers of "
+            "rerank-server authenticate with --auth-tokens",
+        )
     async with contextlib.AsyncExitStack() as stack:
         telemetry = telemetry or Telemetry.create(settings)
         stack.push_async_callback(asyncio.to_thread, telemetry.shutdown)
@@ -162,8 +178,7 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
                 # Before llama-server loads (minutes, the first time), not after.
                 check_free(settings.host, settings.port)
                 if settings.http_port:
-                    check_free(settings.host, settings.http_port,
-                               "--http-port / RERANK_HTTP_PORT")
+                    check_free(settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
             settings, managed = await start_managed(settings, telemetry.metrics.llama_restarts)
             stack.push_async_callback(managed.stop)
         cache = await asyncio.to_thread(_open_cache, settings, telemetry)  # may open SQLite
@@ -175,39 +190,70 @@ async def build_server(settings: Settings, scorer: Scorer | None = None,
         lag = LoopLag()
         lag.start()
         stack.push_async_callback(lag.stop)
-        reranker = Reranker(request_rules(settings), scorer, telemetry, cache,
-                            BlendResolver(profiles), loop_lag=lambda: lag.recent_s)
+        reranker = Reranker(
+            request_rules(settings),
+            scorer,
+            telemetry,
+            cache,
+            BlendResolver(profiles),
+            loop_lag=lambda: lag.recent_s,
+        )
         # Both edges share it; what they give back may be returned to the system.
         inflight = InflightBytes(settings.max_inflight_bytes, MemoryReturn().freed)
         edge = await GrpcEdge.start(
-            settings, reranker, telemetry, tokens, inflight=inflight,
-            tls=CertificateFiles.from_paths(settings.tls_cert, settings.tls_key,
-                                            settings.tls_client_ca), reuse_port=reuse_port)
+            settings,
+            reranker,
+            telemetry,
+            tokens,
+            inflight=inflight,
+            tls=CertificateFiles.from_paths(
+                settings.tls_cert, settings.tls_key, settings.tls_client_ca
+            ),
+            reuse_port=reuse_port,
+        )
         edges = _Edges(edge)
         stack.push_async_callback(edges.aclose)
-        monitor = BackendMonitor(scorer, pool, settings.instruction, edge.report_backend,
-                                 settings.health_interval_s, run_probe=settings.probe,
-                                 metrics=telemetry.metrics)
+        monitor = BackendMonitor(
+            scorer,
+            pool,
+            settings.instruction,
+            edge.report_backend,
+            settings.health_interval_s,
+            run_probe=settings.probe,
+            metrics=telemetry.metrics,
+        )
         monitor.start()
         stack.push_async_callback(monitor.stop)
         http = None
         if settings.http_port:
-            app = create_app(reranker, tokens=tokens, inflight=inflight,
-                             backend_up=lambda: monitor.backend_up,
-                             max_body_bytes=settings.max_message_bytes,
-                             max_active=settings.max_concurrent_rpcs)
+            app = create_app(
+                reranker,
+                tokens=tokens,
+                inflight=inflight,
+                backend_up=lambda: monitor.backend_up,
+                max_body_bytes=settings.max_message_bytes,
+                max_active=settings.max_concurrent_rpcs,
+            )
             http = edges.http = await HttpEdge.start(
-                app, settings, CertificateFiles.from_paths(
-                    settings.tls_cert, settings.tls_key, settings.tls_client_ca),
-                reuse_port=reuse_port)
-        return RunningServer(edge, reranker, settings, monitor, pool, telemetry, managed,
-                             stack.pop_all(), http)
+                app,
+                settings,
+                CertificateFiles.from_paths(
+                    settings.tls_cert, settings.tls_key, settings.tls_client_ca
+                ),
+                reuse_port=reuse_port,
+            )
+        return RunningServer(
+            edge, reranker, settings, monitor, pool, telemetry, managed, stack.pop_all(), http
+        )
     raise AssertionError("unreachable")  # the stack re-raises whatever broke the start
 
 
-async def serve(settings: Settings, reuse_port: bool = False,
-                ready: Callable[[RunningServer], None] | None = None,
-                drain_through_repeats: bool = False) -> None:
+async def serve(
+    settings: Settings,
+    reuse_port: bool = False,
+    ready: Callable[[RunningServer], None] | None = None,
+    drain_through_repeats: bool = False,
+) -> None:
     """Run until SIGTERM or SIGINT, then shut down in order. `ready` is called once the
     server listens (a worker tells its supervisor). A second signal ends the process at
     once, unless `drain_through_repeats` (a worker: its supervisor ends a drain that
@@ -215,14 +261,21 @@ async def serve(settings: Settings, reuse_port: bool = False,
     gets SIGTERM from systemd and then again from its supervisor)."""
     running = await build_server(settings, reuse_port=reuse_port)
     freeze_startup_objects()
-    log.info("serving", address=running.address, http_port=running.http_port,
-             tls=bool(settings.tls_cert), auth=bool(settings.auth_tokens or
-                                                     settings.auth_tokens_file),
-             backend=running.settings.backend,
-             backend_url=running.settings.backend_url, managed=settings.managed,
-             metrics_port=running.telemetry.metrics_port, tracing=running.telemetry.tracing,
-             blend=settings.blend_strategy.value,
-             blend_profiles=running.reranker.blends.profiles.source, version=__version__)
+    log.info(
+        "serving",
+        address=running.address,
+        http_port=running.http_port,
+        tls=bool(settings.tls_cert),
+        auth=bool(settings.auth_tokens or settings.auth_tokens_file),
+        backend=running.settings.backend,
+        backend_url=running.settings.backend_url,
+        managed=settings.managed,
+        metrics_port=running.telemetry.metrics_port,
+        tracing=running.telemetry.tracing,
+        blend=settings.blend_strategy.value,
+        blend_profiles=running.reranker.blends.profiles.source,
+        version=__version__,
+    )
     try:
         # A second signal from here on ends the process at once (a worker's SIGTERM:
         # ignored).
@@ -253,8 +306,10 @@ def freeze_startup_objects() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals(keep_term: bool = False, on_repeat: Callable[[], None] | None = None,
-                 ) -> Iterator[asyncio.Event]:
+def stop_signals(
+    keep_term: bool = False,
+    on_repeat: Callable[[], None] | None = None,
+) -> Iterator[asyncio.Event]:
     """An event that SIGTERM or SIGINT sets while inside (their default action, ending
     the process at once, is back on leaving). `keep_term`: SIGTERM stays caught on
     leaving, and does nothing. `on_repeat`: both stay caught on leaving, and call it.

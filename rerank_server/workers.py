@@ -71,8 +71,9 @@ def worker_count(settings: Settings, cgroup: Path = CGROUP) -> int:
     default 4 slots on a 16-core node: 4 workers, not a refusal to start)."""
     if settings.workers:
         return settings.workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     quota = cpu_quota(cgroup)
     usable = max(1, min(cores, math.ceil(quota))) if quota else cores
     return max(1, min(usable, settings.concurrency))
@@ -94,9 +95,11 @@ def cpu_quota(cgroup: Path = CGROUP) -> float | None:
 def concurrency_shares(total: int, workers: int) -> list[int]:
     """`total` backend slots split as evenly as possible; every worker needs one."""
     if total < workers:
-        raise ConfigError(f"--concurrency / RERANK_CONCURRENCY: {total} backend slots "
-                          f"cannot be split between {workers} workers (--workers); each "
-                          "needs at least one")
+        raise ConfigError(
+            f"--concurrency / RERANK_CONCURRENCY: {total} backend slots "
+            f"cannot be split between {workers} workers (--workers); each "
+            "needs at least one"
+        )
     return [total // workers + (i < total % workers) for i in range(workers)]
 
 
@@ -114,7 +117,8 @@ async def _supervise(settings: Settings, count: int) -> None:
     with contextlib.ExitStack() as reserved:
         port = _reserve(reserved, settings.host, settings.port, "--port / RERANK_PORT")
         http_port = settings.http_port and _reserve(
-            reserved, settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
+            reserved, settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT"
+        )
         settings = dataclasses.replace(settings, port=port, http_port=http_port)
         own = SupervisorMetrics()
         async with contextlib.AsyncExitStack() as stack:
@@ -136,11 +140,17 @@ async def _supervise(settings: Settings, count: int) -> None:
             with stop_signals(on_repeat=workers.kill) as stop_requested:
                 await workers.start(stop_requested)
                 if not stop_requested.is_set():
-                    log.info("serving", address=host_port(settings.host, port),
-                             http_port=http_port or None, workers=count,
-                             concurrency=settings.concurrency, backend=settings.backend,
-                             backend_url=settings.backend_url, managed=settings.managed,
-                             metrics_port=metrics_port)
+                    log.info(
+                        "serving",
+                        address=host_port(settings.host, port),
+                        http_port=http_port or None,
+                        workers=count,
+                        concurrency=settings.concurrency,
+                        backend=settings.backend,
+                        backend_url=settings.backend_url,
+                        managed=settings.managed,
+                        metrics_port=metrics_port,
+                    )
                     await workers.watch(stop_requested)
             log.info("shutting_down", grace_period_s=settings.grace_period_s, workers=count)
     log.info("stopped")
@@ -190,9 +200,16 @@ class _Workers:
     def __init__(self, settings: Settings, shares: list[int], restarts: Adder) -> None:
         self._restarts = restarts
         self._settings = [
-            dataclasses.replace(settings, workers=1, concurrency=share, managed=False,
-                                metrics_host="127.0.0.1", metrics_port=0)
-            for share in shares]
+            dataclasses.replace(
+                settings,
+                workers=1,
+                concurrency=share,
+                managed=False,
+                metrics_host="127.0.0.1",
+                metrics_port=0,
+            )
+            for share in shares
+        ]
         self._start_timeout_s = settings.worker_start_timeout_s
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -201,14 +218,18 @@ class _Workers:
         self._failures = [0] * len(shares)
 
     def metrics_ports(self) -> Mapping[str, int]:
-        return {str(w.index): w.metrics_port for w in list(self._workers)
-                if w.ready and w.metrics_port}
+        return {
+            str(w.index): w.metrics_port for w in list(self._workers) if w.ready and w.metrics_port
+        }
 
     def _spawn(self, index: int) -> _Worker:
         ours, theirs = self._context.Pipe(duplex=False)
         process = self._context.Process(
-            target=_worker_main, args=(self._settings[index], index, os.getpid(), theirs),
-            name=f"rerank-worker-{index}", daemon=False)
+            target=_worker_main,
+            args=(self._settings[index], index, os.getpid(), theirs),
+            name=f"rerank-worker-{index}",
+            daemon=False,
+        )
         process.start()
         theirs.close()
         return _Worker(index, self._settings[index], process, ours)
@@ -222,9 +243,11 @@ class _Workers:
                 if not w.ready and (error := self._poll(w)) is not None:
                     raise error
             if time.monotonic() > deadline:
-                raise ConfigError(f"workers did not start listening within "
-                                  f"{self._start_timeout_s:g} s "
-                                  "(--worker-start-timeout-s)")
+                raise ConfigError(
+                    f"workers did not start listening within "
+                    f"{self._start_timeout_s:g} s "
+                    "(--worker-start-timeout-s)"
+                )
             await asyncio.sleep(0.05)
 
     def _poll(self, w: _Worker) -> Exception | None:
@@ -239,8 +262,10 @@ class _Workers:
             else:
                 return ConfigError(f"worker {w.index}: {value}")
         if not w.ready and not w.process.is_alive():
-            return ConfigError(f"worker {w.index} exited with status {w.process.exitcode} "
-                               "while starting (its log above says why)")
+            return ConfigError(
+                f"worker {w.index} exited with status {w.process.exitcode} "
+                "while starting (its log above says why)"
+            )
         return None
 
     async def watch(self, stop_requested: asyncio.Event) -> None:
@@ -260,28 +285,38 @@ class _Workers:
                 elif w.ready:
                     if not w.process.is_alive():
                         served = now - w.ready_at
-                        self._give_up(w, failed=served < STABLE_AFTER_S, now=now,
-                                      event="worker_exited", status=w.process.exitcode,
-                                      served_s=round(served, 1))
+                        self._give_up(
+                            w,
+                            failed=served < STABLE_AFTER_S,
+                            now=now,
+                            event="worker_exited",
+                            status=w.process.exitcode,
+                            served_s=round(served, 1),
+                        )
                 elif (error := self._poll(w)) is not None:
-                    self._give_up(w, failed=True, now=now, event="worker_restart_failed",
-                                  error=str(error))
+                    self._give_up(
+                        w, failed=True, now=now, event="worker_restart_failed", error=str(error)
+                    )
                 elif not w.ready and now - w.spawned_at > self._start_timeout_s:
                     # (`_poll` may just have read its "ready".) Alive but not listening,
                     # stuck importing from a hung disk, say: as good as dead, and holding
                     # a share of the backend slots meanwhile.
                     w.process.kill()
-                    self._give_up(w, failed=True, now=now, event="worker_restart_failed",
-                                  error=f"did not listen within {self._start_timeout_s:g} s; "
-                                        "killed")
+                    self._give_up(
+                        w,
+                        failed=True,
+                        now=now,
+                        event="worker_restart_failed",
+                        error=f"did not listen within {self._start_timeout_s:g} s; killed",
+                    )
 
-    def _give_up(self, w: _Worker, *, failed: bool, now: float, event: str,
-                 **fields: object) -> None:
+    def _give_up(
+        self, w: _Worker, *, failed: bool, now: float, event: str, **fields: object
+    ) -> None:
         """Schedule worker `w`'s replacement: after RESTART_DELAY_S, doubled for each
         replacement in a row that failed, at most RESTART_DELAY_MAX_S."""
         self._failures[w.index] = self._failures[w.index] + 1 if failed else 0
-        delay = min(RESTART_DELAY_S * 2 ** max(self._failures[w.index] - 1, 0),
-                    RESTART_DELAY_MAX_S)
+        delay = min(RESTART_DELAY_S * 2 ** max(self._failures[w.index] - 1, 0), RESTART_DELAY_MAX_S)
         w.restart_at = now + delay
         log.warning(event, worker=w.index, restarting_in_s=delay, **fields)
 
@@ -335,8 +370,7 @@ def _worker_main(settings: Settings, index: int, supervisor: int, conn: Connecti
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(settings, reuse_port=True, ready=ready,
-                             drain_through_repeats=True))
+            runner.run(serve(settings, reuse_port=True, ready=ready, drain_through_repeats=True))
     except (BindError, ConfigError) as exc:
         conn.send(("error", str(exc)))
         sys.exit(2)

@@ -42,16 +42,25 @@ from rerank_server.bench.run import backend_args, passages
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def compare(trees: dict[str, Path], kind: str, size: int, requests: int,
-                  block: int, url: str, env: dict[str, str]) -> str:
+async def compare(
+    trees: dict[str, Path],
+    kind: str,
+    size: int,
+    requests: int,
+    block: int,
+    url: str,
+    env: dict[str, str],
+) -> str:
     servers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
     try:
         for name, tree in trees.items():
-            servers[name] = start_server(backend_args(kind, url),
-                                         {"PYTHONPATH": str(tree), **env}, cwd=tree)
+            servers[name] = start_server(
+                backend_args(kind, url), {"PYTHONPATH": str(tree), **env}, cwd=tree
+            )
         docs = passages(size)
-        clients = {name: AsyncRerankClient(f"127.0.0.1:{port}")
-                   for name, (port, _) in servers.items()}
+        clients = {
+            name: AsyncRerankClient(f"127.0.0.1:{port}") for name, (port, _) in servers.items()
+        }
         cpu = dict.fromkeys(servers, 0)
         latencies: dict[str, list[float]] = {name: [] for name in servers}
         for client in clients.values():
@@ -69,10 +78,12 @@ async def compare(trees: dict[str, Path], kind: str, size: int, requests: int,
         for client in clients.values():
             await client.close()
         pairs = len(latencies["old"]) * size
-        cells = [f"{cpu[n] / pairs / 1000:6.1f} µs/pair, p50 "
-                 f"{statistics.median(latencies[n]) * 1000:5.2f} ms" for n in ("old", "new")]
-        return f"| {kind} | {size} | {cells[0]} | {cells[1]} | " \
-               f"{cpu['new'] / cpu['old'] - 1:+.0%} |"
+        cells = [
+            f"{cpu[n] / pairs / 1000:6.1f} µs/pair, p50 "
+            f"{statistics.median(latencies[n]) * 1000:5.2f} ms"
+            for n in ("old", "new")
+        ]
+        return f"| {kind} | {size} | {cells[0]} | {cells[1]} | {cpu['new'] / cpu['old'] - 1:+.0%} |"
     finally:
         for _, proc in servers.values():
             stop(proc)
@@ -84,11 +95,14 @@ WARM_UP = 20  # requests before counting: connections, caches, the first-call pa
 def _callgrind(pid: int, *command: str) -> None:
     # callgrind_control exits 0 even when it finds no such process under callgrind (a
     # Python launched through a wrapper script that execs: valgrind does not follow it).
-    done = subprocess.run(["callgrind_control", *command, str(pid)], check=True,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["callgrind_control", *command, str(pid)], check=True, capture_output=True, text=True
+    )
     if "not detected" in done.stdout + done.stderr:
-        raise RuntimeError(f"callgrind is not running process {pid}: is {sys.executable} "
-                           "a wrapper script rather than the interpreter itself?")
+        raise RuntimeError(
+            f"callgrind is not running process {pid}: is {sys.executable} "
+            "a wrapper script rather than the interpreter itself?"
+        )
 
 
 def _counted(dump: Path) -> int:
@@ -99,15 +113,26 @@ def _counted(dump: Path) -> int:
     raise RuntimeError(f"{dump} has no totals line")
 
 
-async def _instructions_of(tree: Path, kind: str, size: int, requests: int,
-                           url: str, env: dict[str, str]) -> float:
+async def _instructions_of(
+    tree: Path, kind: str, size: int, requests: int, url: str, env: dict[str, str]
+) -> float:
     """Instructions per request of the server in `tree`, counted by callgrind."""
     with tempfile.TemporaryDirectory() as out:
         dump = Path(out) / "callgrind.out"
-        prefix = ["valgrind", "--quiet", "--tool=callgrind", "--instr-atstart=no",
-                  f"--callgrind-out-file={dump}"]
-        port, proc = start_server(backend_args(kind, url), {"PYTHONPATH": str(tree), **env},
-                                  cwd=tree, prefix=prefix, start_timeout_s=300)
+        prefix = [
+            "valgrind",
+            "--quiet",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={dump}",
+        ]
+        port, proc = start_server(
+            backend_args(kind, url),
+            {"PYTHONPATH": str(tree), **env},
+            cwd=tree,
+            prefix=prefix,
+            start_timeout_s=300,
+        )
         try:
             docs = passages(size)
             async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
@@ -123,14 +148,21 @@ async def _instructions_of(tree: Path, kind: str, size: int, requests: int,
             stop(proc)
 
 
-async def count(trees: dict[str, Path], kind: str, size: int, requests: int,
-                url: str, env: dict[str, str]) -> str:
-    counted = {name: await _instructions_of(tree, kind, size, requests, url, env)
-               for name, tree in trees.items()}
-    cells = [f"{counted[n] / 1e6:6.3f} M/request, {counted[n] / size / 1e3:6.1f} k/pair"
-             for n in ("old", "new")]
-    return f"| {kind} | {size} | {cells[0]} | {cells[1]} | " \
-           f"{counted['new'] / counted['old'] - 1:+.1%} |"
+async def count(
+    trees: dict[str, Path], kind: str, size: int, requests: int, url: str, env: dict[str, str]
+) -> str:
+    counted = {
+        name: await _instructions_of(tree, kind, size, requests, url, env)
+        for name, tree in trees.items()
+    }
+    cells = [
+        f"{counted[n] / 1e6:6.3f} M/request, {counted[n] / size / 1e3:6.1f} k/pair"
+        for n in ("old", "new")
+    ]
+    return (
+        f"| {kind} | {size} | {cells[0]} | {cells[1]} | "
+        f"{counted['new'] / counted['old'] - 1:+.1%} |"
+    )
 
 
 async def main(args: argparse.Namespace, old_tree: Path) -> None:
@@ -143,9 +175,11 @@ async def main(args: argparse.Namespace, old_tree: Path) -> None:
     with fake_backend() as url:
         for size in (int(s) for s in args.sizes.split(",")):
             for kind in args.kinds.split(","):
-                cell = await count(trees, kind, size, args.requests, url, env) \
-                    if args.instructions else \
-                    await compare(trees, kind, size, args.requests, args.block, url, env)
+                cell = (
+                    await count(trees, kind, size, args.requests, url, env)
+                    if args.instructions
+                    else await compare(trees, kind, size, args.requests, args.block, url, env)
+                )
                 print(cell, flush=True)
 
 
@@ -156,10 +190,16 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="10,40,100")
     parser.add_argument("--requests", type=int, default=200, help="per version and cell")
     parser.add_argument("--block", type=int, default=25, help="requests per turn")
-    parser.add_argument("--cache", action="store_true",
-                        help="score cache on (the default deployment's), every request a miss")
-    parser.add_argument("--instructions", action="store_true",
-                        help="count instructions under callgrind instead of timing CPU")
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="score cache on (the default deployment's), every request a miss",
+    )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions under callgrind instead of timing CPU",
+    )
     if sys.platform != "linux" or not os.path.exists("/proc/self/task"):
         sys.exit("needs Linux /proc")
     arguments = parser.parse_args()

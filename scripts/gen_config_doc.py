@@ -21,8 +21,10 @@ from rerank_server.settings import Settings, env_name, flag_name
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
 HEADING = "## All settings"
-INTRO = ("Generated from `rerank_server/settings.py` by `make docs` "
-         "(`scripts/gen_config_doc.py`); do not edit by hand.")
+INTRO = (
+    "Generated from `rerank_server/settings.py` by `make docs` "
+    "(`scripts/gen_config_doc.py`); do not edit by hand."
+)
 
 
 def _shown(value: object) -> str:
@@ -41,13 +43,21 @@ def tables() -> str:
     defaults = Settings()
     groups: dict[str, list[str]] = {}
     for f in dataclasses.fields(Settings):
-        row = (f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | "
-               f"{_shown(getattr(defaults, f.name))} | {f.metadata['help']} |")
+        row = (
+            f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | "
+            f"{_shown(getattr(defaults, f.name))} | {f.metadata['help']} |"
+        )
         groups.setdefault(f.metadata["group"], []).append(row)
     parts = [HEADING, "", INTRO]
     for group, rows in groups.items():
-        parts += ["", f"### {group}", "", "| flag | variable | default | meaning |",
-                  "|---|---|---|---|", *rows]
+        parts += [
+            "",
+            f"### {group}",
+            "",
+            "| flag | variable | default | meaning |",
+            "|---|---|---|---|",
+            *rows,
+        ]
     return "\n".join(parts) + "\n"
 
 

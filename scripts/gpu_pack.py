@@ -42,21 +42,58 @@ ROOT = Path(__file__).resolve().parent.parent
 PACK = ROOT / ".gpu"
 LIMIT = 64 * 2**20  # bytes a call carries, the repository included
 # Not needed to configure and build llama-server (LLAMA_BUILD_TESTS and _EXAMPLES off).
-SOURCE_LEFT_OUT = ("models", "docs", "media", "benches", "tests", "pocs", "skills",
-                   "gguf-py", "conversion", "examples", ".git")
+SOURCE_LEFT_OUT = (
+    "models",
+    "docs",
+    "media",
+    "benches",
+    "tests",
+    "pocs",
+    "skills",
+    "gguf-py",
+    "conversion",
+    "examples",
+    ".git",
+)
 # The device image (KINDS.md) has numpy, httpx, httpcore, anyio, h11, click, uvloop,
 # annotated-doc, matplotlib and tqdm; these it lacks, or its versions differ from ours
 # (the generated gRPC code wants its grpcio and protobuf at least as new as ours).
-WHEELS = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "sniffio",
-          "orjson", "msgspec", "pybase64", "opentelemetry-api", "opentelemetry-sdk",
-          "opentelemetry-semantic-conventions", "opentelemetry-exporter-prometheus",
-          "opentelemetry-exporter-otlp-proto-grpc", "opentelemetry-exporter-otlp-proto-common",
-          "opentelemetry-exporter-otlp-common", "opentelemetry-proto",
-          "googleapis-common-protos", "structlog", "fastapi", "starlette", "pydantic",
-          "pydantic-core", "annotated-types", "typing-inspection", "uvicorn",
-          "typing-extensions", "prometheus-client")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
+WHEELS = (
+    "grpcio",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "protobuf",
+    "sniffio",
+    "orjson",
+    "msgspec",
+    "pybase64",
+    "opentelemetry-api",
+    "opentelemetry-sdk",
+    "opentelemetry-semantic-conventions",
+    "opentelemetry-exporter-prometheus",
+    "opentelemetry-exporter-otlp-proto-grpc",
+    "opentelemetry-exporter-otlp-proto-common",
+    "opentelemetry-exporter-otlp-common",
+    "opentelemetry-proto",
+    "googleapis-common-protos",
+    "structlog",
+    "fastapi",
+    "starlette",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "uvicorn",
+    "typing-extensions",
+    "prometheus-client",
+)
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 
 
 def pack_source(cache: Path, target: Path) -> None:
@@ -88,27 +125,60 @@ def quantize(cache: Path, model: Path, target: Path) -> None:
     tool = build / "bin" / "llama-quantize"
     if not tool.exists():
         print("building llama-quantize", flush=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-quantize", "-j",
-                        str(os.cpu_count() or 2)], check=True, capture_output=True)
-    subprocess.run([str(tool), str(model), str(target), "q8_0"], check=True,
-                   capture_output=True)
+        subprocess.run(
+            [
+                "cmake",
+                "--build",
+                str(build),
+                "--target",
+                "llama-quantize",
+                "-j",
+                str(os.cpu_count() or 2),
+            ],
+            check=True,
+            capture_output=True,
+        )
+    subprocess.run([str(tool), str(model), str(target), "q8_0"], check=True, capture_output=True)
 
 
 def download_wheels(target: Path) -> None:
     pins = [f"{name}=={version(name)}" for name in WHEELS]
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                    "--only-binary=:all:", "--python-version", "3.12", "--implementation",
-                    "cp", *platforms, "-d", str(target), *pins], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(target),
+            *pins,
+        ],
+        check=True,
+    )
 
 
 def tree_bytes() -> int:
     """What travels besides the carried paths: tracked and untracked-not-ignored files."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
-                             "--exclude-standard"], cwd=ROOT, check=True,
-                            capture_output=True).stdout.split(b"\0")
-    return sum((ROOT / os.fsdecode(p)).stat().st_size for p in listed
-               if p and (ROOT / os.fsdecode(p)).is_file())
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    return sum(
+        (ROOT / os.fsdecode(p)).stat().st_size
+        for p in listed
+        if p and (ROOT / os.fsdecode(p)).is_file()
+    )
 
 
 def main() -> int:
@@ -124,8 +194,9 @@ def main() -> int:
     for folder in loads.values():
         folder.mkdir(parents=True)
     pack_source(cache, loads["a"] / "llama-src.tar.xz")
-    split_model(assets.prepare_model(cache), loads["a"] / "smollm2.part1",
-                loads["b"] / "smollm2.part2")
+    split_model(
+        assets.prepare_model(cache), loads["a"] / "smollm2.part1", loads["b"] / "smollm2.part2"
+    )
     download_wheels(loads["b"] / "whl")
     quantize(cache, minilm, loads["c"] / "minilm.gguf")
     quantize(cache, rank_head, loads["c"] / "minilm-rank.gguf")
@@ -138,8 +209,10 @@ def main() -> int:
     for name, folder in loads.items():
         size = tree + sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         too_big |= size > LIMIT
-        print(f".gpu/{name}: {size / 2**20:.1f} MiB with the repository "
-              f"({'over' if size > LIMIT else 'under'} the 64 MiB a call carries)")
+        print(
+            f".gpu/{name}: {size / 2**20:.1f} MiB with the repository "
+            f"({'over' if size > LIMIT else 'under'} the 64 MiB a call carries)"
+        )
     return 1 if too_big else 0
 
 

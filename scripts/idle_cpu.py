@@ -22,13 +22,19 @@ from rerank_server.bench.run import backend_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTLE_S = 6.0  # start-up's probe, the first health poll, imports finishing
-DEPLOYED = {"RERANK_METRICS": "1", "RERANK_METRICS_PORT": "0", "RERANK_HTTP_PORT": "0",
-            "RERANK_PROBE": "1", "RERANK_CACHE_ENTRIES": "50000"}
+DEPLOYED = {
+    "RERANK_METRICS": "1",
+    "RERANK_METRICS_PORT": "0",
+    "RERANK_HTTP_PORT": "0",
+    "RERANK_PROBE": "1",
+    "RERANK_CACHE_ENTRIES": "50000",
+}
 
 
 def idle_ms_per_s(tree: Path, url: str, seconds: float) -> float:
-    _, proc = start_server(backend_args("chat", url), {"PYTHONPATH": str(tree), **DEPLOYED},
-                           cwd=tree)
+    _, proc = start_server(
+        backend_args("chat", url), {"PYTHONPATH": str(tree), **DEPLOYED}, cwd=tree
+    )
     try:
         time.sleep(SETTLE_S)
         before = cpu_ns(proc.pid)
@@ -47,8 +53,10 @@ def main() -> None:
     trees = {"new": ROOT} if args.old_tree is None else {"old": args.old_tree, "new": ROOT}
     with fake_backend() as url:
         for r in range(args.rounds):
-            cells = [f"{name} {idle_ms_per_s(tree, url, args.seconds):.2f} ms/s"
-                     for name, tree in trees.items()]
+            cells = [
+                f"{name} {idle_ms_per_s(tree, url, args.seconds):.2f} ms/s"
+                for name, tree in trees.items()
+            ]
             print(f"round {r + 1}: " + ", ".join(cells), flush=True)
 
 

@@ -17,9 +17,12 @@ from rerank_server.ranking.blending import (
 )
 
 
-def final_scores(strategy: BlendStrategy, ranks: Sequence[int],
-                 scores: Sequence[float | None], params: AdaptiveParams = ADAPTIVE,
-                 ) -> list[float]:
+def final_scores(
+    strategy: BlendStrategy,
+    ranks: Sequence[int],
+    scores: Sequence[float | None],
+    params: AdaptiveParams = ADAPTIVE,
+) -> list[float]:
     """Final scores of a request's scored candidates; `params` are the request-wide blend's."""
     if strategy in REQUEST_WIDE:
         return adaptive_scores(ranks, scores, params)

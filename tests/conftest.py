@@ -46,8 +46,14 @@ async def start_server(fake_llama: FakeLlamaServer) -> AsyncIterator[StartServer
 
     async def start(**overrides: Any) -> RunningServer:
         # No probe: it would add two scored pairs to what the fake records.
-        base = Settings(port=0, backend_url=fake_llama.url, grace_period_s=1.0, probe=False,
-                        http_port=0, metrics_port=0)
+        base = Settings(
+            port=0,
+            backend_url=fake_llama.url,
+            grace_period_s=1.0,
+            probe=False,
+            http_port=0,
+            metrics_port=0,
+        )
         running = await build_server(dataclasses.replace(base, **overrides))
         started.append(running)
         return running
@@ -83,4 +89,3 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-

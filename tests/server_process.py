@@ -33,17 +33,29 @@ async def wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def server_process(backend_url: str, **env: str,
-                         ) -> AsyncIterator[tuple[int, subprocess.Popen[bytes]]]:
+async def server_process(
+    backend_url: str,
+    **env: str,
+) -> AsyncIterator[tuple[int, subprocess.Popen[bytes]]]:
     """(gRPC port, process) of a server using `backend_url`, `env` added to its
     environment; terminated (SIGTERM) on exit if still running."""
     port = free_port()
-    full = {**os.environ, "RERANK_PORT": str(port), "RERANK_HTTP_PORT": "0",
-            "RERANK_METRICS_PORT": "0", "RERANK_BACKEND_URL": backend_url,
-            "RERANK_LOG_LEVEL": "warning", **env}
+    full = {
+        **os.environ,
+        "RERANK_PORT": str(port),
+        "RERANK_HTTP_PORT": "0",
+        "RERANK_METRICS_PORT": "0",
+        "RERANK_BACKEND_URL": backend_url,
+        "RERANK_LOG_LEVEL": "warning",
+        **env,
+    }
     # Popen returns at once; callers await everything that waits on the process.
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=full,  # noqa: ASYNC220
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-m", "rerank_server"],
+        env=full,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         await wait_listening(port, proc)
         yield port, proc
@@ -65,8 +77,9 @@ async def stop_process(proc: subprocess.Popen[Any], grace_s: float) -> None:
 class Supervised:
     """A `rerank-server --workers N` process whose JSON log lines are collected."""
 
-    def __init__(self, proc: subprocess.Popen[str], port: int, http_port: int,
-                 metrics_port: int) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[str], port: int, http_port: int, metrics_port: int
+    ) -> None:
         self.proc = proc
         self.port, self.http_port, self.metrics_port = port, http_port, metrics_port
         self.events: list[dict[str, Any]] = []
@@ -109,27 +122,45 @@ class Supervised:
 
 
 @contextlib.asynccontextmanager
-async def supervised(backend_url: str | None, workers: int = 2, start_timeout_s: float = 60,
-                     **env: str) -> AsyncIterator[Supervised]:
+async def supervised(
+    backend_url: str | None, workers: int = 2, start_timeout_s: float = 60, **env: str
+) -> AsyncIterator[Supervised]:
     """`rerank-server --workers N` as a user runs it; with no `backend_url`, in managed
     mode (its own llama-server from the asset cache)."""
     port, http_port, metrics_port = free_port(), free_port(), free_port()
     backend = {"RERANK_BACKEND_URL": backend_url} if backend_url else {"RERANK_MANAGED": "1"}
-    full = {**os.environ, "RERANK_PORT": str(port), "RERANK_HTTP_PORT": str(http_port),
-            "RERANK_METRICS_PORT": str(metrics_port), **backend,
-            "RERANK_WORKERS": str(workers), "RERANK_PROBE": "0", "RERANK_LOG_FORMAT": "json",
-            "RERANK_LOG_LEVEL": "info", **env}
+    full = {
+        **os.environ,
+        "RERANK_PORT": str(port),
+        "RERANK_HTTP_PORT": str(http_port),
+        "RERANK_METRICS_PORT": str(metrics_port),
+        **backend,
+        "RERANK_WORKERS": str(workers),
+        "RERANK_PROBE": "0",
+        "RERANK_LOG_FORMAT": "json",
+        "RERANK_LOG_LEVEL": "info",
+        **env,
+    }
     # Popen returns at once; the test awaits everything that waits on the process.
     # A session of its own, as in a terminal: the test can signal the whole group.
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server"], env=full,  # noqa: ASYNC220
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-m", "rerank_server"],
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     server = Supervised(proc, port, http_port, metrics_port)
     try:
         # Under a supervisor, its own line (with `workers`) says all of them listen.
-        started = await eventually(lambda: any(workers == 1 or "workers" in e
-                                               for e in server.logged("serving"))
-                                   or proc.poll() is not None, start_timeout_s)
+        started = await eventually(
+            lambda: (
+                any(workers == 1 or "workers" in e for e in server.logged("serving"))
+                or proc.poll() is not None
+            ),
+            start_timeout_s,
+        )
         assert started, server.events
         assert proc.poll() is None, server.events
         yield server

@@ -8,8 +8,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 
-async def eventually(condition: Callable[[], bool | Awaitable[bool]], timeout_s: float,
-                     poll_s: float = 0.05) -> bool:
+async def eventually(
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float, poll_s: float = 0.05
+) -> bool:
     """Whether `condition` held within `timeout_s` (checked every `poll_s`)."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -87,14 +87,22 @@ def _candidates(wire: Sequence[pb.Candidate], first_index: int) -> tuple[Candida
     for i, c in enumerate(wire):
         has = c.HasField
         metadata = c.metadata
-        append(new(Candidate, (
-            c.id, c.text, first_index + i,
-            c.retrieval_rank if has("retrieval_rank") else i + 1,
-            c.title if has("title") else None,
-            c.retrieval_score if has("retrieval_score") else None,
-            dict(metadata) if metadata else NO_METADATA,
-            None, (),  # normalized_score and found_in: `tuple.__new__` fills no default
-        )))
+        append(
+            new(
+                Candidate,
+                (
+                    c.id,
+                    c.text,
+                    first_index + i,
+                    c.retrieval_rank if has("retrieval_rank") else i + 1,
+                    c.title if has("title") else None,
+                    c.retrieval_score if has("retrieval_score") else None,
+                    dict(metadata) if metadata else NO_METADATA,
+                    None,
+                    (),  # normalized_score and found_in: `tuple.__new__` fills no default
+                ),
+            )
+        )
     return tuple(out)
 
 
@@ -108,14 +116,23 @@ def _lists(request: pb.RerankRequest) -> tuple[RankedList, ...]:
     for i, lst in enumerate(request.lists):
         if not lst.name and f"list{i}" in named:
             # Said as it is, not as a clash with a name the caller never wrote.
-            raise InvalidRequest(f"lists[{i}].name", f"not given, so 'list{i}', which "
-                                 f"lists[{named[f'list{i}']}] gives as its name: name "
-                                 "every list, or none")
-        lists.append(RankedList(
-            name=lst.name or f"list{i}", candidates=_candidates(lst.candidates, first),
-            weight=_optional(lst, "weight"), expansion=lst.expansion,
-            score_kind=_enum(_SCORE_KIND, lst.score_kind, f"lists[{i}].score_kind",
-                             ScoreKind.AUTO)))
+            raise InvalidRequest(
+                f"lists[{i}].name",
+                f"not given, so 'list{i}', which "
+                f"lists[{named[f'list{i}']}] gives as its name: name "
+                "every list, or none",
+            )
+        lists.append(
+            RankedList(
+                name=lst.name or f"list{i}",
+                candidates=_candidates(lst.candidates, first),
+                weight=_optional(lst, "weight"),
+                expansion=lst.expansion,
+                score_kind=_enum(
+                    _SCORE_KIND, lst.score_kind, f"lists[{i}].score_kind", ScoreKind.AUTO
+                ),
+            )
+        )
         first += len(lst.candidates)
     return tuple(lists)
 
@@ -127,9 +144,14 @@ def _threshold(options: pb.RerankOptions) -> ThresholdSpec | None:
     mode = _enum(_THRESHOLD_MODE, t.mode, "options.threshold.mode", None)
     if mode is None:
         return None
-    return ThresholdSpec(mode, min_score=_optional(t, "min_score"), start=_optional(t, "start"),
-                         step=_optional(t, "step"), floor=_optional(t, "floor"),
-                         target_fraction=_optional(t, "target_fraction"))
+    return ThresholdSpec(
+        mode,
+        min_score=_optional(t, "min_score"),
+        start=_optional(t, "start"),
+        step=_optional(t, "step"),
+        floor=_optional(t, "floor"),
+        target_fraction=_optional(t, "target_fraction"),
+    )
 
 
 def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
@@ -149,8 +171,7 @@ def query_from_pb(request: pb.RerankRequest) -> RerankQuery:
         max_tokens_per_doc=_optional(options, "max_tokens_per_doc"),
         return_text=options.return_text,
         lists=_lists(request),
-        score_kind=_enum(_SCORE_KIND, options.score_kind, "options.score_kind",
-                         ScoreKind.AUTO),
+        score_kind=_enum(_SCORE_KIND, options.score_kind, "options.score_kind", ScoreKind.AUTO),
         fusion_k=_optional(options, "fusion_k"),
         dedup_key=options.dedup_key,
         threshold=_threshold(options),
@@ -201,18 +222,26 @@ def _summary_fields(s: RerankSummary) -> dict[str, object]:
         "model": s.model,
         "blend_strategy": _BLEND_TO_PB[s.blend],
         "blend_profile": s.blend_profile,
-        "counts": pb.Counts(candidates=s.candidates, submitted=s.submitted, scored=s.scored,
-                            failed=s.failed, cached=s.cached, deduplicated=s.deduplicated,
-                            filtered=s.filtered),
+        "counts": pb.Counts(
+            candidates=s.candidates,
+            submitted=s.submitted,
+            scored=s.scored,
+            failed=s.failed,
+            cached=s.cached,
+            deduplicated=s.deduplicated,
+            filtered=s.filtered,
+        ),
         "timings": pb.Timings(total_ms=s.total_ms, scoring_ms=s.scoring_ms),
     }
     if s.threshold is not None:
         t = s.threshold
-        fields["threshold"] = pb.ThresholdReport(threshold=t.threshold, steps=t.steps,
-                                                 passed=t.passed, reached_floor=t.reached_floor)
+        fields["threshold"] = pb.ThresholdReport(
+            threshold=t.threshold, steps=t.steps, passed=t.passed, reached_floor=t.reached_floor
+        )
     if s.degraded is not None:
-        fields["degraded"] = pb.DegradedReason(code=_DEGRADED_TO_PB[s.degraded.code],
-                                               message=s.degraded.message)
+        fields["degraded"] = pb.DegradedReason(
+            code=_DEGRADED_TO_PB[s.degraded.code], message=s.degraded.message
+        )
     return fields
 
 

@@ -46,26 +46,42 @@ def backend_health_name(component: str) -> str:
 def _handlers(service: RerankService) -> grpc.GenericRpcHandler:
     """The Reranker methods, taking raw request bytes: `service` parses them itself (so a
     message that does not decode is INVALID_ARGUMENT, and its size is known up front)."""
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Rerank": grpc.unary_unary_rpc_method_handler(
-            service.Rerank, response_serializer=pb.RerankResponse.SerializeToString),
-        "RerankStream": grpc.unary_stream_rpc_method_handler(
-            service.RerankStream,
-            response_serializer=pb.RerankStreamMessage.SerializeToString),
-        "RerankBatch": grpc.stream_stream_rpc_method_handler(
-            service.RerankBatch, response_serializer=pb.RerankResponse.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Rerank": grpc.unary_unary_rpc_method_handler(
+                service.Rerank, response_serializer=pb.RerankResponse.SerializeToString
+            ),
+            "RerankStream": grpc.unary_stream_rpc_method_handler(
+                service.RerankStream, response_serializer=pb.RerankStreamMessage.SerializeToString
+            ),
+            "RerankBatch": grpc.stream_stream_rpc_method_handler(
+                service.RerankBatch, response_serializer=pb.RerankResponse.SerializeToString
+            ),
+        },
+    )
 
 
-def _interceptors(settings: Settings, telemetry: Telemetry, tokens: TokenSet,
-                  ) -> list[grpc.aio.ServerInterceptor]:
+def _interceptors(
+    settings: Settings,
+    telemetry: Telemetry,
+    tokens: TokenSet,
+) -> list[grpc.aio.ServerInterceptor]:
     """Ours: log context, the server span (with tracing on), auth, shedding, metrics."""
-    return [RpcInterceptor(telemetry.metrics, SERVICE_NAME, settings.max_concurrent_rpcs,
-                           tokens, telemetry.tracer if telemetry.tracing else None)]
+    return [
+        RpcInterceptor(
+            telemetry.metrics,
+            SERVICE_NAME,
+            settings.max_concurrent_rpcs,
+            tokens,
+            telemetry.tracer if telemetry.tracing else None,
+        )
+    ]
 
 
 def _credentials(tls: CertificateFiles) -> grpc.ServerCredentials:
     """TLS credentials that pick up new certificate files at the next handshake."""
+
     def configuration() -> grpc.ServerCertificateConfiguration:
         cert, key, ca = tls.read()
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
@@ -83,7 +99,8 @@ def _credentials(tls: CertificateFiles) -> grpc.ServerCredentials:
         return fresh
 
     return grpc.dynamic_ssl_server_credentials(
-        configuration(), fetch, require_client_authentication=tls.mutual)
+        configuration(), fetch, require_client_authentication=tls.mutual
+    )
 
 
 def check_free(host: str, port: int, setting: str = "--port / RERANK_PORT") -> None:
@@ -109,8 +126,14 @@ def check_free(host: str, port: int, setting: str = "--port / RERANK_PORT") -> N
 class GrpcEdge:
     """A started gRPC server and its health service; `aclose` drains and stops it."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 port: int, grace_s: float, service: RerankService | None = None) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health_servicer: health.aio.HealthServicer,
+        port: int,
+        grace_s: float,
+        service: RerankService | None = None,
+    ) -> None:
         self.server = server
         self.service = service
         self.health = health_servicer
@@ -118,10 +141,16 @@ class GrpcEdge:
         self.grace_s = grace_s  # in-flight calls get this long on `aclose`
 
     @classmethod
-    async def start(cls, settings: Settings, reranker: Reranker, telemetry: Telemetry,
-                    tokens: TokenSet | None = None, tls: CertificateFiles | None = None,
-                    inflight: InflightBytes | None = None, reuse_port: bool = False,
-                    ) -> GrpcEdge:
+    async def start(
+        cls,
+        settings: Settings,
+        reranker: Reranker,
+        telemetry: Telemetry,
+        tokens: TokenSet | None = None,
+        tls: CertificateFiles | None = None,
+        inflight: InflightBytes | None = None,
+        reuse_port: bool = False,
+    ) -> GrpcEdge:
         """Bind and start. `reuse_port`: share the port with sibling workers (the
         supervisor has checked and reserved it); otherwise a port in use is an error, not
         silently shared with whatever holds it."""
@@ -139,23 +168,32 @@ class GrpcEdge:
             ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
         ]
         server = grpc.aio.server(
-            interceptors=_interceptors(settings, telemetry, tokens or TokenSet()),
-            options=options)
-        service = RerankService(reranker, settings.batch_concurrency,
-                                inflight or InflightBytes(settings.max_inflight_bytes),
-                                settings.max_message_bytes)
+            interceptors=_interceptors(settings, telemetry, tokens or TokenSet()), options=options
+        )
+        service = RerankService(
+            reranker,
+            settings.batch_concurrency,
+            inflight or InflightBytes(settings.max_inflight_bytes),
+            settings.max_message_bytes,
+        )
         server.add_generic_rpc_handlers((_handlers(service),))
         health_servicer = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if settings.reflection:
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                     reflection.SERVICE_NAME)
+            names = (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            )
             reflection.enable_server_reflection(names, server)
         if not reuse_port:
             check_free(settings.host, settings.port)
         try:
-            port = (server.add_secure_port(settings.address, _credentials(tls))
-                    if tls is not None else server.add_insecure_port(settings.address))
+            port = (
+                server.add_secure_port(settings.address, _credentials(tls))
+                if tls is not None
+                else server.add_insecure_port(settings.address)
+            )
         except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
             port = 0
         if port == 0:

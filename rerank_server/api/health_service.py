@@ -25,7 +25,8 @@ class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
             async with condition:
                 while True:
                     status = self._server_status.get(
-                        request.service, pb.HealthCheckResponse.SERVICE_UNKNOWN)
+                        request.service, pb.HealthCheckResponse.SERVICE_UNKNOWN
+                    )
                     if status != last_status:
                         await context.write(pb.HealthCheckResponse(status=status))
                     last_status = status

@@ -41,13 +41,22 @@ def _channel(address: str, ca: str, cert: str, key: str, server_name: str) -> gr
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def check(address: str, service: str, timeout_s: float, *, ca: str = "", cert: str = "",
-          key: str = "", server_name: str = "") -> int:
+def check(
+    address: str,
+    service: str,
+    timeout_s: float,
+    *,
+    ca: str = "",
+    cert: str = "",
+    key: str = "",
+    server_name: str = "",
+) -> int:
     """0 when `service` is SERVING at `address`, else 1 (with the reason on stderr)."""
     with _channel(address, ca, cert, key, server_name) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             print(f"unhealthy: {exc.code().name}", file=sys.stderr)
             return 1
@@ -63,19 +72,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rerank-server healthcheck", description=__doc__)
     parser.add_argument("--host", default=os.environ.get("RERANK_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("RERANK_PORT", "50051")))
-    parser.add_argument("--service", default="rerank.v1.Reranker",
-                        help="health service name ('' for the server as a whole)")
+    parser.add_argument(
+        "--service",
+        default="rerank.v1.Reranker",
+        help="health service name ('' for the server as a whole)",
+    )
     parser.add_argument("--timeout-s", type=float, default=2.0)
     env = os.environ.get
-    parser.add_argument("--tls-ca", default=env("RERANK_HEALTHCHECK_CA", ""),
-                        help="PEM CA to verify a TLS server with (env RERANK_HEALTHCHECK_CA)")
-    parser.add_argument("--tls-cert", default=env("RERANK_HEALTHCHECK_CERT", ""),
-                        help="client certificate under mutual TLS")
-    parser.add_argument("--tls-key", default=env("RERANK_HEALTHCHECK_KEY", ""),
-                        help="client key under mutual TLS")
-    parser.add_argument("--server-name", default=env("RERANK_HEALTHCHECK_SERVER_NAME", ""),
-                        help="name the server certificate carries, if not the address")
+    parser.add_argument(
+        "--tls-ca",
+        default=env("RERANK_HEALTHCHECK_CA", ""),
+        help="PEM CA to verify a TLS server with (env RERANK_HEALTHCHECK_CA)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=env("RERANK_HEALTHCHECK_CERT", ""),
+        help="client certificate under mutual TLS",
+    )
+    parser.add_argument(
+        "--tls-key", default=env("RERANK_HEALTHCHECK_KEY", ""), help="client key under mutual TLS"
+    )
+    parser.add_argument(
+        "--server-name",
+        default=env("RERANK_HEALTHCHECK_SERVER_NAME", ""),
+        help="name the server certificate carries, if not the address",
+    )
     args = parser.parse_args(argv)
-    return check(target(args.host, args.port), args.service, args.timeout_s,
-                 ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
-                 server_name=args.server_name)
+    return check(
+        target(args.host, args.port),
+        args.service,
+        args.timeout_s,
+        ca=args.tls_ca,
+        cert=args.tls_cert,
+        key=args.tls_key,
+        server_name=args.server_name,
+    )

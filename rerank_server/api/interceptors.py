@@ -49,9 +49,16 @@ OPEN_PREFIX = "/grpc.health.v1.Health/"
 UNTRACED_PREFIX = "/grpc."  # health and reflection: probes every few seconds
 # Status codes that mark a server span as failed (OpenTelemetry's gRPC conventions: the
 # server's fault, not the caller's).
-SERVER_FAULTS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
-                           grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL,
-                           grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
+SERVER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 Behavior = Callable[..., Any]
 SEND_STALL_S = 30.0  # a stream message its client has not taken by then ends the call,
@@ -96,9 +103,14 @@ class _SendWatch:
 class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Binds log context, sheds load above `max_active` Reranker RPCs, records each call."""
 
-    def __init__(self, metrics: Metrics, limited_service: str, max_active: int,
-                 tokens: TokenSet | None = None, tracer: trace.Tracer | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        limited_service: str,
+        max_active: int,
+        tokens: TokenSet | None = None,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
         self._metrics = metrics
         self._tracer = tracer  # None: tracing off, no server spans
         self._limited_prefix = f"/{limited_service}/"
@@ -106,9 +118,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._tokens = tokens or TokenSet()
         self.active = 0
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails],
-                                                             Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(method=details.method)
         handler = await continuation(details)
@@ -117,7 +131,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method = details.method.lstrip("/")
         limited = details.method.startswith(self._limited_prefix)
         allowed = details.method.startswith(OPEN_PREFIX) or self._tokens.accepts(
-            _metadata(details, "authorization"))
+            _metadata(details, "authorization")
+        )
         span = self._span_starter(details)
         if handler.response_streaming:
             wrapped = self._streaming(handler_behavior(handler), method, limited, allowed, span)
@@ -125,19 +140,27 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             wrapped = self._unary(handler_behavior(handler), method, limited, allowed, span)
         return replace_behavior(handler, wrapped)
 
-    def _span_starter(self, details: grpc.HandlerCallDetails,
-                      ) -> Callable[[], Opened] | None:
+    def _span_starter(
+        self,
+        details: grpc.HandlerCallDetails,
+    ) -> Callable[[], Opened] | None:
         """What opens this call's server span when it runs; None when it is not traced."""
         if self._tracer is None or details.method.startswith(UNTRACED_PREFIX):
             return None
         tracer = self._tracer
         service, _, name = details.method.lstrip("/").rpartition("/")
-        carrier = {key: value for key, value in details.invocation_metadata or ()
-                   if isinstance(value, str)}
+        carrier = {
+            key: value for key, value in details.invocation_metadata or () if isinstance(value, str)
+        }
 
         def start() -> Opened:
-            return open_server_span(tracer, details.method, carrier, {
-                "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+            return open_server_span(
+                tracer,
+                details.method,
+                carrier,
+                {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+            )
+
         return start
 
     def _admit(self, method: str, limited: bool) -> bool:
@@ -158,12 +181,18 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _record(self, method: str, started: float, code: grpc.StatusCode) -> None:
         self._metrics.rpc_duration.record(
             time.perf_counter() - started,
-            {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: code.name})
+            {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: code.name},
+        )
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, method: str, limited: bool, allowed: bool,
-                        context: grpc.aio.ServicerContext[Any, Any],
-                        span: Callable[[], Opened] | None) -> AsyncIterator[None]:
+    async def _admitted(
+        self,
+        method: str,
+        limited: bool,
+        allowed: bool,
+        context: grpc.aio.ServicerContext[Any, Any],
+        span: Callable[[], Opened] | None,
+    ) -> AsyncIterator[None]:
         """Admit the call (or abort it with UNAUTHENTICATED or RESOURCE_EXHAUSTED), then
         record how it ended; when traced, inside its server span, current throughout,
         which records the status code.
@@ -177,18 +206,30 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         try:
             if not allowed:
                 code = grpc.StatusCode.UNAUTHENTICATED
-                log.info("rpc", rpc=method, status="UNAUTHENTICATED",
-                         error="missing or invalid bearer token")  # never the token itself
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                    "missing or invalid bearer token: send "
-                                    "'authorization: Bearer <token>' metadata")
+                log.info(
+                    "rpc",
+                    rpc=method,
+                    status="UNAUTHENTICATED",
+                    error="missing or invalid bearer token",
+                )  # never the token itself
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or invalid bearer token: send "
+                    "'authorization: Bearer <token>' metadata",
+                )
             if not self._admit(method, limited):
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                log.info("rpc", rpc=method, status="RESOURCE_EXHAUSTED",
-                         error=f"server busy: {self._max_active} calls in progress")
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"server busy: {self._max_active} calls in progress "
-                                    "(max_concurrent_rpcs); retry with backoff")
+                log.info(
+                    "rpc",
+                    rpc=method,
+                    status="RESOURCE_EXHAUSTED",
+                    error=f"server busy: {self._max_active} calls in progress",
+                )
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"server busy: {self._max_active} calls in progress "
+                    "(max_concurrent_rpcs); retry with backoff",
+                )
             admitted = True
             yield
             set_code = context.code()  # set without raising
@@ -205,11 +246,20 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 self._record(method, started, code)
             finally:
                 if opened is not None:
-                    close_server_span(opened, {"rpc.grpc.status_code": code.value[0]},
-                                      code.name if code in SERVER_FAULTS else None)
+                    close_server_span(
+                        opened,
+                        {"rpc.grpc.status_code": code.value[0]},
+                        code.name if code in SERVER_FAULTS else None,
+                    )
 
-    def _unary(self, behavior: Behavior, method: str, limited: bool,
-               allowed: bool, span: Callable[[], Opened] | None) -> Behavior:
+    def _unary(
+        self,
+        behavior: Behavior,
+        method: str,
+        limited: bool,
+        allowed: bool,
+        span: Callable[[], Opened] | None,
+    ) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             try:
                 async with self._admitted(method, limited, allowed, context, span):
@@ -219,21 +269,30 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 # cycle): not the request bytes with it (`service.Rerank`).
                 del request
                 raise
+
         return call
 
-    def _streaming(self, behavior: Behavior, method: str, limited: bool,
-                   allowed: bool, span: Callable[[], Opened] | None) -> Behavior:
+    def _streaming(
+        self,
+        behavior: Behavior,
+        method: str,
+        limited: bool,
+        allowed: bool,
+        span: Callable[[], Opened] | None,
+    ) -> Behavior:
         if not inspect.isasyncgenfunction(behavior):
             # A handler that sends with `context.write` and returns (grpc_health's
             # Watch): grpc awaits it rather than iterating it, and so must the wrapper.
-            async def written(request: Any,
-                              context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            async def written(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with self._admitted(method, limited, allowed, context, span):
                     return await behavior(request, context)
+
             return written
 
-        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any],
-                       ) -> AsyncIterator[Any]:
+        async def call(
+            request: Any,
+            context: grpc.aio.ServicerContext[Any, Any],
+        ) -> AsyncIterator[Any]:
             try:
                 async with self._admitted(method, limited, allowed, context, span):
                     if not limited:  # health's Watch: quiet for long spells by design
@@ -251,6 +310,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except BaseException:
                 del request  # as in `_unary`
                 raise
+
         return call
 
 
@@ -261,8 +321,10 @@ def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
     return None
 
 
-def _code_of(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any],
-             ) -> grpc.StatusCode:
+def _code_of(
+    exc: BaseException,
+    context: grpc.aio.ServicerContext[Any, Any],
+) -> grpc.StatusCode:
     """The status an RPC ended with when its handler raised `exc`."""
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return grpc.StatusCode.CANCELLED
@@ -278,13 +340,18 @@ def handler_behavior(handler: grpc.RpcMethodHandler) -> Behavior:
     return behavior
 
 
-def replace_behavior(handler: grpc.RpcMethodHandler, behavior: Behavior,
-                     ) -> grpc.RpcMethodHandler:
+def replace_behavior(
+    handler: grpc.RpcMethodHandler,
+    behavior: Behavior,
+) -> grpc.RpcMethodHandler:
     """`handler` with its behavior replaced, same streaming kind and serializers."""
     kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
     factory = getattr(grpc, f"{kind}_rpc_method_handler")
-    return factory(behavior, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+    return factory(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 _KINDS = {

@@ -85,16 +85,24 @@ def parse_request(raw: bytes, field: str = "request") -> pb.RerankRequest:
     try:
         return pb.RerankRequest.FromString(raw)
     except DecodeError:
-        raise InvalidRequest(field, "cannot be decoded as rerank.v1.RerankRequest "
-                                    "(truncated message, wrong type, or invalid UTF-8 "
-                                    "in a string field)") from None
+        raise InvalidRequest(
+            field,
+            "cannot be decoded as rerank.v1.RerankRequest "
+            "(truncated message, wrong type, or invalid UTF-8 "
+            "in a string field)",
+        ) from None
 
 
 class RerankService:
     """The three RPCs; each takes the request's raw bytes (see the module docstring)."""
 
-    def __init__(self, reranker: Reranker, batch_concurrency: int,
-                 inflight: InflightBytes, max_message_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        reranker: Reranker,
+        batch_concurrency: int,
+        inflight: InflightBytes,
+        max_message_bytes: int | None = None,
+    ) -> None:
         self._reranker = reranker
         self._batch_concurrency = batch_concurrency
         self.inflight = inflight
@@ -106,8 +114,9 @@ class RerankService:
         have, and end (UNAVAILABLE, naming the first request not read)."""
         self._draining.set()
 
-    def _answer(self, rpc: str, results: list[RankedCandidate], summary: RerankSummary,
-                measured: bool) -> pb.RerankResponse:
+    def _answer(
+        self, rpc: str, results: list[RankedCandidate], summary: RerankSummary, measured: bool
+    ) -> pb.RerankResponse:
         """The response, logged and counted; AnswerTooLarge if gRPC could not send it.
         Only answers that can grow past the request are measured (measuring costs about
         a serialization): those with texts, and those whose lists' names may add up
@@ -124,12 +133,16 @@ class RerankService:
                 raise AnswerTooLarge(
                     f"the answer is {size} bytes, over this server's --max-message-bytes "
                     f"({self._max_message_bytes}): ask for fewer results (top_k), "
-                    "without return_text, or with shorter list names")
+                    "without return_text, or with shorter list names"
+                )
         self._finish(rpc, summary, len(results))
         return response
 
-    def _lists_may_overflow(self, query: RerankQuery, results: list[RankedCandidate],
-                            ) -> bool:
+    def _lists_may_overflow(
+        self,
+        query: RerankQuery,
+        results: list[RankedCandidate],
+    ) -> bool:
         """Whether the lists' names (`found_in`, in each result that was found in them)
         may bring the answer near the limit: a bound, in bytes, against a quarter of
         it, so that the common hybrid request is not measured (measuring costs 4-17 us)."""
@@ -144,8 +157,12 @@ class RerankService:
         self._reranker.telemetry.metrics.record_rerank(summary)
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, raw: bytes, seen: _Seen, field: str = "request",
-                        ) -> AsyncIterator[RerankQuery]:
+    async def _admitted(
+        self,
+        raw: bytes,
+        seen: _Seen,
+        field: str = "request",
+    ) -> AsyncIterator[RerankQuery]:
         """The request as a domain query, its bytes counted in flight while it runs."""
         size = len(raw)
         self.inflight.take(size)
@@ -164,8 +181,9 @@ class RerankService:
     # through gRPC's abort, and with the collector tuned down (`freeze_startup_objects`)
     # a flood of refused 12 MB requests otherwise kept each one alive for seconds.
 
-    async def Rerank(self, raw: bytes,
-                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
+    async def Rerank(
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RerankResponse:
         started, seen = time.perf_counter(), _Seen()
         try:
             return await self._rerank(raw, seen, context)
@@ -177,20 +195,25 @@ class RerankService:
             await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
 
-    async def _rerank(self, raw: bytes, seen: _Seen,
-                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RerankResponse:
+    async def _rerank(
+        self, raw: bytes, seen: _Seen, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RerankResponse:
         async with self._admitted(raw, seen) as query:
             del raw  # the domain query holds what is needed
             # One span for the call and its request (`Telemetry.request_span`). Not for
             # RerankStream: a stream cancelled while gRPC waits to send ends its server
             # span before the pipeline is closed, and the scoring's counts would be lost.
             results, summary = await self._reranker.answer(
-                query, _deadline(context), self._reranker.telemetry.request_span())
+                query, _deadline(context), self._reranker.telemetry.request_span()
+            )
             measured = query.return_text or self._lists_may_overflow(query, results)
         return self._answer("Rerank", results, summary, measured)
 
-    async def RerankStream(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any],
-                           ) -> AsyncIterator[pb.RerankStreamMessage]:
+    async def RerankStream(
+        self,
+        raw: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.RerankStreamMessage]:
         started, seen = time.perf_counter(), _Seen()
         progress = _Progress()
         try:
@@ -206,19 +229,27 @@ class RerankService:
         except Exception as exc:
             await self._abort(context, "RerankStream", seen.request_id, started, exc)
 
-    async def _stream(self, raw: bytes, seen: _Seen,
-                      context: grpc.aio.ServicerContext[Any, Any], started: float,
-                      progress: _Progress) -> AsyncGenerator[pb.RerankStreamMessage, None]:
-        async with self._admitted(raw, seen) as query, \
-                contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items:
+    async def _stream(
+        self,
+        raw: bytes,
+        seen: _Seen,
+        context: grpc.aio.ServicerContext[Any, Any],
+        started: float,
+        progress: _Progress,
+    ) -> AsyncGenerator[pb.RerankStreamMessage, None]:
+        async with (
+            self._admitted(raw, seen) as query,
+            contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items,
+        ):
             del raw
             # To the pipeline's end (the summary is its last item), and closed at once
             # when the client goes away: a generator left suspended is closed only when
             # the event loop gets to its finalizer.
             async for item in items:
                 if isinstance(item, RerankSummary):
-                    self._finish("RerankStream", item, progress.sent,
-                                 first_result_ms=progress.first_ms)
+                    self._finish(
+                        "RerankStream", item, progress.sent, first_result_ms=progress.first_ms
+                    )
                     progress.answered = True
                     yield pb.RerankStreamMessage(summary=convert.summary_to_pb(item))
                     continue
@@ -227,9 +258,11 @@ class RerankService:
                 progress.sent += 1
                 yield pb.RerankStreamMessage(result=convert.result_to_pb(item))
 
-    async def RerankBatch(self, requests: AsyncIterable[bytes],
-                          context: grpc.aio.ServicerContext[Any, Any],
-                          ) -> AsyncIterator[pb.RerankResponse]:
+    async def RerankBatch(
+        self,
+        requests: AsyncIterable[bytes],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.RerankResponse]:
         """Runs up to `batch_concurrency` requests at once; answers as each completes.
 
         Back-pressure: a request's slot is given back only once its answer is queued, and
@@ -249,8 +282,7 @@ class RerankService:
                 try:
                     async with self._admitted(raw, seen, f"requests[{position}]") as query:
                         results, summary = await self._reranker.answer(query, _deadline(context))
-                        measured = (query.return_text
-                                    or self._lists_may_overflow(query, results))
+                        measured = query.return_text or self._lists_may_overflow(query, results)
                     answer = self._answer("RerankBatch", results, summary, measured)
                 except asyncio.CancelledError:
                     rpc_cancelled("RerankBatch", seen.request_id, started, _ended(context))
@@ -258,16 +290,26 @@ class RerankService:
                 except Exception as exc:
                     traceback.clear_frames(exc.__traceback__)  # see `Rerank`
                     code, message = _status_for(exc)
-                    if isinstance(exc, InvalidRequest) and not seen.request_id \
-                            and not message.startswith("requests["):
+                    if (
+                        isinstance(exc, InvalidRequest)
+                        and not seen.request_id
+                        and not message.startswith("requests[")
+                    ):
                         # No id to match the answer by: its position in the stream says
                         # which request it was, as for one that did not decode.
                         message = f"requests[{position}].{message}"
-                    rpc_failed("RerankBatch", seen.request_id, started, code.name, exc,
-                               internal=code is grpc.StatusCode.INTERNAL)
+                    rpc_failed(
+                        "RerankBatch",
+                        seen.request_id,
+                        started,
+                        code.name,
+                        exc,
+                        internal=code is grpc.StatusCode.INTERNAL,
+                    )
                     answer = pb.RerankResponse(
                         request_id=seen.request_id,
-                        error=pb.RequestError(code=code.value[0], message=message))
+                        error=pb.RequestError(code=code.value[0], message=message),
+                    )
                 await done.put(answer)
             finally:
                 slots.release()
@@ -318,21 +360,32 @@ class RerankService:
                 await feeder
             if cut:
                 log.info("batch_stream_drained", read=position)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, (
-                    f"the server is shutting down: requests[{position}] and any after it "
-                    "were not read (every request before it was answered); send them "
-                    "again, to another server"))
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    (
+                        f"the server is shutting down: requests[{position}] and any after it "
+                        "were not read (every request before it was answered); send them "
+                        "again, to another server"
+                    ),
+                )
         finally:
             stop_listening()
             for task in (feeder, *tasks):
                 task.cancel()
 
-    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str,
-                     request_id: str, started: float, exc: Exception) -> None:
+    async def _abort(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        rpc: str,
+        request_id: str,
+        started: float,
+        exc: Exception,
+    ) -> None:
         traceback.clear_frames(exc.__traceback__)
         code, message = _status_for(exc)
-        rpc_failed(rpc, request_id, started, code.name, exc,
-                   internal=code is grpc.StatusCode.INTERNAL)
+        rpc_failed(
+            rpc, request_id, started, code.name, exc, internal=code is grpc.StatusCode.INTERNAL
+        )
         await context.abort(code, message)
 
 

@@ -28,13 +28,23 @@ def answer(count: int) -> bytes:
     """A `RerankResponse` shaped like rerank-server's for `count` candidates."""
     if count not in _ANSWERS:
         response = pb.RerankResponse(
-            request_id="bare", reranked=True, backend="bare", model="bare",
+            request_id="bare",
+            reranked=True,
+            backend="bare",
+            model="bare",
             blend_strategy=pb.BLEND_STRATEGY_ADAPTIVE,
             counts=pb.Counts(candidates=count, submitted=count, scored=count),
-            timings=pb.Timings(total_ms=1.0, scoring_ms=0.5))
+            timings=pb.Timings(total_ms=1.0, scoring_ms=0.5),
+        )
         for i in range(count):
-            response.results.add(id=str(i), index=i, rank=i + 1, score=1.0 - i / (count + 1),
-                                 reranker_score=0.5, retrieval_rank=i + 1)
+            response.results.add(
+                id=str(i),
+                index=i,
+                rank=i + 1,
+                score=1.0 - i / (count + 1),
+                reranker_score=0.5,
+                retrieval_rank=i + 1,
+            )
         _ANSWERS[count] = response.SerializeToString()
     return _ANSWERS[count]
 
@@ -45,8 +55,13 @@ async def rerank(raw: bytes, _context: Any) -> bytes:
 
 async def serve(port: int) -> None:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "rerank.v1.Reranker", {"Rerank": grpc.unary_unary_rpc_method_handler(rerank)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "rerank.v1.Reranker", {"Rerank": grpc.unary_unary_rpc_method_handler(rerank)}
+            ),
+        )
+    )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()

@@ -32,14 +32,19 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 
-def _weights(path: str, dtype: torch.dtype, device: str) -> tuple[dict[str, torch.Tensor],
-                                                                   dict[str, float]]:
+def _weights(
+    path: str, dtype: torch.dtype, device: str
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     reader = GGUFReader(path)
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     config: dict[str, float] = {}
-    for key, name in (("block_count", "layers"), ("attention.head_count", "heads"),
-                      ("attention.head_count_kv", "kv_heads"), ("rope.freq_base", "rope"),
-                      ("attention.layer_norm_rms_epsilon", "eps")):
+    for key, name in (
+        ("block_count", "layers"),
+        ("attention.head_count", "heads"),
+        ("attention.head_count_kv", "kv_heads"),
+        ("rope.freq_base", "rope"),
+        ("attention.layer_norm_rms_epsilon", "eps"),
+    ):
         field = reader.fields.get(f"{arch}.{key}")
         if field is not None:
             config[name] = float(field.parts[-1][0])
@@ -73,11 +78,11 @@ class Decoder:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
-    def _rope(self, length: int, device: torch.device, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, length: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         half = self.head_dim // 2
-        freqs = self.rope_base ** (-torch.arange(half, device=device, dtype=torch.float64)
-                                   / half)
+        freqs = self.rope_base ** (-torch.arange(half, device=device, dtype=torch.float64) / half)
         angles = torch.outer(torch.arange(length, device=device, dtype=torch.float64), freqs)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -91,8 +96,9 @@ class Decoder:
             return torch.cat(turned, dim=-1)
         return torch.stack(turned, dim=-1).flatten(-2)
 
-    def last_logits(self, ids: torch.Tensor, lengths: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor:
+    def last_logits(
+        self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
         """The `rows` logits at each sequence's last real token."""
         w = self.w
         batch, length = ids.shape
@@ -110,12 +116,17 @@ class Decoder:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             attended = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True)
-            x = x + attended.transpose(1, 2).reshape(batch, length, -1) \
+                q, k, v, is_causal=True, enable_gqa=True
+            )
+            x = (
+                x
+                + attended.transpose(1, 2).reshape(batch, length, -1)
                 @ w[p + "attn_output.weight"].T
+            )
             h = self._norm(x, w[p + "ffn_norm.weight"])
-            gated = torch.nn.functional.silu(h @ w[p + "ffn_gate.weight"].T) \
-                * (h @ w[p + "ffn_up.weight"].T)
+            gated = torch.nn.functional.silu(h @ w[p + "ffn_gate.weight"].T) * (
+                h @ w[p + "ffn_up.weight"].T
+            )
             x = x + gated @ w[p + "ffn_down.weight"].T
         last = x[torch.arange(batch, device=x.device), lengths - 1]
         return self._norm(last, w["output_norm.weight"]) @ self.head[rows].T
@@ -124,20 +135,25 @@ class Decoder:
 def _pass(model: Decoder, prompts: list[list[int]], batch: int, device: str) -> None:
     rows = torch.tensor([0, 1], device=device)
     for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
+        chunk = prompts[start : start + batch]
         longest = max(len(p) for p in chunk)
         ids = torch.zeros((len(chunk), longest), dtype=torch.long)
         for n, prompt in enumerate(chunk):
-            ids[n, :len(prompt)] = torch.tensor(prompt)
+            ids[n, : len(prompt)] = torch.tensor(prompt)
         lengths = torch.tensor([len(p) for p in chunk], device=device)
         model.last_logits(ids.to(device), lengths, rows).float().cpu()
 
 
 def _argmax(model: Decoder, prompts: list[list[int]], device: str) -> list[int]:
     rows = torch.arange(model.head.shape[0], device=device)
-    return [int(model.last_logits(torch.tensor([p], device=device),
-                                  torch.tensor([len(p)], device=device), rows).argmax())
-            for p in prompts]
+    return [
+        int(
+            model.last_logits(
+                torch.tensor([p], device=device), torch.tensor([len(p)], device=device), rows
+            ).argmax()
+        )
+        for p in prompts
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -167,10 +183,20 @@ def main(argv: list[str]) -> int:
                 times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
     name = torch.cuda.get_device_name() if cuda else f"cpu, {torch.get_num_threads()} threads"
-    print(json.dumps({"device": name, "dtype": str(dtype).removeprefix("torch."),
-                      "batch": batch, "pairs": len(prompts), "rounds": rounds,
-                      "tokens": sum(map(len, prompts)), "ms": round(seconds * 1000),
-                      "pairs_per_s": round(len(prompts) / seconds, 1)}))
+    print(
+        json.dumps(
+            {
+                "device": name,
+                "dtype": str(dtype).removeprefix("torch."),
+                "batch": batch,
+                "pairs": len(prompts),
+                "rounds": rounds,
+                "tokens": sum(map(len, prompts)),
+                "ms": round(seconds * 1000),
+                "pairs_per_s": round(len(prompts) / seconds, 1),
+            }
+        )
+    )
     return 0
 
 

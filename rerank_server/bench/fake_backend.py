@@ -37,17 +37,39 @@ def _score(text: str) -> float:
 
 # The rest of the 20 top logprobs rerank-server asks for, as llama-server sends them: the
 # parsing of every entry is part of what a scored pair costs.
-_OTHERS = [{"id": 10 + i, "token": t, "bytes": list(t.encode()), "logprob": -12.0 - i}
-           for i, t in enumerate((" Yes", " No", "YES", "The", "Based", "I", "It", "Rel",
-                                  "yes,", "No.", "\n", " ", "The", "This", "A", "Maybe",
-                                  "Not", "<"))]
+_OTHERS = [
+    {"id": 10 + i, "token": t, "bytes": list(t.encode()), "logprob": -12.0 - i}
+    for i, t in enumerate(
+        (
+            " Yes",
+            " No",
+            "YES",
+            "The",
+            "Based",
+            "I",
+            "It",
+            "Rel",
+            "yes,",
+            "No.",
+            "\n",
+            " ",
+            "The",
+            "This",
+            "A",
+            "Maybe",
+            "Not",
+            "<",
+        )
+    )
+]
 
 
 def _logprobs(p: float) -> list[dict[str, Any]]:
-    return [{"id": 1, "token": "yes", "bytes": [121, 101, 115],
-             "logprob": math.log(max(p, 1e-6))},
-            {"id": 2, "token": "no", "bytes": [110, 111], "logprob": math.log(max(1 - p, 1e-6))},
-            *_OTHERS]
+    return [
+        {"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": math.log(max(p, 1e-6))},
+        {"id": 2, "token": "no", "bytes": [110, 111], "logprob": math.log(max(1 - p, 1e-6))},
+        *_OTHERS,
+    ]
 
 
 # An embedding is as long as MiniLM-L6's (384 floats) and written as llama-server writes
@@ -66,9 +88,17 @@ def _embedding(score: float, as_base64: bool) -> list[float] | str:
     return [score, 1.0, 0.5, *_TAIL]
 
 
-_TIMINGS = {"cache_n": 0, "prompt_n": 150, "prompt_ms": 20.5, "prompt_per_token_ms": 0.14,
-            "prompt_per_second": 7317.1, "predicted_n": 1, "predicted_ms": 0.001,
-            "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0}
+_TIMINGS = {
+    "cache_n": 0,
+    "prompt_n": 150,
+    "prompt_ms": 20.5,
+    "prompt_per_token_ms": 0.14,
+    "prompt_per_second": 7317.1,
+    "predicted_n": 1,
+    "predicted_ms": 0.001,
+    "predicted_per_token_ms": 0.0,
+    "predicted_per_second": 0.0,
+}
 
 
 def answer(path: str, body: Any) -> Any:
@@ -81,21 +111,34 @@ def answer(path: str, body: Any) -> Any:
             # One hash of the whole prompt, not one per candidate: a listwise prompt is
             # every document at once, and hashing it 40 times was the fake's main cost.
             seed = _score(content)
-            scores = [{"index": i, "score": round(_score(f"{i} {seed}"), 3)}
-                      for i in range(1, n + 1)]
-            return {"choices": [{"message": {"role": "assistant",
-                                             "content": json.dumps(scores)}}]}
+            scores = [
+                {"index": i, "score": round(_score(f"{i} {seed}"), 3)} for i in range(1, n + 1)
+            ]
+            return {"choices": [{"message": {"role": "assistant", "content": json.dumps(scores)}}]}
         top = _logprobs(_score(content))
         # Shaped and sized as the pinned llama-server's answer (about 2.2 KB).
-        return {"created": 1795411458, "model": "instant", "system_fingerprint": "b0-unknown",
-                "object": "chat.completion", "id": "chatcmpl-akEur6yhsVIgbXVkyptf8cGLjJNEMXJi",
-                "usage": {"completion_tokens": 1, "prompt_tokens": len(content) // 4,
-                          "total_tokens": len(content) // 4 + 1,
-                          "prompt_tokens_details": {"cached_tokens": 0}},
-                "timings": _TIMINGS,
-                "choices": [{"finish_reason": "length", "index": 0,
-                             "message": {"role": "assistant", "content": "yes"},
-                             "logprobs": {"content": [{**top[0], "top_logprobs": top}]}}]}
+        return {
+            "created": 1795411458,
+            "model": "instant",
+            "system_fingerprint": "b0-unknown",
+            "object": "chat.completion",
+            "id": "chatcmpl-akEur6yhsVIgbXVkyptf8cGLjJNEMXJi",
+            "usage": {
+                "completion_tokens": 1,
+                "prompt_tokens": len(content) // 4,
+                "total_tokens": len(content) // 4 + 1,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+            "timings": _TIMINGS,
+            "choices": [
+                {
+                    "finish_reason": "length",
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "yes"},
+                    "logprobs": {"content": [{**top[0], "top_logprobs": top}]},
+                }
+            ],
+        }
     if path == "/completion":
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         return [_completion(i, p, body.get("response_fields")) for i, p in enumerate(prompts)]
@@ -107,28 +150,46 @@ def answer(path: str, body: Any) -> Any:
     if path in ("/v1/rerank", "/rerank"):
         if "texts" in body:
             return [{"index": i, "score": _score(t)} for i, t in enumerate(body["texts"])]
-        return {"results": [{"index": i, "relevance_score": _score(t)}
-                            for i, t in enumerate(body["documents"])]}
+        return {
+            "results": [
+                {"index": i, "relevance_score": _score(t)} for i, t in enumerate(body["documents"])
+            ]
+        }
     if path == "/v1/embeddings":
         as_base64 = body.get("encoding_format") == "base64"
-        data = [{"embedding": _embedding(_score(t), as_base64), "index": i,
-                 "object": "embedding", **({"encoding_format": "base64"} if as_base64
-                                           else {})}
-                for i, t in enumerate(body["input"])]
+        data = [
+            {
+                "embedding": _embedding(_score(t), as_base64),
+                "index": i,
+                "object": "embedding",
+                **({"encoding_format": "base64"} if as_base64 else {}),
+            }
+            for i, t in enumerate(body["input"])
+        ]
         tokens = sum(len(t) // 4 for t in body["input"])
-        return {"model": "instant", "object": "list",
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "data": data}
+        return {
+            "model": "instant",
+            "object": "list",
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "data": data,
+        }
     if path == "/api/generate":
         # Ollama's whole non-streaming answer (docs.ollama.com/api/usage), not only the
         # two fields the scorer reads: decoding the rest is part of a pair's cost.
         prompt_tokens = len(body["prompt"]) // 4
-        return {"model": body.get("model", "instant"),
-                "created_at": "2026-11-25T07:30:00.000000Z",
-                "response": str(round(_score(body["prompt"]) * 10)), "done": True,
-                "done_reason": "stop", "total_duration": 174560334,
-                "load_duration": 101397084, "prompt_eval_count": prompt_tokens,
-                "prompt_eval_duration": 13074791, "eval_count": 2,
-                "eval_duration": 52479709}
+        return {
+            "model": body.get("model", "instant"),
+            "created_at": "2026-11-25T07:30:00.000000Z",
+            "response": str(round(_score(body["prompt"]) * 10)),
+            "done": True,
+            "done_reason": "stop",
+            "total_duration": 174560334,
+            "load_duration": 101397084,
+            "prompt_eval_count": prompt_tokens,
+            "prompt_eval_duration": 13074791,
+            "eval_count": 2,
+            "eval_duration": 52479709,
+        }
     return None
 
 
@@ -136,37 +197,93 @@ def answer(path: str, body: Any) -> Any:
 # `response_fields` narrows it: its sampling settings, the prompt echoed, timings. The
 # size is part of what decoding an answer costs (159 KB for 40 prompts, 68 KB narrowed).
 _SETTINGS = {
-    "seed": 4294967295, "temperature": 0.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
-    "top_k": 40, "top_p": 0.95, "min_p": 0.05, "top_n_sigma": -1.0, "xtc_probability": 0.0,
-    "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0,
-    "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
-    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
-    "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9, "stop": [],
-    "max_tokens": 1, "n_predict": 1, "n_keep": 0, "n_discard": 0, "ignore_eos": False,
-    "stream": False, "logit_bias": [], "n_probs": 20, "min_keep": 0, "grammar": "",
-    "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": [],
-    "chat_format": "Content-only", "reasoning_format": "deepseek",
-    "reasoning_in_content": False, "generation_prompt": "",
-    "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
-                 "xtc", "temperature"],
-    "speculative.types": "none", "timings_per_token": False, "post_sampling_probs": False,
-    "backend_sampling": False, "lora": []}
+    "seed": 4294967295,
+    "temperature": 0.0,
+    "dynatemp_range": 0.0,
+    "dynatemp_exponent": 1.0,
+    "top_k": 40,
+    "top_p": 0.95,
+    "min_p": 0.05,
+    "top_n_sigma": -1.0,
+    "xtc_probability": 0.0,
+    "xtc_threshold": 0.1,
+    "typical_p": 1.0,
+    "repeat_last_n": 64,
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_penalty_last_n": 64,
+    "dry_sequence_breakers": ["\n", ":", '"', "*"],
+    "mirostat": 0,
+    "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1,
+    "adaptive_target": -1.0,
+    "adaptive_decay": 0.9,
+    "stop": [],
+    "max_tokens": 1,
+    "n_predict": 1,
+    "n_keep": 0,
+    "n_discard": 0,
+    "ignore_eos": False,
+    "stream": False,
+    "logit_bias": [],
+    "n_probs": 20,
+    "min_keep": 0,
+    "grammar": "",
+    "grammar_lazy": False,
+    "grammar_triggers": [],
+    "preserved_tokens": [],
+    "chat_format": "Content-only",
+    "reasoning_format": "deepseek",
+    "reasoning_in_content": False,
+    "generation_prompt": "",
+    "samplers": [
+        "penalties",
+        "dry",
+        "top_n_sigma",
+        "top_k",
+        "typ_p",
+        "top_p",
+        "min_p",
+        "xtc",
+        "temperature",
+    ],
+    "speculative.types": "none",
+    "timings_per_token": False,
+    "post_sampling_probs": False,
+    "backend_sampling": False,
+    "lora": [],
+}
 
 
 def _completion(index: int, prompt: str, fields: Any) -> dict[str, Any]:
     top = _logprobs(_score(prompt))
-    result = {"completion_probabilities": [{**top[0], "top_logprobs": top}],
-              "model": "instant"}
+    result = {"completion_probabilities": [{**top[0], "top_logprobs": top}], "model": "instant"}
     if fields:
         return {k: v for k, v in result.items() if k in fields}
     n = len(prompt) // 4
-    return {"index": index, "content": "yes", "tokens": [], "id_slot": index % 4, "stop": True,
-            "model": "instant", "tokens_predicted": 1, "tokens_evaluated": n,
-            "generation_settings": _SETTINGS, "prompt": prompt, "has_new_line": False,
-            "truncated": False, "stop_type": "limit", "stopping_word": "", "tokens_cached": 0,
-            "timings": _TIMINGS,
-            "completion_probabilities": result["completion_probabilities"]}
+    return {
+        "index": index,
+        "content": "yes",
+        "tokens": [],
+        "id_slot": index % 4,
+        "stop": True,
+        "model": "instant",
+        "tokens_predicted": 1,
+        "tokens_evaluated": n,
+        "generation_settings": _SETTINGS,
+        "prompt": prompt,
+        "has_new_line": False,
+        "truncated": False,
+        "stop_type": "limit",
+        "stopping_word": "",
+        "tokens_cached": 0,
+        "timings": _TIMINGS,
+        "completion_probabilities": result["completion_probabilities"],
+    }
 
 
 # What llama-server's `/props` tells of the context (2048 tokens per slot, as the bench's
@@ -199,12 +316,18 @@ class FakeHttp(asyncio.Protocol):
         self.buffer += data
         while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
             lines = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
-            length = next((int(value) for name, _, value in (x.partition(":") for x in lines)
-                           if name.strip().lower() == "content-length"), 0)
+            length = next(
+                (
+                    int(value)
+                    for name, _, value in (x.partition(":") for x in lines)
+                    if name.strip().lower() == "content-length"
+                ),
+                0,
+            )
             if len(self.buffer) < end + 4 + length:
                 break
-            body = bytes(self.buffer[end + 4:end + 4 + length])
-            del self.buffer[:end + 4 + length]
+            body = bytes(self.buffer[end + 4 : end + 4 + length])
+            del self.buffer[: end + 4 + length]
             method, path = lines[0].split(" ")[:2]
             self.respond(method, path, body)
         if len(self.buffer) > MAX_HEAD and self.transport is not None:
@@ -216,8 +339,14 @@ class FakeHttp(asyncio.Protocol):
                 self.send(200, FakeHttp.recorded or [])
                 FakeHttp.recorded = None
                 return
-            self.send(200, {"data": [{"id": "instant"}]} if path == "/v1/models"
-                      else _PROPS if path == "/props" else {"status": "ok"})
+            self.send(
+                200,
+                {"data": [{"id": "instant"}]}
+                if path == "/v1/models"
+                else _PROPS
+                if path == "/props"
+                else {"status": "ok"},
+            )
             return
         if path == "/bench/record":
             FakeHttp.recorded = []
@@ -241,8 +370,10 @@ class FakeHttp(asyncio.Protocol):
             return
         data = orjson.dumps(payload)
         reason = {200: b"OK", 400: b"Bad Request"}.get(status, b"Not Found")
-        self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (status, reason, len(data), data))
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (status, reason, len(data), data)
+        )
 
 
 async def serve(port: int) -> None:
@@ -255,8 +386,12 @@ async def serve(port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--latency-ms", type=float, default=0.0,
-                        help="wait this long before answering each scoring call")
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="wait this long before answering each scoring call",
+    )
     args = parser.parse_args()
     FakeHttp.latency_s = args.latency_ms / 1000
     with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop where installed

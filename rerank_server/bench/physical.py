@@ -28,24 +28,33 @@ def torch_python(cache: Path) -> Path | None:
     return converter if converter.exists() else None
 
 
-async def prompt_tokens(http: httpx.AsyncClient, url: str,
-                        prompts: Sequence[str]) -> list[list[int]]:
+async def prompt_tokens(
+    http: httpx.AsyncClient, url: str, prompts: Sequence[str]
+) -> list[list[int]]:
     """Each prompt as the backend's tokenizer splits it, special tokens parsed."""
+
     async def one(text: str) -> list[int]:
         answer = await http.post(url + "/tokenize", json={"content": text})
         answer.raise_for_status()
         return [int(t) for t in answer.json()["tokens"]]
+
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def eager_limit(python: Path, model: Path, tokens: Sequence[Sequence[int]],
-                      rounds: int) -> dict[str, Any]:
+async def eager_limit(
+    python: Path, model: Path, tokens: Sequence[Sequence[int]], rounds: int
+) -> dict[str, Any]:
     """`eager.py`'s report for `model` over `tokens`: device, dtype, pairs/s. Raises
     RuntimeError with the script's last words when it fails."""
     proc = await asyncio.create_subprocess_exec(
-        str(python), str(SCRIPT), str(model), str(max(rounds, 1)),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        str(python),
+        str(SCRIPT),
+        str(model),
+        str(max(rounds, 1)),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await proc.communicate(json.dumps([list(t) for t in tokens]).encode())
     if proc.returncode:
         tail = err.decode(errors="replace").strip().splitlines()[-3:]

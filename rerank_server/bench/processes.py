@@ -33,8 +33,10 @@ def cpu_seconds(pid: int) -> float:
 def cpu_ns(pid: int) -> int:
     """CPU time of every live thread of `pid` so far, in nanoseconds (schedstat: finer
     than `cpu_seconds`'s clock ticks of 10 ms)."""
-    return sum(int((task / "schedstat").read_text().split()[0])
-               for task in Path(f"/proc/{pid}/task").iterdir())
+    return sum(
+        int((task / "schedstat").read_text().split()[0])
+        for task in Path(f"/proc/{pid}/task").iterdir()
+    )
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
@@ -51,8 +53,9 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) 
     raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30,
-               name: str = "rerank-server") -> None:
+def _wait_port(
+    port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30, name: str = "rerank-server"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -75,8 +78,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 @contextmanager
 def fake_backend(latency_ms: float = 0.0) -> Iterator[str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server.bench.fake_backend",
-                             "--port", str(port), "--latency-ms", str(latency_ms)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rerank_server.bench.fake_backend",
+            "--port",
+            str(port),
+            "--latency-ms",
+            str(latency_ms),
+        ]
+    )
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"
@@ -88,8 +100,9 @@ def fake_backend(latency_ms: float = 0.0) -> Iterator[str]:
 def bare_grpc() -> Iterator[tuple[int, int]]:
     """(port, PID) of a bare `grpc.aio` server answering `Rerank` (`bare_grpc.py`)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rerank_server.bench.bare_grpc",
-                             "--port", str(port)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rerank_server.bench.bare_grpc", "--port", str(port)]
+    )
     try:
         _wait_port(port, proc, name="the bare gRPC server")
         yield port, proc.pid
@@ -97,19 +110,34 @@ def bare_grpc() -> Iterator[tuple[int, int]]:
         stop(proc)
 
 
-def start_server(args: Sequence[str], env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None, prefix: Sequence[str] = (),
-                 start_timeout_s: float = 30) -> tuple[int, subprocess.Popen[bytes]]:
+def start_server(
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    prefix: Sequence[str] = (),
+    start_timeout_s: float = 30,
+) -> tuple[int, subprocess.Popen[bytes]]:
     """A rerank-server started with `args` (cache and metrics off unless `args` say
     otherwise), listening: its gRPC port and process. `env` adds variables; `cwd` is where
     `python -m rerank_server` finds the package first (another checkout, for A/B runs);
     `prefix` runs it under another program (valgrind, for instruction counts)."""
     port = free_port()
-    environ = {**os.environ, "RERANK_PORT": str(port), "RERANK_CACHE_ENTRIES": "0",
-               "RERANK_HTTP_PORT": "0", "RERANK_METRICS": "0", "RERANK_PROBE": "0",
-               "RERANK_LOG_LEVEL": "warning", **(env or {})}
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "rerank_server", *args],
-                            env=environ, stdout=subprocess.DEVNULL, cwd=cwd)
+    environ = {
+        **os.environ,
+        "RERANK_PORT": str(port),
+        "RERANK_CACHE_ENTRIES": "0",
+        "RERANK_HTTP_PORT": "0",
+        "RERANK_METRICS": "0",
+        "RERANK_PROBE": "0",
+        "RERANK_LOG_LEVEL": "warning",
+        **(env or {}),
+    }
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "rerank_server", *args],
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        cwd=cwd,
+    )
     try:
         _wait_port(port, proc, start_timeout_s)
     except BaseException:
@@ -138,15 +166,33 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
     model = assets.resolve_model(None, cache, fetch_missing=False)
     port = free_port()
     # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
-    decision = amx.decide(settings.llama_amx, args=extra, environ=os.environ,
-                          amx_free_build=assets.is_amx_free_build(binary, cache))
+    decision = amx.decide(
+        settings.llama_amx,
+        args=extra,
+        environ=os.environ,
+        amx_free_build=assets.is_amx_free_build(binary, cache),
+    )
     # As managed mode runs it: without the host-memory prompt cache, which grew the
     # stand-in to 3.5 GB over one streaming scenario (and slows every task as it grows).
-    proc = subprocess.Popen([str(binary), "-m", str(model), "--port", str(port), "-np",
-                             str(slots), "-c", str(slots * 2048), "--no-webui",
-                             *RAM_CACHE_OFF, *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=decision.env(os.environ))
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "--port",
+            str(port),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * 2048),
+            "--no-webui",
+            *RAM_CACHE_OFF,
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=decision.env(os.environ),
+    )
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"

@@ -31,8 +31,10 @@ async def start_recording(http: httpx.AsyncClient, url: str) -> None:
 
 
 def _raw(host: str, path: str, body: bytes) -> bytes:
-    return (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), host.encode(), len(body), body))
+    return (
+        b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), host.encode(), len(body), body)
+    )
 
 
 class Replay:
@@ -44,15 +46,20 @@ class Replay:
         self._requests = [_raw(parts.netloc, path, body) for path, body in calls]
         self._size = max(1, min(connections, len(calls)))
         self._idle: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-            asyncio.Queue())
+            asyncio.Queue()
+        )
 
     async def __aenter__(self) -> Replay:
         for _ in range(self._size):
             self._idle.put_nowait(await asyncio.open_connection(self._host, self._port))
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         while not self._idle.empty():
             _, writer = self._idle.get_nowait()
             writer.close()
@@ -69,8 +76,11 @@ class Replay:
             lines = head.split(b"\r\n")
             if not lines[0].startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"the backend answered {lines[0]!r}")
-            length = next(int(line.split(b":", 1)[1]) for line in lines
-                          if line.lower().startswith(b"content-length:"))
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in lines
+                if line.lower().startswith(b"content-length:")
+            )
             await reader.readexactly(length)
         finally:
             self._idle.put_nowait((reader, writer))

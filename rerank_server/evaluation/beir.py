@@ -36,8 +36,10 @@ def load(path: Path) -> Dataset:
     for name in ("corpus.jsonl", "queries.jsonl", "qrels.tsv"):
         if not (path / name).exists():
             raise DatasetError(f"{path}: no {name} (BEIR layout expected)")
-    corpus = [Document(str(d["_id"]), d.get("title") or "", d["text"])
-              for d in _jsonl(path / "corpus.jsonl")]
+    corpus = [
+        Document(str(d["_id"]), d.get("title") or "", d["text"])
+        for d in _jsonl(path / "corpus.jsonl")
+    ]
     qrels: dict[str, dict[str, int]] = {}
     for n, line in enumerate((path / "qrels.tsv").read_text().splitlines(), start=1):
         parts = line.strip().split("\t")
@@ -46,8 +48,9 @@ def load(path: Path) -> Dataset:
         if len(parts) != 3:
             raise DatasetError(f"{path / 'qrels.tsv'}:{n}: expected 3 tab-separated fields")
         qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
-    queries = {str(q["_id"]): q["text"] for q in _jsonl(path / "queries.jsonl")
-               if str(q["_id"]) in qrels}
+    queries = {
+        str(q["_id"]): q["text"] for q in _jsonl(path / "queries.jsonl") if str(q["_id"]) in qrels
+    }
     qrels = {q: docs for q, docs in qrels.items() if q in queries}
     if not queries:
         raise DatasetError(f"{path}: no query has relevance judgements")

@@ -22,16 +22,19 @@ def bm25_top(dataset: Dataset, depth: int) -> dict[str, list[Hit]]:
     stemmer = _stemmer()
     texts = [f"{d.title}\n{d.text}" if d.title else d.text for d in dataset.corpus]
     index = bm25s.BM25()
-    index.index(bm25s.tokenize(texts, stemmer=stemmer, show_progress=False),
-                show_progress=False)
+    index.index(bm25s.tokenize(texts, stemmer=stemmer, show_progress=False), show_progress=False)
     ids = list(dataset.queries)
-    tokens = bm25s.tokenize([dataset.queries[q] for q in ids], stemmer=stemmer,
-                            show_progress=False)
+    tokens = bm25s.tokenize([dataset.queries[q] for q in ids], stemmer=stemmer, show_progress=False)
     k = min(depth, len(dataset.corpus))
     positions, scores = index.retrieve(tokens, k=k, show_progress=False)
-    return {q: [Hit(dataset.corpus[int(p)], float(s))
-                for p, s in zip(positions[row], scores[row], strict=True) if s > 0]
-            for row, q in enumerate(ids)}
+    return {
+        q: [
+            Hit(dataset.corpus[int(p)], float(s))
+            for p, s in zip(positions[row], scores[row], strict=True)
+            if s > 0
+        ]
+        for row, q in enumerate(ids)
+    }
 
 
 def _stemmer() -> Any:

@@ -76,14 +76,25 @@ class ScoredQuery:
     script: str = ""  # the request's writing system (`ranking.scripts`)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ids": list(self.ids), "ranks": list(self.ranks),
-                "scores": list(self.scores), "rest": list(self.rest), "script": self.script}
+        return {
+            "ids": list(self.ids),
+            "ranks": list(self.ranks),
+            "scores": list(self.scores),
+            "rest": list(self.rest),
+            "script": self.script,
+        }
 
     @classmethod
     def from_json(cls, qid: str, data: dict[str, Any]) -> ScoredQuery:
         """As `to_json` wrote it (the `scored` part of an `eval-NAME.json`)."""
-        return cls(qid, tuple(data["ids"]), tuple(data["ranks"]), tuple(data["scores"]),
-                   tuple(data.get("rest", ())), str(data.get("script", "")))
+        return cls(
+            qid,
+            tuple(data["ids"]),
+            tuple(data["ranks"]),
+            tuple(data["scores"]),
+            tuple(data.get("rest", ())),
+            str(data.get("script", "")),
+        )
 
     def ordered(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> list[str]:
         """Document ids in the order the server would answer with `params`, from a
@@ -94,8 +105,12 @@ class ScoredQuery:
 
     def reranked(self) -> list[str]:
         """Document ids in pure reranking's order (`rerank_only`: the raw scores)."""
-        return self._order([blend(BlendStrategy.RERANK_ONLY, r, p)
-                            for r, p in zip(self.ranks, self.scores, strict=True)])
+        return self._order(
+            [
+                blend(BlendStrategy.RERANK_ONLY, r, p)
+                for r, p in zip(self.ranks, self.scores, strict=True)
+            ]
+        )
 
     def _order(self, finals: Sequence[float]) -> list[str]:
         head = sorted(range(len(self.ids)), key=lambda i: (-finals[i], self.ranks[i]))
@@ -119,8 +134,7 @@ def ndcg(ordered: Sequence[str], judged: Mapping[str, int], k: int = CUTOFF) -> 
     idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
     if idcg == 0:
         return 0.0
-    dcg = sum(max(judged.get(doc, 0), 0) / math.log2(i + 2)
-              for i, doc in enumerate(ordered[:k]))
+    dcg = sum(max(judged.get(doc, 0), 0) / math.log2(i + 2) for i, doc in enumerate(ordered[:k]))
     return dcg / idcg
 
 
@@ -129,8 +143,7 @@ class Curve:
     untrusted one (a script the profile's model does not read) gets weight 0 from every
     candidate."""
 
-    def __init__(self, query: ScoredQuery, judged: Mapping[str, int],
-                 trusted: bool = True) -> None:
+    def __init__(self, query: ScoredQuery, judged: Mapping[str, int], trusted: bool = True) -> None:
         present = query.present
         # Fewer than two scores: the weight is min_weight (`adaptive_weight`); a spread
         # below every threshold gives that. Untrusted: a best score below every gate too.
@@ -142,20 +155,22 @@ class Curve:
         r = [retrieval_input(k) for k in query.ranks]
         n = [settled.normalized(k, p) for k, p in zip(query.ranks, query.scores, strict=True)]
         slope = [a - b for a, b in zip(n, r, strict=True)]
-        crossings = {(r[j] - r[i]) / (slope[i] - slope[j])
-                     for i, j in itertools.combinations(range(len(r)), 2)
-                     if slope[i] != slope[j]}
+        crossings = {
+            (r[j] - r[i]) / (slope[i] - slope[j])
+            for i, j in itertools.combinations(range(len(r)), 2)
+            if slope[i] != slope[j]
+        }
         self.steps: Floats = np.array(sorted(w for w in crossings if 0.0 < w < 1.0))
 
         def value(w: float) -> float:
             # The very arithmetic of `Settled.final`, so that ties at a step fall the
             # same way as in the server.
-            return ndcg(query._order([w * b + (1.0 - w) * a
-                                      for a, b in zip(r, n, strict=True)]), judged)
+            return ndcg(
+                query._order([w * b + (1.0 - w) * a for a, b in zip(r, n, strict=True)]), judged
+            )
 
         edges = [0.0, *self.steps.tolist(), 1.0]
-        self.between: Floats = np.array([value((a + b) / 2)
-                                         for a, b in itertools.pairwise(edges)])
+        self.between: Floats = np.array([value((a + b) / 2) for a, b in itertools.pairwise(edges)])
         self.at_steps: Floats = np.array([value(w) for w in self.steps.tolist()])
         self.at_zero, self.at_one = value(0.0), value(1.0)
 
@@ -181,8 +196,19 @@ class Grid:
 
     def __init__(self, candidates: Sequence[AdaptiveParams]) -> None:
         self.params = list(candidates)
-        a = np.array([[p.spread_noise, p.spread_decisive, p.min_weight, p.max_weight,
-                       p.top_floor, p.top_full] for p in self.params]).reshape(-1, 6)
+        a = np.array(
+            [
+                [
+                    p.spread_noise,
+                    p.spread_decisive,
+                    p.min_weight,
+                    p.max_weight,
+                    p.top_floor,
+                    p.top_full,
+                ]
+                for p in self.params
+            ]
+        ).reshape(-1, 6)
         self._noise, self._decisive, self._low, self._high, self._floor, self._full = a.T
 
     def __len__(self) -> int:
@@ -190,21 +216,29 @@ class Grid:
 
     def weights(self, curve: Curve) -> Floats:
         """The weight each candidate gives this query (`AdaptiveParams.weight`)."""
-        by_spread = self._low + _ramp(curve.spread, self._noise, self._decisive) \
-            * (self._high - self._low)
+        by_spread = self._low + _ramp(curve.spread, self._noise, self._decisive) * (
+            self._high - self._low
+        )
         return np.asarray(by_spread * _ramp(curve.top, self._floor, self._full))
 
     def values(self, curves: Sequence[Curve]) -> Floats:
         """values[c, j]: nDCG@10 of query j under candidate c."""
-        return np.stack([c.at(self.weights(c)) for c in curves], axis=1) if curves \
+        return (
+            np.stack([c.at(self.weights(c)) for c in curves], axis=1)
+            if curves
             else np.zeros((len(self), 0))
+        )
 
 
 def _cuts(values: Sequence[float]) -> list[float]:
     # (-1 marks no evidence: fewer than two scores, or a request its model does not read.)
     ordered = sorted(v for v in values if v >= 0.0) or [0.0]
-    return sorted({round(ordered[min(len(ordered) - 1, len(ordered) * q // QUANTILES)], 4)
-                   for q in range(QUANTILES + 1)})
+    return sorted(
+        {
+            round(ordered[min(len(ordered) - 1, len(ordered) * q // QUANTILES)], 4)
+            for q in range(QUANTILES + 1)
+        }
+    )
 
 
 class Family(enum.StrEnum):
@@ -221,8 +255,9 @@ class Family(enum.StrEnum):
     RAMP = "ramp"
 
 
-def grid(spreads: Sequence[float], tops: Sequence[float] = (),
-         family: Family = Family.GATE) -> list[AdaptiveParams]:
+def grid(
+    spreads: Sequence[float], tops: Sequence[float] = (), family: Family = Family.GATE
+) -> list[AdaptiveParams]:
     """Candidate parameters, cautious first (see the module docstring)."""
     spread_cuts, top_cuts = _cuts(spreads), _cuts(tops) if tops else []
     # Higher thresholds trust the reranker less: they come first. (0, 0): no gate.
@@ -230,22 +265,37 @@ def grid(spreads: Sequence[float], tops: Sequence[float] = (),
     gates.append((0.0, 0.0))
     out = [AdaptiveParams(0.0, 0.0, 0.0, 0.0)]  # the retrieval order
     if family is Family.RAMP:
-        out.extend(AdaptiveParams(noise, decisive) for noise in reversed(spread_cuts)
-                   for decisive in reversed(spread_cuts) if decisive >= noise)
+        out.extend(
+            AdaptiveParams(noise, decisive)
+            for noise in reversed(spread_cuts)
+            for decisive in reversed(spread_cuts)
+            if decisive >= noise
+        )
         return out
     if family is Family.GATE:
-        out.extend(dataclasses.replace(ADAPTIVE, top_floor=floor, top_full=full)
-                   for floor, full in gates)
+        out.extend(
+            dataclasses.replace(ADAPTIVE, top_floor=floor, top_full=full) for floor, full in gates
+        )
         return out
     for high in WEIGHT_LEVELS[1:]:
         for low in WEIGHT_LEVELS:
             if low > high:
                 continue
-            spreads_ = [(0.0, 0.0)] if low == high else [
-                (noise, decisive) for noise in reversed(spread_cuts)
-                for decisive in reversed(spread_cuts) if decisive >= noise]
-            out.extend(AdaptiveParams(noise, decisive, low, high, floor, full)
-                       for noise, decisive in spreads_ for floor, full in gates)
+            spreads_ = (
+                [(0.0, 0.0)]
+                if low == high
+                else [
+                    (noise, decisive)
+                    for noise in reversed(spread_cuts)
+                    for decisive in reversed(spread_cuts)
+                    if decisive >= noise
+                ]
+            )
+            out.extend(
+                AdaptiveParams(noise, decisive, low, high, floor, full)
+                for noise, decisive in spreads_
+                for floor, full in gates
+            )
     return out
 
 
@@ -263,8 +313,13 @@ class Fit:
     grid_size: int
 
 
-def fit(queries: Sequence[ScoredQuery], qrels: Qrels, folds: int = 5, seed: int = 0,
-        family: Family = Family.GATE) -> Fit:
+def fit(
+    queries: Sequence[ScoredQuery],
+    qrels: Qrels,
+    folds: int = 5,
+    seed: int = 0,
+    family: Family = Family.GATE,
+) -> Fit:
     """Fit on every query, and estimate by `folds`-fold cross-validation by query."""
     if not queries:
         raise ValueError("no reranked queries to fit on")
@@ -285,11 +340,16 @@ def fit(queries: Sequence[ScoredQuery], qrels: Qrels, folds: int = 5, seed: int 
             out_of_fold[queries[j].qid] = queries[j].ordered(chosen)
             oof_values.append(ndcg(out_of_fold[queries[j].qid], qrels.get(queries[j].qid, {})))
     everything = candidates.params[_first_best(values.sum(axis=1))]
-    return Fit(params=everything,
-               in_sample=statistics.fmean(ndcg(q.ordered(everything), qrels.get(q.qid, {}))
-                                          for q in queries),
-               cross_validated=statistics.fmean(oof_values), out_of_fold=out_of_fold,
-               fold_params=fold_params, grid_size=len(candidates))
+    return Fit(
+        params=everything,
+        in_sample=statistics.fmean(
+            ndcg(q.ordered(everything), qrels.get(q.qid, {})) for q in queries
+        ),
+        cross_validated=statistics.fmean(oof_values),
+        out_of_fold=out_of_fold,
+        fold_params=fold_params,
+        grid_size=len(candidates),
+    )
 
 
 NEEDLE_TOP = 3  # the needle case asks for the relevant document in the top 3
@@ -318,8 +378,7 @@ class Collection:
 
     def per_query(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> list[float]:
         """nDCG@10 of each query under `params`, replayed exactly."""
-        return [ndcg(q.ordered(params, scripts), self.qrels.get(q.qid, {}))
-                for q in self.queries]
+        return [ndcg(q.ordered(params, scripts), self.qrels.get(q.qid, {})) for q in self.queries]
 
     def read_needles(self, scripts: Sequence[str]) -> tuple[NeedleQuery, ...]:
         """The needle requests in a script the profile's model reads: the others it gives
@@ -334,8 +393,11 @@ class Collection:
     def needle_reranked(self, scripts: Sequence[str] = ()) -> float:
         """The same in pure reranking's order."""
         cases = self.read_needles(scripts)
-        return sum(n.needle in n.query.reranked()[:NEEDLE_TOP] for n in cases) / len(cases) \
-            if cases else 0.0
+        return (
+            sum(n.needle in n.query.reranked()[:NEEDLE_TOP] for n in cases) / len(cases)
+            if cases
+            else 0.0
+        )
 
     def reranked(self) -> list[float]:
         """nDCG@10 of each query in pure reranking's order."""
@@ -375,55 +437,88 @@ class Constraint:
     scripts: tuple[str, ...] = ()
 
     def met(self, params: AdaptiveParams, collections: Sequence[Collection]) -> bool:
-        return all(c.needle_rate(params, self.scripts)
-                   >= self.share * c.needle_reranked(self.scripts) - TIE
-                   for c in collections if self.share and c.read_needles(self.scripts))
+        return all(
+            c.needle_rate(params, self.scripts)
+            >= self.share * c.needle_reranked(self.scripts) - TIE
+            for c in collections
+            if self.share and c.read_needles(self.scripts)
+        )
 
 
-def choose(collections: Sequence[Collection], curves: Mapping[str, Sequence[Curve]],
-           best: Mapping[str, float], family: Family = Family.GATE,
-           constraint: Constraint = Constraint()) -> tuple[AdaptiveParams, int, bool]:
+def choose(
+    collections: Sequence[Collection],
+    curves: Mapping[str, Sequence[Curve]],
+    best: Mapping[str, float],
+    family: Family = Family.GATE,
+    constraint: Constraint = Constraint(),
+) -> tuple[AdaptiveParams, int, bool]:
     """The parameters whose worst collection falls least short of its `best` (the better
     of BM25 and pure reranking there); among equals the best mean over collections; then
     the most cautious; the first in that order that meets `constraint` (the first of all
     when none does). Returns them, the grid's size and whether they meet it."""
-    candidates = Grid(grid([c.spread for x in collections for c in curves[x.name]],
-                           [c.top for x in collections for c in curves[x.name]], family))
-    means = np.stack([candidates.values(curves[x.name]).mean(axis=1) for x in collections],
-                     axis=1)
+    candidates = Grid(
+        grid(
+            [c.spread for x in collections for c in curves[x.name]],
+            [c.top for x in collections for c in curves[x.name]],
+            family,
+        )
+    )
+    means = np.stack([candidates.values(curves[x.name]).mean(axis=1) for x in collections], axis=1)
     targets = np.array([best[x.name] for x in collections])
     worst = (targets[None, :] - means).max(axis=1)
     least = worst <= worst.min() + TIE
     # Worst shortfall first (the least ones alike), then the best mean, then cautious.
-    order = np.lexsort((np.arange(len(candidates)), -means.mean(axis=1),
-                        np.where(least, worst.min(), worst)))
+    order = np.lexsort(
+        (np.arange(len(candidates)), -means.mean(axis=1), np.where(least, worst.min(), worst))
+    )
     for i in order:
         if constraint.met(candidates.params[i], collections):
             return candidates.params[i], len(candidates), True
     return candidates.params[order[0]], len(candidates), False
 
 
-def fit_across(collections: Sequence[Collection], family: Family = Family.GATE,
-               constraint: Constraint = Constraint()) -> CrossFit:
+def fit_across(
+    collections: Sequence[Collection],
+    family: Family = Family.GATE,
+    constraint: Constraint = Constraint(),
+) -> CrossFit:
     """Fit on every collection, and on every collection but one for each one; a profile
     whose model reads `constraint.scripts` gives other requests no weight."""
     if not collections or not all(c.queries for c in collections):
         raise ValueError("every collection needs reranked queries")
     scripts = constraint.scripts
-    curves = {c.name: [Curve(q, c.qrels.get(q.qid, {}), reads(scripts, q.script))
-                       for q in c.queries] for c in collections}
+    curves = {
+        c.name: [Curve(q, c.qrels.get(q.qid, {}), reads(scripts, q.script)) for q in c.queries]
+        for c in collections
+    }
     bm25 = {c.name: c.per_query(BM25) for c in collections}
     reranker = {c.name: c.reranked() for c in collections}
-    best = {c.name: max(statistics.fmean(bm25[c.name]), statistics.fmean(reranker[c.name]))
-            for c in collections}
+    best = {
+        c.name: max(statistics.fmean(bm25[c.name]), statistics.fmean(reranker[c.name]))
+        for c in collections
+    }
 
     def chosen(on: Sequence[Collection]) -> tuple[Choice, int]:
         params, size, _ = choose(on, curves, best, family, constraint)
-        return Choice(params, tuple(c.name for c in on),
-                      {c.name: c.per_query(params, scripts) for c in collections}), size
+        return Choice(
+            params,
+            tuple(c.name for c in on),
+            {c.name: c.per_query(params, scripts) for c in collections},
+        ), size
 
     everything, size = chosen(collections)
-    held_out = {c.name: chosen([o for o in collections if o is not c])[0]
-                for c in collections if len(collections) > 1}
-    return CrossFit(everything, held_out, bm25, reranker, size, scripts, constraint.share,
-                    constraint.met(everything.params, collections))
+    held_out = {
+        c.name: chosen([o for o in collections if o is not c])[0]
+        for c in collections
+        if len(collections) > 1
+    }
+    return CrossFit(
+        everything,
+        held_out,
+        bm25,
+        reranker,
+        size,
+        scripts,
+        constraint.share,
+        constraint.met(everything.params, collections),
+    )

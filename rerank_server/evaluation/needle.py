@@ -46,8 +46,9 @@ def judges_non_relevant(dataset: Dataset) -> bool:
     return any(grade <= 0 for judged in dataset.qrels.values() for grade in judged.values())
 
 
-def needles(dataset: Dataset, hits: dict[str, list[Hit]], size: int = SIZE,
-            seed: int = 0) -> list[Needle]:
+def needles(
+    dataset: Dataset, hits: dict[str, list[Hit]], size: int = SIZE, seed: int = 0
+) -> list[Needle]:
     """One needle request per query that has a relevant document and `size - 1` documents
     known not to be relevant among its hits; queries in sorted order, positions drawn
     from `seed`."""
@@ -63,14 +64,18 @@ def needles(dataset: Dataset, hits: dict[str, list[Hit]], size: int = SIZE,
         best = relevant[-1][0]
         # The most relevant grade; among those, the one BM25 ranks best (else any).
         hit_rank = {h.document.id: r for r, h in enumerate(hits[qid])}
-        needle = min((doc for g, doc in relevant if g == best),
-                     key=lambda doc: (hit_rank.get(doc, len(hit_rank)), doc))
-        others = [h.document for h in hits[qid]
-                  if (judged.get(h.document.id, 1) <= 0 if graded
-                      else h.document.id not in judged)]
+        needle = min(
+            (doc for g, doc in relevant if g == best),
+            key=lambda doc: (hit_rank.get(doc, len(hit_rank)), doc),
+        )
+        others = [
+            h.document
+            for h in hits[qid]
+            if (judged.get(h.document.id, 1) <= 0 if graded else h.document.id not in judged)
+        ]
         if len(others) < size - 1:
             continue
-        documents = others[:size - 1]
+        documents = others[: size - 1]
         documents.insert(rng.randrange(size // 2, size), by_id[needle])
         out.append(Needle(qid, tuple(documents), needle))
     return out

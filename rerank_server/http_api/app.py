@@ -11,7 +11,6 @@ without an accepted token, 429 when the server is busy, 413 for a body over
 `--max-message-bytes`.
 """
 
-
 import asyncio
 import os
 import time
@@ -45,8 +44,12 @@ BackendState = Callable[[], bool | None]  # True up, False down, None not known 
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -79,9 +82,17 @@ class _Gate:
     send slowly or not at all cannot fill them, and the bytes they hold are in the
     budget."""
 
-    def __init__(self, app: ASGIApp, *, tokens: TokenSet, max_active: int,
-                 inflight: InflightBytes, max_body_bytes: int, rules: RequestRules,
-                 tracer: trace.Tracer | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        tokens: TokenSet,
+        max_active: int,
+        inflight: InflightBytes,
+        max_body_bytes: int,
+        rules: RequestRules,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
         self._app = app
         self._rules = rules
         self._tokens = tokens
@@ -99,17 +110,25 @@ class _Gate:
         else:
             await self._gated(scope, receive, send)
 
-    async def _traced(self, tracer: trace.Tracer, scope: Scope, receive: Receive,
-                      send: Send) -> None:
+    async def _traced(
+        self, tracer: trace.Tracer, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         """A rerank request in a SERVER span (OpenTelemetry's HTTP conventions), a child
         of the caller's span when its headers carry one (`traceparent`), refusals
         included. Current throughout, so the request's scoring reports into it
         (`Telemetry.request_span`) and its log line carries its ids."""
         method, route = scope["method"], scope["path"]
         opened = open_server_span(
-            tracer, f"{method} {route}", Headers(scope=scope),
-            {"http.request.method": method, "http.route": route, "url.path": route,
-             "url.scheme": scope.get("scheme", "http")})
+            tracer,
+            f"{method} {route}",
+            Headers(scope=scope),
+            {
+                "http.request.method": method,
+                "http.route": route,
+                "url.path": route,
+                "url.scheme": scope.get("scheme", "http"),
+            },
+        )
         status = 500  # unless a response starts
 
         async def sending(message: Message) -> None:
@@ -122,18 +141,27 @@ class _Gate:
             await self._gated(scope, receive, sending)
         finally:
             fault = str(status) if status >= 500 else None  # a 4xx is the caller's
-            close_server_span(opened, {"http.response.status_code": status,
-                                       **({"error.type": fault} if fault else {})}, fault)
+            close_server_span(
+                opened,
+                {"http.response.status_code": status, **({"error.type": fault} if fault else {})},
+                fault,
+            )
 
     async def _gated(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[ARRIVED] = time.perf_counter()
         headers = Headers(scope=scope)
         path = scope["path"]
-        if path not in OPEN_PATHS and not path.startswith(f"{DOCS_ASSETS}/") \
-                and not self._tokens.accepts(headers.get("authorization")):
-            await _refuse(send, 401, "missing or invalid bearer token: send "
-                                     "'Authorization: Bearer <token>'",
-                          {"WWW-Authenticate": "Bearer"})
+        if (
+            path not in OPEN_PATHS
+            and not path.startswith(f"{DOCS_ASSETS}/")
+            and not self._tokens.accepts(headers.get("authorization"))
+        ):
+            await _refuse(
+                send,
+                401,
+                "missing or invalid bearer token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
             return
         if path not in RERANK_PATHS:
             await self._app(scope, receive, send)
@@ -142,8 +170,7 @@ class _Gate:
             # FastAPI would not parse it as JSON, and say only that the body is not an
             # object (curl's -d sends application/x-www-form-urlencoded). Refused from the
             # head, as the 401 is: the body is not read into the budget.
-            await self._refuse(scope, send, 415, "Content-Type must be application/json",
-                               {})
+            await self._refuse(scope, send, 415, "Content-Type must be application/json", {})
             return
         if await self._busy(scope, send):
             return
@@ -154,8 +181,9 @@ class _Gate:
             if await self._busy(scope, send):  # others came in while this body arrived
                 return
             try:
-                shaped = (wire.checked(path, body, self._rules)
-                          if scope["method"] == "POST" else body)
+                shaped = (
+                    wire.checked(path, body, self._rules) if scope["method"] == "POST" else body
+                )
             except wire.ShapeError as exc:
                 await self._refuse(scope, send, 422, str(exc), {})
                 return
@@ -170,19 +198,31 @@ class _Gate:
     async def _busy(self, scope: Scope, send: Send) -> bool:
         if self.active < self._max_active:
             return False
-        await self._refuse(scope, send, 429, f"server busy: {self.active} rerank requests "
-                           "in progress (max_concurrent_rpcs); retry with backoff",
-                           {"Retry-After": "1"})
+        await self._refuse(
+            scope,
+            send,
+            429,
+            f"server busy: {self.active} rerank requests "
+            "in progress (max_concurrent_rpcs); retry with backoff",
+            {"Retry-After": "1"},
+        )
         return True
 
-    async def _read_body(self, scope: Scope, headers: Headers, receive: Receive,
-                         send: Send) -> bytes | None:
+    async def _read_body(
+        self, scope: Scope, headers: Headers, receive: Receive, send: Send
+    ) -> bytes | None:
         """The whole body, its bytes taken from the in-flight budget; None when the
         request was answered instead (or the client left)."""
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_body:
-            await self._refuse(scope, send, 413, f"body of {declared} bytes exceeds the "
-                               f"limit of {self._max_body} (max_message_bytes)", _CLOSE)
+            await self._refuse(
+                scope,
+                send,
+                413,
+                f"body of {declared} bytes exceeds the "
+                f"limit of {self._max_body} (max_message_bytes)",
+                _CLOSE,
+            )
             return None
         chunks: list[bytes] = []
         size = 0
@@ -196,8 +236,11 @@ class _Gate:
                         return None
                     chunk: bytes = message.get("body", b"")
                     if size + len(chunk) > self._max_body:
-                        refusal = (413, f"body exceeds the limit of {self._max_body} bytes "
-                                        "(max_message_bytes)", _CLOSE)
+                        refusal = (
+                            413,
+                            f"body exceeds the limit of {self._max_body} bytes (max_message_bytes)",
+                            _CLOSE,
+                        )
                         break
                     self._inflight.take(len(chunk), own=size)
                     size += len(chunk)
@@ -217,12 +260,19 @@ class _Gate:
             await self._refuse(scope, send, *refusal)
         return None
 
-    async def _refuse(self, scope: Scope, send: Send, status: int, message: str,
-                      headers: dict[str, str]) -> None:
+    async def _refuse(
+        self, scope: Scope, send: Send, status: int, message: str, headers: dict[str, str]
+    ) -> None:
         """A rerank request refused before the app saw it, with its `rpc` log line (its
         `total_ms` from the head's arrival: a 408 or 422 can follow a slow body)."""
-        rpc_failed(f"{scope['method']} {scope['path']}", "", scope[ARRIVED], str(status),
-                   _Refused(message), internal=False)
+        rpc_failed(
+            f"{scope['method']} {scope['path']}",
+            "",
+            scope[ARRIVED],
+            str(status),
+            _Refused(message),
+            internal=False,
+        )
         await _refuse(send, status, message, headers)
 
 
@@ -247,62 +297,92 @@ def _replay(body: bytes, receive: Receive) -> Receive:
             pending = False
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
+
     return replay
 
 
-async def _refuse(send: Send, status: int, message: str,
-                  headers: dict[str, str] | None = None) -> None:
+async def _refuse(
+    send: Send, status: int, message: str, headers: dict[str, str] | None = None
+) -> None:
     await JSONResponse({"message": message}, status, headers=headers)(
-        {"type": "http"}, _no_body, send)
+        {"type": "http"}, _no_body, send
+    )
 
 
 def _json_type(content_type: str | None) -> bool:
     """`application/json`, parameters aside (`; charset=utf-8`), or a `+json` type."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/")
-                                            and media.endswith("+json"))
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 async def _no_body() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
-               backend_up: BackendState, max_body_bytes: int,
-               max_active: int = 256) -> FastAPI:
+def create_app(
+    reranker: Reranker,
+    *,
+    tokens: TokenSet,
+    inflight: InflightBytes,
+    backend_up: BackendState,
+    max_body_bytes: int,
+    max_active: int = 256,
+) -> FastAPI:
     app = FastAPI(
-        title="rerank-server", version=__version__,
+        title="rerank-server",
+        version=__version__,
         description="Cohere/Jina- and TEI-compatible rerank API over rerank-server's "
-                    "pipeline: results are the model's scores blended with the retrieval "
-                    "order, and a failing model degrades an answer instead of failing it.",
-        docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+        "pipeline: results are the model's scores blended with the retrieval "
+        "order, and a failing model degrades an answer instead of failing it.",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
         # No body limit of FastAPI's: its middleware sits outside `_Gate` and would answer
         # in plain text, and stop the gate from giving back what it counted.
-        max_body_size=None)
+        max_body_size=None,
+    )
     telemetry = reranker.telemetry
-    app.mount(DOCS_ASSETS, StaticFiles(directory=str(files("fastapi_offline") / "static")),
-              name="docs-assets")
+    app.mount(
+        DOCS_ASSETS,
+        StaticFiles(directory=str(files("fastapi_offline") / "static")),
+        name="docs-assets",
+    )
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(
-            openapi_url="/openapi.json", title="rerank-server API",
+            openapi_url="/openapi.json",
+            title="rerank-server API",
             swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
             swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png")
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
 
     def model() -> str:
         return reranker.scorer.model or UNKNOWN_MODEL
 
-    app.add_middleware(_Gate, tokens=tokens, max_active=max_active, inflight=inflight,
-                       max_body_bytes=max_body_bytes,
-                       rules=reranker.rules,
-                       tracer=telemetry.tracer if telemetry.tracing else None)
+    app.add_middleware(
+        _Gate,
+        tokens=tokens,
+        max_active=max_active,
+        inflight=inflight,
+        max_body_bytes=max_body_bytes,
+        rules=reranker.rules,
+        tracer=telemetry.tracer if telemetry.tracing else None,
+    )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        rpc_failed(f"{request.method} {request.url.path}", "", time.perf_counter(), "500",
-                   exc, internal=True)
+        rpc_failed(
+            f"{request.method} {request.url.path}",
+            "",
+            time.perf_counter(),
+            "500",
+            exc,
+            internal=True,
+        )
         return JSONResponse({"message": "internal error"}, 500)
 
     @app.exception_handler(HttpError)
@@ -318,16 +398,26 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         message = _validation_message(exc.errors())
         # Its `rpc` line, as every other refusal of a rerank request but the 401 has.
-        rpc_failed(f"{request.method} {request.url.path}", "", time.perf_counter(), "422",
-                   ValueError(message), internal=False)
+        rpc_failed(
+            f"{request.method} {request.url.path}",
+            "",
+            time.perf_counter(),
+            "422",
+            ValueError(message),
+            internal=False,
+        )
         return JSONResponse({"message": message}, 422)
 
     def refuse(rpc: str, field: str, exc: InvalidRequest) -> NoReturn:
         rpc_failed(rpc, "", time.perf_counter(), "422", exc, internal=False)
         raise HttpError(422, _as_written(exc, field)) from None
 
-    async def run(rpc: str, query: RerankQuery, field: str, response: Response,
-                  ) -> tuple[list[RankedCandidate], RerankSummary]:
+    async def run(
+        rpc: str,
+        query: RerankQuery,
+        field: str,
+        response: Response,
+    ) -> tuple[list[RankedCandidate], RerankSummary]:
         """The pipeline's answer (the body's bytes are in the server-wide budget: `_Gate`),
         its degraded reason in `response`'s headers."""
         started = time.perf_counter()
@@ -340,16 +430,29 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
                 response.headers[DEGRADED_HEADER] = summary.degraded.code.value
             return results, summary
         except InvalidRequest as exc:
-            rpc_failed(rpc, reranker.rules.echoable_id(query.request_id), started, "422",
-                       exc, internal=False)
+            rpc_failed(
+                rpc,
+                reranker.rules.echoable_id(query.request_id),
+                started,
+                "422",
+                exc,
+                internal=False,
+            )
             raise HttpError(422, _as_written(exc, field)) from None
         except Overloaded as exc:
-            rpc_failed(rpc, reranker.rules.echoable_id(query.request_id), started, "429",
-                       exc, internal=False)
+            rpc_failed(
+                rpc,
+                reranker.rules.echoable_id(query.request_id),
+                started,
+                "429",
+                exc,
+                internal=False,
+            )
             raise HttpError(429, str(exc), {"Retry-After": "1"}) from None
 
-    async def cohere_answer(rpc: str, body: m.CohereRerankRequest, version: str,
-                            response: Response, echo: bool) -> m.CohereRerankResponse:
+    async def cohere_answer(
+        rpc: str, body: m.CohereRerankRequest, version: str, response: Response, echo: bool
+    ) -> m.CohereRerankResponse:
         """A Cohere-shaped answer; `echo`: `return_documents` is honoured (not on
         `/rerank`, where Infinity's and vLLM's clients parse `document` differently)."""
         echoed = bool(body.return_documents) and echo
@@ -363,57 +466,88 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
         documents = body.documents if echoed else None
         return m.CohereRerankResponse(
             id=summary.request_id,
-            results=[m.CohereResult(
-                index=r.candidate.index, relevance_score=relevance,
-                document=_as_sent(documents[r.candidate.index])
-                if documents is not None else None,
-                id=r.candidate.id, reranker_score=r.reranker_score,
-                retrieval_rank=r.candidate.retrieval_rank)
-                for r, relevance in zip(results, relevance_scores(results), strict=True)],
-            meta=_meta(summary, version, model()))
+            results=[
+                m.CohereResult(
+                    index=r.candidate.index,
+                    relevance_score=relevance,
+                    document=_as_sent(documents[r.candidate.index])
+                    if documents is not None
+                    else None,
+                    id=r.candidate.id,
+                    reranker_score=r.reranker_score,
+                    retrieval_rank=r.candidate.retrieval_rank,
+                )
+                for r, relevance in zip(results, relevance_scores(results), strict=True)
+            ],
+            meta=_meta(summary, version, model()),
+        )
 
     def cohere(version: str) -> Callable[..., Awaitable[m.CohereRerankResponse]]:
-        async def rerank(body: m.CohereRerankRequest,
-                         response: Response) -> m.CohereRerankResponse:
-            return await cohere_answer(f"POST /v{version}/rerank", body, version, response,
-                                       echo=True)
+        async def rerank(body: m.CohereRerankRequest, response: Response) -> m.CohereRerankResponse:
+            return await cohere_answer(
+                f"POST /v{version}/rerank", body, version, response, echo=True
+            )
+
         return rerank
 
     for version in ("1", "2"):
-        app.post(f"/v{version}/rerank", response_model=m.CohereRerankResponse,
-                 response_model_exclude_none=True, tags=["rerank"],
-                 summary=f"Rerank, Cohere/Jina API v{version} shape",
-                 responses={401: {"model": m.Error}, 422: {"model": m.Error},
-                            429: {"model": m.Error}})(cohere(version))
+        app.post(
+            f"/v{version}/rerank",
+            response_model=m.CohereRerankResponse,
+            response_model_exclude_none=True,
+            tags=["rerank"],
+            summary=f"Rerank, Cohere/Jina API v{version} shape",
+            responses={401: {"model": m.Error}, 422: {"model": m.Error}, 429: {"model": m.Error}},
+        )(cohere(version))
 
-    @app.post("/rerank", response_model=list[m.TeiResult] | m.CohereRerankResponse,
-              response_model_exclude_none=True, tags=["rerank"],
-              summary="Rerank: text-embeddings-inference's shape (`texts`), or the "
-                      "Cohere-style one Infinity and vLLM clients send here (`documents`)",
-              responses={401: {"model": m.Error}, 422: {"model": m.Error},
-                         429: {"model": m.Error}})
-    async def root_rerank(body: m.RootRerankRequest,
-                          response: Response) -> list[m.TeiResult] | m.CohereRerankResponse:
+    @app.post(
+        "/rerank",
+        response_model=list[m.TeiResult] | m.CohereRerankResponse,
+        response_model_exclude_none=True,
+        tags=["rerank"],
+        summary="Rerank: text-embeddings-inference's shape (`texts`), or the "
+        "Cohere-style one Infinity and vLLM clients send here (`documents`)",
+        responses={401: {"model": m.Error}, 422: {"model": m.Error}, 429: {"model": m.Error}},
+    )
+    async def root_rerank(
+        body: m.RootRerankRequest, response: Response
+    ) -> list[m.TeiResult] | m.CohereRerankResponse:
         if isinstance(body, m.CohereRerankRequest):
             return await cohere_answer("POST /rerank", body, "1", response, echo=False)
-        query = RerankQuery(request_id=os.urandom(16).hex(), query=body.query,
-                            candidates=tuple(Candidate(id=str(i), text=t, index=i,
-                                                       retrieval_rank=i + 1)
-                                             for i, t in enumerate(body.texts)),
-                            always_score=True)
+        query = RerankQuery(
+            request_id=os.urandom(16).hex(),
+            query=body.query,
+            candidates=tuple(
+                Candidate(id=str(i), text=t, index=i, retrieval_rank=i + 1)
+                for i, t in enumerate(body.texts)
+            ),
+            always_score=True,
+        )
         results, _summary = await run("POST /rerank", query, "texts", response)
-        return [m.TeiResult(index=r.candidate.index, score=relevance,
-                            text=r.candidate.text if body.return_text else None)
-                for r, relevance in zip(results, relevance_scores(results), strict=True)]
+        return [
+            m.TeiResult(
+                index=r.candidate.index,
+                score=relevance,
+                text=r.candidate.text if body.return_text else None,
+            )
+            for r, relevance in zip(results, relevance_scores(results), strict=True)
+        ]
 
-    @app.get("/health", response_model=m.Health, tags=["operations"],
-             responses={503: {"model": m.Health}})
+    @app.get(
+        "/health",
+        response_model=m.Health,
+        tags=["operations"],
+        responses={503: {"model": m.Health}},
+    )
     async def health() -> JSONResponse:
         up = backend_up()
         state = "starting" if up is None else "up" if up else "down"
         # Open to all, so with tokens on it keeps the model's name to `/v1/models`.
-        body = m.Health(status="ok" if up else "unavailable", backend=state,  # type: ignore[arg-type]
-                        model="" if tokens.enabled else model())
+        body = m.Health(
+            status="ok" if up else "unavailable",
+            backend=state,  # type: ignore[arg-type]
+            model="" if tokens.enabled else model(),
+        )
         return JSONResponse(body.model_dump(), 200 if up else 503)
 
     # Some load balancers probe with HEAD (uvicorn leaves the body out). A route of its
@@ -422,8 +556,12 @@ def create_app(reranker: Reranker, *, tokens: TokenSet, inflight: InflightBytes,
     async def health_head() -> JSONResponse:
         return await health()
 
-    @app.get("/v1/models", response_model=m.ModelList, tags=["operations"],
-             responses={401: {"model": m.Error}})
+    @app.get(
+        "/v1/models",
+        response_model=m.ModelList,
+        tags=["operations"],
+        responses={401: {"model": m.Error}},
+    )
     async def list_models() -> m.ModelList:
         return m.ModelList(data=[m.ModelCard(id=model(), backend=reranker.scorer.kind)])
 
@@ -447,11 +585,12 @@ def _as_written(exc: InvalidRequest, documents: str) -> str:
     """The core's field name as an HTTP client wrote it: `documents[3].text`, TEI's
     `texts[3]` (plain strings: no `.text`), and the top-level options (`max_candidates`,
     not `options.max_candidates`)."""
+
     def rename(name: str) -> str:
         name = name.removeprefix("options.")
         if not name.startswith("candidates"):
             return name
-        name = documents + name[len("candidates"):]
+        name = documents + name[len("candidates") :]
         return name.removesuffix(".text") if documents == "texts" else name
 
     problem = exc.problem.replace("candidates[", f"{documents}[")
@@ -478,19 +617,24 @@ def _check_echoed(documents: Sequence[str | m.Document]) -> None:
             for key, value in doc.model_extra.items():
                 if _bad_unicode(key) or _bad_unicode(value):
                     name = key[:64] if not _bad_unicode(key) else "(a field name)"
-                    raise InvalidRequest(f"candidates[{i}].{name}",
-                                         "is not valid Unicode (a lone surrogate)")
+                    raise InvalidRequest(
+                        f"candidates[{i}].{name}", "is not valid Unicode (a lone surrogate)"
+                    )
 
 
 def _check_unicode(query: RerankQuery, documents: str) -> None:
     """JSON can carry lone surrogates ("\\ud800"), which no UTF-8 encoder takes: refuse them
     here, naming the field, rather than fail later (protobuf already guarantees UTF-8).
     The request id too: it is echoed in the answer, whose encoding would fail (a 500)."""
+
     def refuse(field: str) -> None:
         raise InvalidRequest(field, "is not valid Unicode (a lone surrogate)")
 
-    for field, value in (("query", query.query), ("instruction", query.instruction),
-                         ("request_id", query.request_id)):
+    for field, value in (
+        ("query", query.query),
+        ("instruction", query.instruction),
+        ("request_id", query.request_id),
+    ):
         if _bad_unicode(value):
             refuse(field)
     for c in query.candidates:  # a field's name is spelled out only for the one that fails
@@ -540,12 +684,17 @@ def _text(doc: str | m.Document, rank_fields: list[str] | None, i: int) -> str:
     if rank_fields:
         values = {**(doc.model_extra or {}), **doc.model_dump(exclude_none=True)}
         if not any(f in values for f in rank_fields):
-            raise InvalidRequest(f"documents[{i}]", "has none of the rank_fields "
-                                 f"({', '.join(repr(f[:64]) for f in rank_fields)})")
+            raise InvalidRequest(
+                f"documents[{i}]",
+                f"has none of the rank_fields ({', '.join(repr(f[:64]) for f in rank_fields)})",
+            )
         return "\n".join(f"{f}: {values[f]}" for f in rank_fields if f in values)
     if doc.text is None:
-        raise InvalidRequest(f"documents[{i}].text", "missing: a document given as an "
-                             "object needs its text (or rank_fields naming its fields)")
+        raise InvalidRequest(
+            f"documents[{i}].text",
+            "missing: a document given as an "
+            "object needs its text (or rank_fields naming its fields)",
+        )
     return doc.text
 
 
@@ -568,9 +717,11 @@ def _default_ids(documents: Sequence[str | m.Document]) -> list[str]:
         own = doc.id if isinstance(doc, m.Document) else None
         if not own and given and str(i) in given:
             raise InvalidRequest(
-                f"candidates[{i}].id", f"not given, so its index {str(i)!r}, which "
+                f"candidates[{i}].id",
+                f"not given, so its index {str(i)!r}, which "
                 f"documents[{given[str(i)]}] gives as its id: give every document an id, "
-                "or none")
+                "or none",
+            )
         ids.append(own or str(i))
     return ids
 
@@ -580,28 +731,45 @@ def _cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
     ids = _default_ids(body.documents)
     for i, doc in enumerate(body.documents):
         obj = doc if isinstance(doc, m.Document) else None
-        candidates.append(Candidate(
-            id=ids[i],
-            text=_text(doc, body.rank_fields, i), index=i,
-            retrieval_rank=(obj.retrieval_rank if obj is not None and obj.retrieval_rank
-                            else i + 1),
-            title=obj.title if obj is not None else None,
-            retrieval_score=obj.retrieval_score if obj is not None else None))
+        candidates.append(
+            Candidate(
+                id=ids[i],
+                text=_text(doc, body.rank_fields, i),
+                index=i,
+                retrieval_rank=(
+                    obj.retrieval_rank if obj is not None and obj.retrieval_rank else i + 1
+                ),
+                title=obj.title if obj is not None else None,
+                retrieval_score=obj.retrieval_score if obj is not None else None,
+            )
+        )
     return RerankQuery(
-        request_id=body.request_id or os.urandom(16).hex(), query=body.query,
-        candidates=tuple(candidates), top_k=body.top_n or 0, instruction=body.instruction,
+        request_id=body.request_id or os.urandom(16).hex(),
+        query=body.query,
+        candidates=tuple(candidates),
+        top_k=body.top_n or 0,
+        instruction=body.instruction,
         blend=BlendStrategy(body.blend_strategy) if body.blend_strategy else None,
         max_candidates=body.max_candidates,
         timeout_s=body.timeout_ms / 1000 if body.timeout_ms else None,
         # Every document gets the model's judgement (`relevance_scores`), whatever the blend.
-        max_tokens_per_doc=body.max_tokens_per_doc, always_score=True)
+        max_tokens_per_doc=body.max_tokens_per_doc,
+        always_score=True,
+    )
 
 
 def _meta(s: RerankSummary, version: str, model: str) -> m.Meta:
     return m.Meta(
         api_version=m.ApiVersion(version=version),
-        billed_units=m.BilledUnits(search_units=1), reranked=s.reranked,
+        billed_units=m.BilledUnits(search_units=1),
+        reranked=s.reranked,
         degraded=m.Degraded(code=s.degraded.code.value, message=s.degraded.message)
-        if s.degraded else None,
-        backend=s.backend, model=model, blend_strategy=s.blend.value,
-        blend_profile=s.blend_profile or None, scored=s.scored, failed=s.failed)
+        if s.degraded
+        else None,
+        backend=s.backend,
+        model=model,
+        blend_strategy=s.blend.value,
+        blend_profile=s.blend_profile or None,
+        scored=s.scored,
+        failed=s.failed,
+    )

@@ -45,7 +45,8 @@ class Document(BaseModel):
     id: str | None = Field(None, description="Extra: your id for it; default its index.")
     retrieval_score: float | None = Field(None, description="Extra: its retrieval score.")
     retrieval_rank: Count | None = Field(
-        None, ge=1, description="Extra: its retrieval rank; default its position + 1.")
+        None, ge=1, description="Extra: its retrieval rank; default its position + 1."
+    )
 
 
 class Extras(BaseModel):
@@ -58,14 +59,18 @@ class Extras(BaseModel):
 
     instruction: str | None = Field(None, description="Task instruction for the scorer.")
     blend_strategy: BlendName | None = Field(
-        None, description="How the model's score and the retrieval rank combine "
-                          "(docs/blending.md); default: the server's.")
+        None,
+        description="How the model's score and the retrieval rank combine "
+        "(docs/blending.md); default: the server's.",
+    )
     request_id: str | None = Field(None, description="Echoed as `id`; generated if unset.")
     max_candidates: Count | None = Field(None, ge=1, description="Documents scored at most.")
     timeout_ms: Count | None = Field(None, ge=1, description="Time budget for this request.")
     always_score: bool = Field(
-        False, description="Score even when the blend gives the reranker no weight, to get "
-                           "`reranker_score`s (docs/blending.md).")
+        False,
+        description="Score even when the blend gives the reranker no weight, to get "
+        "`reranker_score`s (docs/blending.md).",
+    )
 
 
 class CohereRerankRequest(Extras):
@@ -73,24 +78,32 @@ class CohereRerankRequest(Extras):
 
     query: str = Field(description="The search query.")
     documents: list[str | Document] = Field(
-        description="Candidates in retrieval order, as strings or objects.")
+        description="Candidates in retrieval order, as strings or objects."
+    )
     model: str | None = Field(
-        None, description="Accepted for compatibility; the server scores with its model.")
+        None, description="Accepted for compatibility; the server scores with its model."
+    )
     top_n: Count | None = Field(None, ge=0, description="Results to return; default all.")
     return_documents: bool | None = Field(
-        None, description="Include each document as sent (on /v1 and /v2; null: no).")
+        None, description="Include each document as sent (on /v1 and /v2; null: no)."
+    )
     rank_fields: list[Annotated[str, Field(max_length=MAX_FIELD_NAME_CHARS)]] | None = Field(
-        None, max_length=64,  # read for every document: a long list is work per document
+        None,
+        max_length=64,  # read for every document: a long list is work per document
         description="v1: the fields of object documents to read, as `field: value` "
-                    f"(at most 64, each at most {MAX_FIELD_NAME_CHARS} characters).")
+        f"(at most 64, each at most {MAX_FIELD_NAME_CHARS} characters).",
+    )
     max_tokens_per_doc: Count | None = Field(
-        None, ge=1, description="Most tokens of each document the model reads.")
+        None, ge=1, description="Most tokens of each document the model reads."
+    )
     max_chunks_per_doc: Count | None = Field(None, description="v1: accepted and ignored.")
 
 
-RELEVANCE = ("The model's judgement of the document on 0..1, never above the model's own "
-             "score and never above the result before it, so results are sorted by it; 0 "
-             "for a document the model did not score (docs/http.md).")
+RELEVANCE = (
+    "The model's judgement of the document on 0..1, never above the model's own "
+    "score and never above the result before it, so results are sorted by it; 0 "
+    "for a document the model did not score (docs/http.md)."
+)
 
 
 class CohereResult(BaseModel):
@@ -99,11 +112,14 @@ class CohereResult(BaseModel):
     # A plain object, not a model: the answer leaves out fields that are None, and a model
     # would lose the fields the caller sent as null with them.
     document: dict[str, Any] | None = Field(
-        None, description="With `return_documents`: the document as sent, `{\"text\": ...}` "
-                          "for a string and every field of an object, nulls included.")
+        None,
+        description='With `return_documents`: the document as sent, `{"text": ...}` '
+        "for a string and every field of an object, nulls included.",
+    )
     id: str = Field(description="Extra: the document's id (its index unless given).")
     reranker_score: float | None = Field(
-        None, description="Extra: the model's own score on 0..1; absent if not scored.")
+        None, description="Extra: the model's own score on 0..1; absent if not scored."
+    )
     retrieval_rank: int = Field(description="Extra: the document's retrieval rank.")
 
 
@@ -123,8 +139,9 @@ class BilledUnits(BaseModel):
 class Meta(BaseModel):
     api_version: ApiVersion
     billed_units: BilledUnits
-    reranked: bool = Field(description="Extra: false means the results are in retrieval "
-                                       "order; `degraded` says why.")
+    reranked: bool = Field(
+        description="Extra: false means the results are in retrieval order; `degraded` says why."
+    )
     degraded: Degraded | None = None
     backend: str
     model: str
@@ -145,11 +162,13 @@ class TeiRerankRequest(BaseModel):
 
     query: str
     texts: list[str]
-    raw_scores: bool = Field(False, description="Accepted: `score` is the model's own "
-                                                "score either way (docs/http.md).")
+    raw_scores: bool = Field(
+        False, description="Accepted: `score` is the model's own score either way (docs/http.md)."
+    )
     return_text: bool = False
-    truncate: bool = Field(False, description="Accepted: documents are always cut to fit "
-                                              "the model's context.")
+    truncate: bool = Field(
+        False, description="Accepted: documents are always cut to fit the model's context."
+    )
     truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
 
 
@@ -168,7 +187,8 @@ def _root_shape(body: Any) -> str:
 # `POST /rerank`: TEI's body, or the Cohere-style one Infinity and vLLM clients send there.
 RootRerankRequest = Annotated[
     Annotated[TeiRerankRequest, Tag("tei")] | Annotated[CohereRerankRequest, Tag("cohere")],
-    Discriminator(_root_shape)]
+    Discriminator(_root_shape),
+]
 
 
 class ModelCard(BaseModel):

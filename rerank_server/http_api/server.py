@@ -49,9 +49,11 @@ SEND_STALL_S = 30.0  # an answer its client takes nothing of for this long: conn
 REFUSED_LINGER_S = 1.0
 MAX_LINGERING = 64  # refused connections lingering at once, per server; past it: closed at once
 TLS_SHUTDOWN_S = 5.0  # asyncio waits 30 s for a client's close_notify, the connection held
-_TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-             b"Connection: close\r\nRetry-After: 1\r\nContent-Length: 46\r\n\r\n"
-             b'{"message": "too many connections; try again"}')
+_TOO_MANY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nRetry-After: 1\r\nContent-Length: 46\r\n\r\n"
+    b'{"message": "too many connections; try again"}'
+)
 
 
 class _BoundedH11(H11Protocol):
@@ -87,8 +89,9 @@ class _BoundedH11(H11Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         if len(self.connections) > self.max_connections:
-            log.warning("http_connection_refused", reason="too many connections",
-                        limit=self.max_connections)
+            log.warning(
+                "http_connection_refused", reason="too many connections", limit=self.max_connections
+            )
             self.transport.write(_TOO_MANY)
             # Out of the cap's count (a refusal must not take a place), and only so many at
             # once, each for at most a second: a flood of connections holds at most
@@ -208,23 +211,39 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpEdge:
     """A started uvicorn server; `aclose` stops it, letting requests in flight finish."""
 
-    def __init__(self, server: _EmbeddedServer, task: asyncio.Task[None], port: int,
-                 reload: asyncio.Task[None] | None) -> None:
+    def __init__(
+        self,
+        server: _EmbeddedServer,
+        task: asyncio.Task[None],
+        port: int,
+        reload: asyncio.Task[None] | None,
+    ) -> None:
         self._server = server
         self._task = task
         self.port = port
         self._reload = reload
 
     @classmethod
-    async def start(cls, app: FastAPI, settings: Settings,
-                    tls: CertificateFiles | None = None, reuse_port: bool = False,
-                    ) -> HttpEdge:
+    async def start(
+        cls,
+        app: FastAPI,
+        settings: Settings,
+        tls: CertificateFiles | None = None,
+        reuse_port: bool = False,
+    ) -> HttpEdge:
         sock = _bind(settings.host, settings.http_port, reuse_port)
         # A class per server: the cap is this server's setting, not a process-wide one.
-        protocol = type("BoundedH11", (_BoundedH11,),
-                        {"max_connections": settings.max_connections, "lingering": set()})
+        protocol = type(
+            "BoundedH11",
+            (_BoundedH11,),
+            {"max_connections": settings.max_connections, "lingering": set()},
+        )
         config = uvicorn.Config(
-            app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+            app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
             http=protocol,
             # The grace period as it is (uvicorn waits with it as a float): rounded down to
             # whole seconds it cut requests short of what the gRPC edge allows them.
@@ -232,7 +251,8 @@ class HttpEdge:
             ssl_certfile=str(tls.cert) if tls else None,
             ssl_keyfile=str(tls.key) if tls else None,
             ssl_ca_certs=str(tls.client_ca) if tls and tls.client_ca else None,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE)
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.mutual else ssl.CERT_NONE,
+        )
         server = _EmbeddedServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
@@ -261,8 +281,9 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise BindError("--http-port / RERANK_HTTP_PORT", host_port(host, port),
-                        exc.strerror or "") from None
+        raise BindError(
+            "--http-port / RERANK_HTTP_PORT", host_port(host, port), exc.strerror or ""
+        ) from None
     sock.set_inheritable(True)
     return sock
 

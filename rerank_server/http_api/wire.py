@@ -74,13 +74,17 @@ class _RootOnly(_Root, forbid_unknown_fields=True):
 
 
 _Decoders = dict[str, msgspec.json.Decoder[Any]]
-_DECODERS: _Decoders = {"/v1/rerank": msgspec.json.Decoder(_Cohere),
-                        "/v2/rerank": msgspec.json.Decoder(_Cohere),
-                        "/rerank": msgspec.json.Decoder(_Root)}
+_DECODERS: _Decoders = {
+    "/v1/rerank": msgspec.json.Decoder(_Cohere),
+    "/v2/rerank": msgspec.json.Decoder(_Cohere),
+    "/rerank": msgspec.json.Decoder(_Root),
+}
 # The same shapes with nothing else beside them (see `_with_surrogates`).
-_WHOLE: _Decoders = {"/v1/rerank": msgspec.json.Decoder(_CohereOnly),
-                     "/v2/rerank": msgspec.json.Decoder(_CohereOnly),
-                     "/rerank": msgspec.json.Decoder(_RootOnly)}
+_WHOLE: _Decoders = {
+    "/v1/rerank": msgspec.json.Decoder(_CohereOnly),
+    "/v2/rerank": msgspec.json.Decoder(_CohereOnly),
+    "/rerank": msgspec.json.Decoder(_RootOnly),
+}
 # A UTF-16 surrogate escape; in a copy only ever checked for shape, so an escaped
 # backslash before one (literal text) changing too does no harm.
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -154,8 +158,10 @@ def _with_surrogates(path: str, body: bytes) -> _Cohere | None:
 
 # msgspec names the types of the shapes above; what a caller may send, in words. (A
 # number where text is due passes here, and is refused by the field's own type later.)
-_EXPECTED = {"`bool | int | float | str | object | null`": "a string, or an object with text",
-             "`bool | int | float | str | null`": "a single value, not a list or an object"}
+_EXPECTED = {
+    "`bool | int | float | str | object | null`": "a string, or an object with text",
+    "`bool | int | float | str | null`": "a single value, not a list or an object",
+}
 
 
 def _validation(message: str) -> str:

@@ -38,10 +38,12 @@ FAULT_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL})
 # For a container whose llama-server we do not build (the upstream image carries every
 # CPU variant, AMX included): `sh -c GUARD <binary> <args...>`. The container's own
 # LLAMA_ARG_REPACK, when set, is the operator's choice and is left alone.
-SHELL_GUARD = ('if [ -z "${LLAMA_ARG_REPACK+set}" ] && grep -qw amx_tile /proc/cpuinfo; '
-               'then export LLAMA_ARG_REPACK=0; '
-               'echo "CPU has AMX: LLAMA_ARG_REPACK=0 (rerank-server docs/backends.md)" >&2; '
-               'fi; exec "$0" "$@"')
+SHELL_GUARD = (
+    'if [ -z "${LLAMA_ARG_REPACK+set}" ] && grep -qw amx_tile /proc/cpuinfo; '
+    "then export LLAMA_ARG_REPACK=0; "
+    'echo "CPU has AMX: LLAMA_ARG_REPACK=0 (rerank-server docs/backends.md)" >&2; '
+    'fi; exec "$0" "$@"'
+)
 
 
 def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -51,8 +53,9 @@ def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
         return False
-    return any(line.startswith("flags") and "amx_tile" in line.split()
-               for line in text.splitlines())
+    return any(
+        line.startswith("flags") and "amx_tile" in line.split() for line in text.splitlines()
+    )
 
 
 def is_x86() -> bool:
@@ -87,8 +90,14 @@ class Decision:
         return {**environ, **SAFE_ENV} if self.safe else None
 
 
-def decide(mode: LlamaAmx, *, amx_free_build: bool, args: Sequence[str],
-           environ: Mapping[str, str], cpu_amx: bool | None = None) -> Decision:
+def decide(
+    mode: LlamaAmx,
+    *,
+    amx_free_build: bool,
+    args: Sequence[str],
+    environ: Mapping[str, str],
+    cpu_amx: bool | None = None,
+) -> Decision:
     """How to start a llama-server with `args` and `environ`; `amx_free_build`: the binary
     is one of the cache's builds without AMX kernels; `cpu_amx` defaults to this CPU's."""
     if operator_decides(args, environ):

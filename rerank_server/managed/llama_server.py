@@ -136,7 +136,7 @@ def _group_running(pgid: int) -> bool:
         except OSError:  # gone meanwhile
             continue
         # pid (comm) state ppid pgrp ...: the name may hold spaces and parentheses
-        state, _ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
+        state, _ppid, pgrp = text[text.rindex(")") + 2 :].split()[:3]
         if int(pgrp) == pgid and state != "Z" and stat.parent.name != str(pgid):
             return True
     return False
@@ -164,9 +164,13 @@ async def knows_flag(binary: Path, flag: str) -> bool:
     too: it runs in a session of its own)."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            str(binary), "--help", stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True)
+            str(binary),
+            "--help",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
     except OSError:
         return False  # its launch will say why, in the ordinary way
     try:
@@ -207,13 +211,23 @@ def _die_with_parent(parent: int) -> None:  # runs in the child between fork and
 class ManagedLlamaServer:
     """One supervised llama-server process."""
 
-    def __init__(self, binary: Path, model: Path, *, slots: int, ctx_per_slot: int,
-                 extra_args: Sequence[str] = (), log_path: Path | None = None,
-                 ready_timeout_s: float = 120.0, restart_counter: Adder | None = None,
-                 liveness_every_s: float = LIVENESS_EVERY_S,
-                 unresponsive_after_s: float = UNRESPONSIVE_AFTER_S,
-                 log_max_bytes: int = MAX_BYTES, amx_mode: LlamaAmx = LlamaAmx.AUTO,
-                 amx_free_build: bool = False) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        model: Path,
+        *,
+        slots: int,
+        ctx_per_slot: int,
+        extra_args: Sequence[str] = (),
+        log_path: Path | None = None,
+        ready_timeout_s: float = 120.0,
+        restart_counter: Adder | None = None,
+        liveness_every_s: float = LIVENESS_EVERY_S,
+        unresponsive_after_s: float = UNRESPONSIVE_AFTER_S,
+        log_max_bytes: int = MAX_BYTES,
+        amx_mode: LlamaAmx = LlamaAmx.AUTO,
+        amx_free_build: bool = False,
+    ) -> None:
         self.binary = binary
         self.model = model
         self.port = free_port()
@@ -235,8 +249,9 @@ class ManagedLlamaServer:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self._ram_cache_off = False  # learned in start(): whether to pass RAM_CACHE_OFF
-        self._amx = amx.decide(amx_mode, amx_free_build=amx_free_build,
-                               args=self.extra_args, environ=os.environ)
+        self._amx = amx.decide(
+            amx_mode, amx_free_build=amx_free_build, args=self.extra_args, environ=os.environ
+        )
 
     @property
     def url(self) -> str:
@@ -248,10 +263,22 @@ class ManagedLlamaServer:
 
     def command(self) -> list[str]:
         ram_cache = list(RAM_CACHE_OFF) if self._ram_cache_off else []
-        return [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
-                "--port", str(self.port), "-np", str(self.slots),
-                "-c", str(self.slots * self.ctx_per_slot), "--no-webui", *ram_cache,
-                *self.extra_args]
+        return [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-np",
+            str(self.slots),
+            "-c",
+            str(self.slots * self.ctx_per_slot),
+            "--no-webui",
+            *ram_cache,
+            *self.extra_args,
+        ]
 
     async def start(self) -> None:
         """Launch and wait until /health answers 200; raises StartError if it never does."""
@@ -259,11 +286,18 @@ class ManagedLlamaServer:
         # it); a build older than the flag would refuse it.
         own = "LLAMA_ARG_CACHE_RAM" in os.environ or any(
             a in ("--cache-ram", "-cram") or a.startswith(("--cache-ram=", "-cram="))
-            for a in self.extra_args)
+            for a in self.extra_args
+        )
         self._ram_cache_off = not own and await knows_flag(self.binary, RAM_CACHE_OFF[0])
-        log.info("llama_server_ram_cache", off=self._ram_cache_off,
-                 reason="operator's setting" if own else
-                 "passed --cache-ram 0" if self._ram_cache_off else "binary lacks the flag")
+        log.info(
+            "llama_server_ram_cache",
+            off=self._ram_cache_off,
+            reason="operator's setting"
+            if own
+            else "passed --cache-ram 0"
+            if self._ram_cache_off
+            else "binary lacks the flag",
+        )
         log.info("llama_server_amx", repack_off=self._amx.safe, reason=self._amx.reason)
         ready = await self._launch_ready()
         fell_back = not ready and self._fell_back(self._returncode())
@@ -271,11 +305,14 @@ class ManagedLlamaServer:
             ready = await self._launch_ready()
         if not ready:
             code, safe = self._returncode(), _safe_setting()
-            setting = (f", also with {safe}" if fell_back else
-                       f" (with {safe})" if self._amx.safe else "")
+            setting = (
+                f", also with {safe}" if fell_back else f" (with {safe})" if self._amx.safe else ""
+            )
             await self.stop()
-            raise StartError(f"llama-server {_start_failure(code, self.ready_timeout_s)}"
-                             f"{setting}; {_see(self.log_path)}")
+            raise StartError(
+                f"llama-server {_start_failure(code, self.ready_timeout_s)}"
+                f"{setting}; {_see(self.log_path)}"
+            )
         self._supervisor = asyncio.create_task(self._supervise())
         self._supervisor.add_done_callback(_report_end)
 
@@ -296,8 +333,12 @@ class ManagedLlamaServer:
         if not self._amx.fall_back or code is None or -code not in amx.FAULT_SIGNALS:
             return False
         self._amx = amx.Decision(True, False, f"llama-server {assets.how_it_ended(code)}")
-        log.warning("llama_server_repack_off", reason=self._amx.reason,
-                    setting=_safe_setting(), docs="docs/backends.md, CPUs with AMX")
+        log.warning(
+            "llama_server_repack_off",
+            reason=self._amx.reason,
+            setting=_safe_setting(),
+            docs="docs/backends.md, CPUs with AMX",
+        )
         return True
 
     async def _launch(self) -> None:
@@ -308,17 +349,28 @@ class ManagedLlamaServer:
             self._copiers.append(copier)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *self.command(), stdin=asyncio.subprocess.DEVNULL,
+                *self.command(),
+                stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL if stdout is None else stdout,
-                stderr=asyncio.subprocess.STDOUT, env=self._amx.env(os.environ),
-                start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()))
+                stderr=asyncio.subprocess.STDOUT,
+                env=self._amx.env(os.environ),
+                start_new_session=True,
+                preexec_fn=partial(_die_with_parent, os.getpid()),
+            )
         finally:
             if stdout is not None:
                 os.close(stdout)  # the child holds it now: the copier ends when it exits
         # Where its output went: named after this process, so not findable by `pid`.
         where = {"log": str(self.log_path)} if self.log_path else {}
-        log.info("llama_server_started", pid=self._proc.pid, port=self.port,
-                 model=self.model.name, slots=self.slots, restarts=self.restarts, **where)
+        log.info(
+            "llama_server_started",
+            pid=self._proc.pid,
+            port=self.port,
+            model=self.model.name,
+            slots=self.slots,
+            restarts=self.restarts,
+            **where,
+        )
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -366,8 +418,12 @@ class ManagedLlamaServer:
         try:
             await self._launch()
         except OSError as exc:
-            log.error("llama_server_launch_failed", binary=str(self.binary),
-                      error=f"{type(exc).__name__}: {exc}", retry_in_s=backoff_s)
+            log.error(
+                "llama_server_launch_failed",
+                binary=str(self.binary),
+                error=f"{type(exc).__name__}: {exc}",
+                retry_in_s=backoff_s,
+            )
             return False
         assert self._proc is not None
         if await self.wait_ready(self.ready_timeout_s):
@@ -375,8 +431,7 @@ class ManagedLlamaServer:
         elif self._proc.returncode is None:
             # Alive but never healthy (stuck loading, say): as good as dead, and it
             # would otherwise stay so, since only an exit brought a restart.
-            log.warning("llama_server_not_ready", pid=self._proc.pid,
-                        waited_s=self.ready_timeout_s)
+            log.warning("llama_server_not_ready", pid=self._proc.pid, waited_s=self.ready_timeout_s)
             await self._kill()
         return True
 
@@ -391,7 +446,8 @@ class ManagedLlamaServer:
         async with contextlib.AsyncExitStack() as cleanup:
             cleanup.callback(exited.cancel)
             client = await cleanup.enter_async_context(
-                httpx.AsyncClient(timeout=LIVENESS_TIMEOUT_S, trust_env=False))
+                httpx.AsyncClient(timeout=LIVENESS_TIMEOUT_S, trust_env=False)
+            )
             while True:
                 if (await asyncio.wait({exited}, timeout=self.liveness_every_s))[0]:
                     return exited.result()
@@ -401,8 +457,9 @@ class ManagedLlamaServer:
                         continue
                 silent = time.monotonic() - answered
                 if silent >= self.unresponsive_after_s and proc.returncode is None:
-                    log.warning("llama_server_unresponsive", pid=proc.pid,
-                                silent_s=round(silent, 1))
+                    log.warning(
+                        "llama_server_unresponsive", pid=proc.pid, silent_s=round(silent, 1)
+                    )
                     await self._kill()
 
     async def _kill(self) -> None:
@@ -431,8 +488,7 @@ class ManagedLlamaServer:
             await asyncio.gather(self._supervisor, return_exceptions=True)
         proc = self._proc
         # Its group even once it has exited: a wrapper's llama-server may be left.
-        if proc is None or not _group_ours(proc) or not _signal_group(proc.pid,
-                                                                      signal.SIGTERM):
+        if proc is None or not _group_ours(proc) or not _signal_group(proc.pid, signal.SIGTERM):
             return
         if not await _group_gone(proc, STOP_TIMEOUT_S) and _group_ours(proc):
             _signal_group(proc.pid, signal.SIGKILL)
@@ -480,21 +536,29 @@ def default_log_path(cache_dir: Path) -> Path:
     return path
 
 
-async def start_managed(settings: Settings, restart_counter: Adder | None = None,
-                        ) -> tuple[Settings, ManagedLlamaServer]:
+async def start_managed(
+    settings: Settings,
+    restart_counter: Adder | None = None,
+) -> tuple[Settings, ManagedLlamaServer]:
     """Prepare assets, start llama-server, and return the settings pointed at it;
     `restart_counter` counts its restarts."""
     cache = settings.cache_dir
     binary, model = await asyncio.to_thread(
-        _resolve_assets, cache, settings.llama_server, settings.model_path, settings.llama_amx)
+        _resolve_assets, cache, settings.llama_server, settings.model_path, settings.llama_amx
+    )
     backend, scoring_args = _scoring_path(settings, model)
     managed = ManagedLlamaServer(
-        binary, model, slots=settings.llama_slots or settings.concurrency,
+        binary,
+        model,
+        slots=settings.llama_slots or settings.concurrency,
         ctx_per_slot=settings.llama_ctx_per_slot,
         extra_args=[*split_args(settings.llama_args), *scoring_args],
-        log_path=default_log_path(cache), ready_timeout_s=settings.llama_ready_timeout_s,
-        restart_counter=restart_counter, amx_mode=settings.llama_amx,
-        amx_free_build=assets.is_amx_free_build(binary, cache))
+        log_path=default_log_path(cache),
+        ready_timeout_s=settings.llama_ready_timeout_s,
+        restart_counter=restart_counter,
+        amx_mode=settings.llama_amx,
+        amx_free_build=assets.is_amx_free_build(binary, cache),
+    )
     await managed.start()
     changes: dict[str, object] = {"backend_url": managed.url, "backend": backend}
     if not settings.model_path and settings.assistant_prefill:
@@ -507,9 +571,11 @@ async def start_managed(settings: Settings, restart_counter: Adder | None = None
 
 # Why a reranker GGUF is scored by `completion` unless told otherwise: measured with the
 # Qwen3-Reranker-0.6B speed twin on the development CPU (docs/backends.md).
-RERANKER_PATH_WHY = ("completion: prompt arrays, each slot reusing the prompt prefix the "
-                     "request's passages share, scored 40 passages 2.2x faster than "
-                     "llama-server --rerank on the CPU")
+RERANKER_PATH_WHY = (
+    "completion: prompt arrays, each slot reusing the prompt prefix the "
+    "request's passages share, scored 40 passages 2.2x faster than "
+    "llama-server --rerank on the CPU"
+)
 
 
 def _scoring_path(settings: Settings, model: Path) -> tuple[BackendKind, list[str]]:
@@ -536,11 +602,14 @@ def _scoring_path(settings: Settings, model: Path) -> tuple[BackendKind, list[st
     return backend, args
 
 
-def _resolve_assets(cache: Path, llama_server: str, model_path: str,
-                    amx_mode: LlamaAmx) -> tuple[Path, Path]:
+def _resolve_assets(
+    cache: Path, llama_server: str, model_path: str, amx_mode: LlamaAmx
+) -> tuple[Path, Path]:
     with assets.cache_lock(cache):
-        binary = assets.resolve_llama_server(Path(llama_server) if llama_server else None,
-                                             cache, build=True, amx_mode=amx_mode)
-        model = assets.resolve_model(Path(model_path) if model_path else None, cache,
-                                     fetch_missing=True)
+        binary = assets.resolve_llama_server(
+            Path(llama_server) if llama_server else None, cache, build=True, amx_mode=amx_mode
+        )
+        model = assets.resolve_model(
+            Path(model_path) if model_path else None, cache, fetch_missing=True
+        )
     return binary, model

@@ -101,8 +101,9 @@ def output_pipe(log: CappedLog) -> tuple[int, threading.Thread]:
     read_end, write_end = os.pipe()
     with contextlib.suppress(OSError):  # a smaller pipe still works
         fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-    copier = threading.Thread(target=_copy, args=(read_end, log), daemon=True,
-                              name="llama-server-output")
+    copier = threading.Thread(
+        target=_copy, args=(read_end, log), daemon=True, name="llama-server-output"
+    )
     copier.start()
     return write_end, copier
 

@@ -31,10 +31,11 @@ N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF = 28, 1024, 16, 8, 128, 3072
 ARCH = "qwen3"
 RERANK_TEMPLATE = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the "
-    "Query and the Instruct provided. Note that the answer can only be \"yes\" or \"no\"."
+    'Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
     "<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant "
     "passages that answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
-    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
 
 
 def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> list[str]:
@@ -58,15 +59,24 @@ def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> list[str]:
             writer.add_string(field.name, bytes(field.parts[field.data[0]]).decode())
         else:
             value = field.parts[field.data[0]].tolist()[0]
-            {GGUFValueType.UINT32: writer.add_uint32, GGUFValueType.INT32: writer.add_int32,
-             GGUFValueType.BOOL: writer.add_bool, GGUFValueType.FLOAT32: writer.add_float32,
-             }.get(kind, writer.add_uint32)(field.name, value)
+            {
+                GGUFValueType.UINT32: writer.add_uint32,
+                GGUFValueType.INT32: writer.add_int32,
+                GGUFValueType.BOOL: writer.add_bool,
+                GGUFValueType.FLOAT32: writer.add_float32,
+            }.get(kind, writer.add_uint32)(field.name, value)
     return tokens
 
 
-def _tensor(writer: GGUFWriter, name: str, shape: tuple[int, ...], kind: str,
-            rng: np.random.Generator, norm: bool = False,
-            shape_it: Callable[[np.ndarray], np.ndarray] = lambda w: w) -> None:
+def _tensor(
+    writer: GGUFWriter,
+    name: str,
+    shape: tuple[int, ...],
+    kind: str,
+    rng: np.random.Generator,
+    norm: bool = False,
+    shape_it: Callable[[np.ndarray], np.ndarray] = lambda w: w,
+) -> None:
     """A random weight (numpy shape: rows, columns), or a norm of ones (kept F32)."""
     if norm:
         writer.add_tensor(name, np.ones(shape, dtype=np.float32))
@@ -75,8 +85,9 @@ def _tensor(writer: GGUFWriter, name: str, shape: tuple[int, ...], kind: str,
     if kind == "f16":
         writer.add_tensor(name, data.astype(np.float16))
     else:
-        writer.add_tensor(name, quantize(data, GGMLQuantizationType.Q8_0),
-                          raw_dtype=GGMLQuantizationType.Q8_0)
+        writer.add_tensor(
+            name, quantize(data, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0
+        )
 
 
 ANCHOR, ANSWER_LIFT = 30.0, 2.0
@@ -85,8 +96,9 @@ ANCHOR, ANSWER_LIFT = 30.0, 2.0
 def _answers(tokens: list[str]) -> list[int]:
     """The vocabulary's spellings of the answers ("yes", "No", " yes": BPE's "Ġ" is a
     space), every one `logprobs.p_yes` reads."""
-    return [i for i, t in enumerate(tokens)
-            if t.replace("\u0120", " ").strip().lower() in ("yes", "no")]
+    return [
+        i for i, t in enumerate(tokens) if t.replace("\u0120", " ").strip().lower() in ("yes", "no")
+    ]
 
 
 def _anchor(embd: np.ndarray, answers: list[int]) -> np.ndarray:
@@ -124,8 +136,14 @@ def main(tokenizer: str, out: str, kind: str, head: str) -> None:
         writer.add_classifier_output_labels(["yes", "no"])
         writer.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
     answers = _answers(tokens)
-    _tensor(writer, "token_embd.weight", (len(tokens), N_EMBD), kind, rng,
-            shape_it=lambda w: _anchor(w, answers))
+    _tensor(
+        writer,
+        "token_embd.weight",
+        (len(tokens), N_EMBD),
+        kind,
+        rng,
+        shape_it=lambda w: _anchor(w, answers),
+    )
     _tensor(writer, "output_norm.weight", (N_EMBD,), kind, rng, norm=True)
     if head == "rank":
         _tensor(writer, "cls.output.weight", (2, N_EMBD), kind, rng)

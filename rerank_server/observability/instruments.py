@@ -44,8 +44,11 @@ Attributes = Mapping[str, str | bool | int | float]
 # The instrumentation scope, as labels: OpenTelemetry's exporter puts them on every
 # sample of the meter "rerank_server".
 SCOPE_NAME = "rerank_server"
-_SCOPE_LABELS = {"otel_scope_name": SCOPE_NAME, "otel_scope_schema_url": "",
-                 "otel_scope_version": __version__}
+_SCOPE_LABELS = {
+    "otel_scope_name": SCOPE_NAME,
+    "otel_scope_schema_url": "",
+    "otel_scope_version": __version__,
+}
 
 
 class Recorder(Protocol):
@@ -94,10 +97,11 @@ class _Family:
     def _labelled(self, attributes: Attributes) -> Any:
         unknown = set(attributes) - set(self._keys)
         if unknown:
-            raise ValueError(f"{self._metric._name}: attribute(s) {sorted(unknown)} not "
-                             "declared for this instrument")
-        labels = {sanitize_attribute(key): label_value(attributes.get(key))
-                  for key in self._keys}
+            raise ValueError(
+                f"{self._metric._name}: attribute(s) {sorted(unknown)} not "
+                "declared for this instrument"
+            )
+        labels = {sanitize_attribute(key): label_value(attributes.get(key)) for key in self._keys}
         return self._metric.labels(**labels, **_SCOPE_LABELS)
 
 
@@ -133,45 +137,68 @@ class Instruments:
     def direct(self) -> bool:
         return self._registry is not None
 
-    def _wrapper(self, kind: type[MetricWrapperBase], name: str, unit: str,
-                 description: str, keys: Sequence[str], **extra: Any) -> MetricWrapperBase:
+    def _wrapper(
+        self,
+        kind: type[MetricWrapperBase],
+        name: str,
+        unit: str,
+        description: str,
+        keys: Sequence[str],
+        **extra: Any,
+    ) -> MetricWrapperBase:
         labels = sorted([*(sanitize_attribute(key) for key in keys), *_SCOPE_LABELS])
         # prometheus_client appends the unit (and `_total` for counters) as the
         # exporter's families do.
-        return kind(sanitize_full_name(name), description, labels, registry=self._registry,
-                    unit=map_unit(unit), **extra)
+        return kind(
+            sanitize_full_name(name),
+            description,
+            labels,
+            registry=self._registry,
+            unit=map_unit(unit),
+            **extra,
+        )
 
-    def histogram(self, name: str, unit: str, description: str, buckets: Sequence[float],
-                  keys: Sequence[str] = ()) -> Recorder:
+    def histogram(
+        self,
+        name: str,
+        unit: str,
+        description: str,
+        buckets: Sequence[float],
+        keys: Sequence[str] = (),
+    ) -> Recorder:
         if self._registry is None:
             return self._meter.create_histogram(
-                name, unit=unit, description=description,
-                explicit_bucket_boundaries_advisory=buckets)
-        return _Histogram(self._wrapper(prometheus_client.Histogram, name, unit,
-                                        description, keys, buckets=buckets), keys)
+                name,
+                unit=unit,
+                description=description,
+                explicit_bucket_boundaries_advisory=buckets,
+            )
+        return _Histogram(
+            self._wrapper(
+                prometheus_client.Histogram, name, unit, description, keys, buckets=buckets
+            ),
+            keys,
+        )
 
-    def counter(self, name: str, unit: str, description: str,
-                keys: Sequence[str] = ()) -> Adder:
+    def counter(self, name: str, unit: str, description: str, keys: Sequence[str] = ()) -> Adder:
         if self._registry is None:
             return self._meter.create_counter(name, unit=unit, description=description)
-        return _Counter(self._wrapper(prometheus_client.Counter, name, unit, description,
-                                      keys), keys)
+        return _Counter(
+            self._wrapper(prometheus_client.Counter, name, unit, description, keys), keys
+        )
 
-    def up_down_counter(self, name: str, unit: str, description: str,
-                        keys: Sequence[str] = ()) -> Adder:
+    def up_down_counter(
+        self, name: str, unit: str, description: str, keys: Sequence[str] = ()
+    ) -> Adder:
         if self._registry is None:
-            return self._meter.create_up_down_counter(name, unit=unit,
-                                                      description=description)
+            return self._meter.create_up_down_counter(name, unit=unit, description=description)
         # The exporter renders a cumulative non-monotonic sum as a gauge.
-        return _Counter(self._wrapper(prometheus_client.Gauge, name, unit, description,
-                                      keys), keys)
+        return _Counter(self._wrapper(prometheus_client.Gauge, name, unit, description, keys), keys)
 
-    def gauge(self, name: str, unit: str, description: str,
-              keys: Sequence[str] = ()) -> Setter:
+    def gauge(self, name: str, unit: str, description: str, keys: Sequence[str] = ()) -> Setter:
         if self._registry is None:
             return self._meter.create_gauge(name, unit=unit, description=description)
-        return _Gauge(self._wrapper(prometheus_client.Gauge, name, unit, description, keys),
-                      keys)
+        return _Gauge(self._wrapper(prometheus_client.Gauge, name, unit, description, keys), keys)
 
 
 def bound(histogram: Recorder, attributes: Attributes) -> Callable[[float], None]:

@@ -56,14 +56,17 @@ from opentelemetry.util._decorator import _agnosticcontextmanager
 _EXACT = frozenset((str, bool, int, float))  # the values we set: stored as they are
 # The SDK's default sampler, as it describes itself: follow the parent's decision, sample
 # every root. `LeanTracer` decides as it would without building its result objects.
-_DEFAULT_SAMPLER = ("ParentBased{root:AlwaysOnSampler,remoteParentSampled:AlwaysOnSampler,"
-                    "remoteParentNotSampled:AlwaysOffSampler,localParentSampled:"
-                    "AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}")
+_DEFAULT_SAMPLER = (
+    "ParentBased{root:AlwaysOnSampler,remoteParentSampled:AlwaysOnSampler,"
+    "remoteParentNotSampled:AlwaysOffSampler,localParentSampled:"
+    "AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}"
+)
 _RANDOM_TRACE_ID = getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0)
 
 
-def _attributes(into: dict[str, types.AttributeValue],
-                attributes: types.Attributes) -> dict[str, types.AttributeValue]:
+def _attributes(
+    into: dict[str, types.AttributeValue], attributes: types.Attributes
+) -> dict[str, types.AttributeValue]:
     """`attributes` added to `into`: ours (str keys, scalar values) as they are, anything
     else as the installed SDK would store it (its rules have changed between releases)."""
     if attributes:
@@ -90,14 +93,33 @@ def _link(context: trace.SpanContext, attributes: types.Attributes) -> trace.Lin
 class LeanSpan(trace.Span):
     """A recording span of this server's: see the module's docstring."""
 
-    __slots__ = ("_attributes", "_context", "_end", "_events", "_kind", "_links", "_name",
-                 "_on_exception", "_parent", "_start", "_status", "_tracer")
+    __slots__ = (
+        "_attributes",
+        "_context",
+        "_end",
+        "_events",
+        "_kind",
+        "_links",
+        "_name",
+        "_on_exception",
+        "_parent",
+        "_start",
+        "_status",
+        "_tracer",
+    )
 
-    def __init__(self, tracer: LeanTracer, name: str, context: trace.SpanContext,
-                 parent: trace.SpanContext | None, kind: trace.SpanKind,
-                 attributes: dict[str, types.AttributeValue],
-                 links: Sequence[trace.Link], start: int,
-                 on_exception: tuple[bool, bool] = (True, True)) -> None:
+    def __init__(
+        self,
+        tracer: LeanTracer,
+        name: str,
+        context: trace.SpanContext,
+        parent: trace.SpanContext | None,
+        kind: trace.SpanKind,
+        attributes: dict[str, types.AttributeValue],
+        links: Sequence[trace.Link],
+        start: int,
+        on_exception: tuple[bool, bool] = (True, True),
+    ) -> None:
         self._tracer = tracer
         self._name = name
         self._context = context
@@ -105,8 +127,11 @@ class LeanSpan(trace.Span):
         self._kind = kind
         self._attributes = attributes
         self._events: list[Event] = []
-        self._links = [_link(link.context, link.attributes) for link in links
-                       if _is_valid_link(link.context, link.attributes)]
+        self._links = [
+            _link(link.context, link.attributes)
+            for link in links
+            if _is_valid_link(link.context, link.attributes)
+        ]
         self._status = trace.Status(trace.StatusCode.UNSET)
         self._start = start
         self._end: int | None = None
@@ -140,14 +165,19 @@ class LeanSpan(trace.Span):
         if self._end is None:
             _attributes(self._attributes, {key: value})
 
-    def add_event(self, name: str, attributes: types.Attributes = None,
-                  timestamp: int | None = None) -> None:
+    def add_event(
+        self, name: str, attributes: types.Attributes = None, timestamp: int | None = None
+    ) -> None:
         if self._end is None:
-            self._events.append(Event(name, _attributes({}, attributes),
-                                      timestamp if timestamp is not None else time_ns()))
+            self._events.append(
+                Event(
+                    name,
+                    _attributes({}, attributes),
+                    timestamp if timestamp is not None else time_ns(),
+                )
+            )
 
-    def add_link(self, context: trace.SpanContext,
-                 attributes: types.Attributes = None) -> None:
+    def add_link(self, context: trace.SpanContext, attributes: types.Attributes = None) -> None:
         if self._end is None and _is_valid_link(context, attributes):
             self._links.append(_link(context, attributes))
 
@@ -155,8 +185,9 @@ class LeanSpan(trace.Span):
         if self._end is None:
             self._name = name
 
-    def set_status(self, status: trace.Status | trace.StatusCode,
-                   description: str | None = None) -> None:
+    def set_status(
+        self, status: trace.Status | trace.StatusCode, description: str | None = None
+    ) -> None:
         # As the SDK: OK is final, and UNSET never overwrites.
         if self._end is not None or self._status.status_code is trace.StatusCode.OK:
             return
@@ -165,8 +196,13 @@ class LeanSpan(trace.Span):
         if status.status_code is not trace.StatusCode.UNSET:
             self._status = status
 
-    def record_exception(self, exception: BaseException, attributes: types.Attributes = None,
-                         timestamp: int | None = None, escaped: bool = False) -> None:
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: types.Attributes = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
         module, name = type(exception).__module__, type(exception).__qualname__
         event: dict[str, types.AttributeValue] = {
             "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
@@ -176,8 +212,12 @@ class LeanSpan(trace.Span):
         }
         self.add_event("exception", _attributes(event, attributes), timestamp)
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         """`with tracer.start_span(...)`: an escaping exception recorded, as the SDK's."""
         if error is not None and self._end is None:
             record, set_status = self._on_exception
@@ -192,20 +232,31 @@ class LeanSpan(trace.Span):
             return
         self._end = end_time if end_time is not None else time_ns()
         tracer = self._tracer
-        tracer.processor.on_end(ReadableSpan(
-            name=self._name, context=self._context, parent=self._parent,
-            resource=tracer.resource, attributes=self._attributes,
-            events=tuple(self._events), links=tuple(self._links), kind=self._kind,
-            status=self._status, start_time=self._start, end_time=self._end,
-            instrumentation_scope=tracer.scope))
+        tracer.processor.on_end(
+            ReadableSpan(
+                name=self._name,
+                context=self._context,
+                parent=self._parent,
+                resource=tracer.resource,
+                attributes=self._attributes,
+                events=tuple(self._events),
+                links=tuple(self._links),
+                kind=self._kind,
+                status=self._status,
+                start_time=self._start,
+                end_time=self._end,
+                instrumentation_scope=tracer.scope,
+            )
+        )
 
 
 class LeanTracer(trace.Tracer):
     """Starts `LeanSpan`s as the SDK's tracer would start its spans: same sampling, same
     ids, same processors."""
 
-    def __init__(self, provider: TracerProvider, processor: SpanProcessor,
-                 scope: InstrumentationScope) -> None:
+    def __init__(
+        self, provider: TracerProvider, processor: SpanProcessor, scope: InstrumentationScope
+    ) -> None:
         self.processor = processor
         self.resource = provider.resource
         self.scope = scope
@@ -214,12 +265,17 @@ class LeanTracer(trace.Tracer):
         self._random_ids = bool(getattr(self._ids, "is_trace_id_random", lambda: False)())
         self._default_sampler = self._sampler.get_description() == _DEFAULT_SAMPLER
 
-    def start_span(self, name: str, context: context_api.Context | None = None,
-                   kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-                   attributes: types.Attributes = None,
-                   links: Sequence[trace.Link] | None = (), start_time: int | None = None,
-                   record_exception: bool = True, set_status_on_exception: bool = True,
-                   ) -> trace.Span:
+    def start_span(
+        self,
+        name: str,
+        context: context_api.Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: types.Attributes = None,
+        links: Sequence[trace.Link] | None = (),
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+    ) -> trace.Span:
         links = links or ()
         parent: trace.SpanContext | None = trace.get_current_span(context).get_span_context()
         if parent is not None and parent.is_valid:
@@ -236,43 +292,75 @@ class LeanTracer(trace.Tracer):
             trace_state = parent.trace_state if parent is not None else None
             span_attributes = _attributes({}, attributes) if sampled else {}
         else:
-            result = self._sampler.should_sample(context, trace_id, name, kind, attributes,
-                                                 links)
+            result = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)
             sampled = result.decision is not Decision.DROP
-            flags = trace.TraceFlags.SAMPLED if result.decision is Decision.RECORD_AND_SAMPLE \
+            flags = (
+                trace.TraceFlags.SAMPLED
+                if result.decision is Decision.RECORD_AND_SAMPLE
                 else trace.TraceFlags.DEFAULT
+            )
             trace_state = result.trace_state
             span_attributes = _attributes({}, result.attributes)
         if random_ids:
             flags |= _RANDOM_TRACE_ID
-        span_context = trace.SpanContext(trace_id, self._ids.generate_span_id(),
-                                         is_remote=False, trace_flags=trace.TraceFlags(flags),
-                                         trace_state=trace_state)
+        span_context = trace.SpanContext(
+            trace_id,
+            self._ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=trace.TraceFlags(flags),
+            trace_state=trace_state,
+        )
         if not sampled:
             return trace.NonRecordingSpan(span_context)
-        span = LeanSpan(self, name, span_context, parent, kind, span_attributes, links,
-                        start_time if start_time is not None else time_ns(),
-                        (record_exception, set_status_on_exception))
+        span = LeanSpan(
+            self,
+            name,
+            span_context,
+            parent,
+            kind,
+            span_attributes,
+            links,
+            start_time if start_time is not None else time_ns(),
+            (record_exception, set_status_on_exception),
+        )
         self.processor.on_start(span, parent_context=context)  # type: ignore[arg-type]
         return span
 
     @_agnosticcontextmanager  # the API's own decorator for this method, as the SDK's
-    def start_as_current_span(self, name: str, context: context_api.Context | None = None,
-                              kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-                              attributes: types.Attributes = None,
-                              links: Sequence[trace.Link] | None = (),
-                              start_time: int | None = None, record_exception: bool = True,
-                              set_status_on_exception: bool = True,
-                              end_on_exit: bool = True) -> Iterator[trace.Span]:
-        span = self.start_span(name, context, kind, attributes, links, start_time,
-                               record_exception, set_status_on_exception)
-        with trace.use_span(span, end_on_exit=end_on_exit, record_exception=record_exception,
-                            set_status_on_exception=set_status_on_exception) as current:
+    def start_as_current_span(
+        self,
+        name: str,
+        context: context_api.Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: types.Attributes = None,
+        links: Sequence[trace.Link] | None = (),
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+        end_on_exit: bool = True,
+    ) -> Iterator[trace.Span]:
+        span = self.start_span(
+            name,
+            context,
+            kind,
+            attributes,
+            links,
+            start_time,
+            record_exception,
+            set_status_on_exception,
+        )
+        with trace.use_span(
+            span,
+            end_on_exit=end_on_exit,
+            record_exception=record_exception,
+            set_status_on_exception=set_status_on_exception,
+        ) as current:
             yield current
 
 
-def lean_tracer(provider: TracerProvider, processor: SpanProcessor, name: str,
-                version: str) -> trace.Tracer:
+def lean_tracer(
+    provider: TracerProvider, processor: SpanProcessor, name: str, version: str
+) -> trace.Tracer:
     """A tracer for `provider`, whose span processor is `processor` (added here): a
     `LeanTracer` where it records what the SDK's tracer would, the SDK's otherwise."""
     provider.add_span_processor(processor)
@@ -284,9 +372,15 @@ def lean_tracer(provider: TracerProvider, processor: SpanProcessor, name: str,
 
 
 def _limits(limits: SpanLimits) -> tuple[int | None, ...]:
-    return (limits.max_span_attributes, limits.max_events, limits.max_links,
-            limits.max_event_attributes, limits.max_link_attributes,
-            limits.max_attribute_length, limits.max_span_attribute_length)
+    return (
+        limits.max_span_attributes,
+        limits.max_events,
+        limits.max_links,
+        limits.max_event_attributes,
+        limits.max_link_attributes,
+        limits.max_attribute_length,
+        limits.max_span_attribute_length,
+    )
 
 
 # The SDK's defaults: 128 of each, no length limit. No span of ours comes near them.

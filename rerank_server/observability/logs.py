@@ -27,8 +27,9 @@ from ..settings import LogFormat
 rpc_log = structlog.get_logger("rerank_server.rpc")
 
 
-def add_trace_ids(_logger: object, _name: str,
-                  event: structlog.typing.EventDict) -> structlog.typing.EventDict:
+def add_trace_ids(
+    _logger: object, _name: str, event: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
     """Adds the current span's ids; nothing when no recording span is current."""
     context = trace.get_current_span().get_span_context()
     if context.is_valid:
@@ -66,8 +67,9 @@ def _json_line(event: Any, **options: Any) -> str:
     encoder took 5.3 µs in a loop, orjson 0.4. `options` carries structlog's `default`
     for objects JSON cannot hold (rendered with `repr`)."""
     try:
-        return orjson.dumps(event, default=options.get("default"),
-                            option=orjson.OPT_NON_STR_KEYS).decode()
+        return orjson.dumps(
+            event, default=options.get("default"), option=orjson.OPT_NON_STR_KEYS
+        ).decode()
     except TypeError:
         # What orjson refuses and the standard library writes: a lone surrogate (a
         # non-UTF-8 path read with surrogateescape), an integer beyond 64 bits.
@@ -91,8 +93,9 @@ class _LibraryRecords(logging.Handler):
             else:  # the first line only: asyncio's next lines repr the failed task
                 fields["message"] = message.split("\n", 1)[0]
                 fields["error"] = type(error).__name__
-                fields["stack"] = "".join(traceback.format_list(
-                    traceback.extract_tb(error.__traceback__)))
+                fields["stack"] = "".join(
+                    traceback.format_list(traceback.extract_tb(error.__traceback__))
+                )
             # structlog knows the standard levels only: a custom one goes to the next.
             level = min(max(record.levelno // 10 * 10, logging.WARNING), logging.CRITICAL)
             structlog.get_logger("library").log(level, "library_log", **fields)
@@ -107,9 +110,12 @@ def _take_library_records() -> None:
     root.addHandler(_LibraryRecords(logging.WARNING))
 
 
-def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
-              stream: TextIO | io.TextIOBase | None = None,
-              extra: Mapping[str, Any] | None = None) -> None:
+def configure(
+    level: str = "info",
+    fmt: LogFormat = LogFormat.AUTO,
+    stream: TextIO | io.TextIOBase | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
     """Log lines to `stream` (default stdout); `extra` goes into every line (a worker's
     number)."""
     explicit = cast(TextIO | None, stream)
@@ -117,8 +123,9 @@ def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
     use_json = fmt is LogFormat.JSON or (fmt is LogFormat.AUTO and not stream.isatty())
     fixed = dict(extra or {})
 
-    def add_extra(_logger: object, _name: str,
-                  event: structlog.typing.EventDict) -> structlog.typing.EventDict:
+    def add_extra(
+        _logger: object, _name: str, event: structlog.typing.EventDict
+    ) -> structlog.typing.EventDict:
         event.update(fixed)
         return event
 
@@ -134,12 +141,12 @@ def configure(level: str = "info", fmt: LogFormat = LogFormat.AUTO,
         shared.append(structlog.processors.format_exc_info)
         renderer = structlog.processors.JSONRenderer(serializer=_json_line)
     else:
-        renderer = structlog.dev.ConsoleRenderer(
-            exception_formatter=structlog.dev.plain_traceback)
+        renderer = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]),
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
         logger_factory=lambda *_args: _LineWriter(explicit),
         cache_logger_on_first_use=False,
     )
@@ -150,34 +157,60 @@ def rpc_answered(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
     """The canonical log line of an answered rerank request (both edges): ids, counts,
     outcome and timings, never query or document text."""
     rpc_log.info(
-        "rpc", rpc=rpc, status="OK", request_id=s.request_id, candidates=s.candidates,
-        submitted=s.submitted, scored=s.scored, failed=s.failed, returned=returned,
-        reranked=s.reranked, degraded=s.degraded.code.value if s.degraded else None,
+        "rpc",
+        rpc=rpc,
+        status="OK",
+        request_id=s.request_id,
+        candidates=s.candidates,
+        submitted=s.submitted,
+        scored=s.scored,
+        failed=s.failed,
+        returned=returned,
+        reranked=s.reranked,
+        degraded=s.degraded.code.value if s.degraded else None,
         degraded_detail=s.degraded.message if s.degraded else None,
-        failures=dict(s.failures) or None, blend=s.blend.value,
+        failures=dict(s.failures) or None,
+        blend=s.blend.value,
         blend_profile=s.blend_profile or None,
         reranker_weight=None if s.reranker_weight is None else round(s.reranker_weight, 3),
-        backend=s.backend, total_ms=round(s.total_ms, 2), scoring_ms=round(s.scoring_ms, 2),
-        **extra)
+        backend=s.backend,
+        total_ms=round(s.total_ms, 2),
+        scoring_ms=round(s.scoring_ms, 2),
+        **extra,
+    )
 
 
 def rpc_cancelled(rpc: str, request_id: str, started: float, status: str) -> None:
     """The log line of a request that ended without an answer: its client cancelled it,
     or its deadline passed (gRPC then cancels the handler), or the server stopped."""
-    rpc_log.info("rpc", rpc=rpc, status=status, request_id=request_id,
-                 total_ms=round((time.perf_counter() - started) * 1000, 2))
+    rpc_log.info(
+        "rpc",
+        rpc=rpc,
+        status=status,
+        request_id=request_id,
+        total_ms=round((time.perf_counter() - started) * 1000, 2),
+    )
 
 
-def rpc_failed(rpc: str, request_id: str, started: float, status: str, exc: Exception, *,
-               internal: bool) -> None:
+def rpc_failed(
+    rpc: str, request_id: str, started: float, status: str, exc: Exception, *, internal: bool
+) -> None:
     """The log line of a request that ended with an error status."""
     elapsed = round((time.perf_counter() - started) * 1000, 2)
     if internal:
         # The frames name our code, not user text; the message may not, so it is left out
         # (a rendered traceback would end with it).
         frames = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
-        rpc_log.error("rpc", rpc=rpc, status=status, request_id=request_id,
-                      error=type(exc).__name__, total_ms=elapsed, stack=frames)
+        rpc_log.error(
+            "rpc",
+            rpc=rpc,
+            status=status,
+            request_id=request_id,
+            error=type(exc).__name__,
+            total_ms=elapsed,
+            stack=frames,
+        )
     else:
-        rpc_log.info("rpc", rpc=rpc, status=status, request_id=request_id, error=str(exc),
-                     total_ms=elapsed)
+        rpc_log.info(
+            "rpc", rpc=rpc, status=status, request_id=request_id, error=str(exc), total_ms=elapsed
+        )

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import collections
 
-INTERVAL_S = 0.05       # while requests come in
-IDLE_INTERVAL_S = 0.5   # after WINDOW_S without one: still four samples in the window
-WINDOW_S = 2.0          # the lag reported is the largest of this recent span
+INTERVAL_S = 0.05  # while requests come in
+IDLE_INTERVAL_S = 0.5  # after WINDOW_S without one: still four samples in the window
+WINDOW_S = 2.0  # the lag reported is the largest of this recent span
 
 
 class LoopLag:

@@ -75,8 +75,11 @@ INSTANCE_KEYS = (BACKEND, SERVER_ADDRESS, SERVER_PORT)
 
 # Counted by the process that runs llama-server: the server, or with `--workers` the
 # supervisor (`worker_metrics.SupervisorMetrics`), under the same name either way.
-LLAMA_RESTARTS = ("rerank.llama_server.restarts", "{restart}",
-                  "Restarts of the managed llama-server after it exited.")
+LLAMA_RESTARTS = (
+    "rerank.llama_server.restarts",
+    "{restart}",
+    "Restarts of the managed llama-server after it exited.",
+)
 
 
 class CallDurations:
@@ -90,13 +93,17 @@ class CallDurations:
 
     def __init__(self, instruments: Instruments) -> None:
         self._histogram = instruments.histogram(
-            "http.client.request.duration", "s", self.DESCRIPTION, DURATION_BUCKETS_S,
-            keys=(*INSTANCE_KEYS, HTTP_METHOD, HTTP_STATUS, ERROR_TYPE))
-        self._records: dict[tuple[Instance, int | None, str | None],
-                            Callable[[float], None]] = {}
+            "http.client.request.duration",
+            "s",
+            self.DESCRIPTION,
+            DURATION_BUCKETS_S,
+            keys=(*INSTANCE_KEYS, HTTP_METHOD, HTTP_STATUS, ERROR_TYPE),
+        )
+        self._records: dict[tuple[Instance, int | None, str | None], Callable[[float], None]] = {}
 
-    def record(self, seconds: float, instance: Instance, status: int | None,
-               error_type: str | None) -> None:
+    def record(
+        self, seconds: float, instance: Instance, status: int | None, error_type: str | None
+    ) -> None:
         """One POST to `instance`: its HTTP status when it answered, its error type when
         it failed."""
         key = (instance, status, error_type)
@@ -118,62 +125,97 @@ class Metrics:
     the instruments then record straight into it (`instruments.py`).
     """
 
-    def __init__(self, provider: MeterProvider,
-                 prometheus: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, provider: MeterProvider, prometheus: CollectorRegistry | None = None
+    ) -> None:
         meter = provider.get_meter(SCOPE_NAME, __version__)
         make = Instruments(meter, prometheus)
         # --- RPCs
         self.rpc_duration = make.histogram(
-            "rpc.server.call.duration", "s",
+            "rpc.server.call.duration",
+            "s",
             "Duration of gRPC calls handled, by method and status code.",
-            DURATION_BUCKETS_S, keys=(RPC_SYSTEM_NAME, RPC_METHOD, RPC_STATUS))
+            DURATION_BUCKETS_S,
+            keys=(RPC_SYSTEM_NAME, RPC_METHOD, RPC_STATUS),
+        )
         self.rpc_active = make.up_down_counter(
-            "rerank.server.active_rpcs", "{rpc}",
-            "Reranker RPCs in progress (health and reflection excluded).", keys=(RPC_METHOD,))
+            "rerank.server.active_rpcs",
+            "{rpc}",
+            "Reranker RPCs in progress (health and reflection excluded).",
+            keys=(RPC_METHOD,),
+        )
         self.rpc_rejected = make.counter(
-            "rerank.server.rejected_rpcs", "{rpc}",
+            "rerank.server.rejected_rpcs",
+            "{rpc}",
             "Reranker RPCs refused with RESOURCE_EXHAUSTED because max_concurrent_rpcs "
-            "were already in progress.", keys=(RPC_METHOD,))
+            "were already in progress.",
+            keys=(RPC_METHOD,),
+        )
         # --- rerank requests (one per Rerank/RerankStream call and per RerankBatch item)
         self.requests = make.counter(
-            "rerank.requests", "{request}",
+            "rerank.requests",
+            "{request}",
             "Rerank requests answered, by whether they were reranked and why not.",
-            keys=(RERANKED, REASON, BACKEND))
+            keys=(RERANKED, REASON, BACKEND),
+        )
         self.candidates = make.histogram(
-            "rerank.request.candidates", "{candidate}",
-            "Candidates per rerank request, as received.", COUNT_BUCKETS)
+            "rerank.request.candidates",
+            "{candidate}",
+            "Candidates per rerank request, as received.",
+            COUNT_BUCKETS,
+        )
         self.pairs_scored = make.histogram(
-            "rerank.request.scored_pairs", "{pair}",
-            "Pairs the scorer scored per rerank request.", COUNT_BUCKETS)
+            "rerank.request.scored_pairs",
+            "{pair}",
+            "Pairs the scorer scored per rerank request.",
+            COUNT_BUCKETS,
+        )
         self.pairs = make.counter(
-            "rerank.pairs", "{pair}",
+            "rerank.pairs",
+            "{pair}",
             "Query-document pairs by outcome: scored (by the backend), cached (from the "
             "score cache), failed (error.type says how).",
-            keys=(PAIR_OUTCOME, BACKEND, ERROR_TYPE))
+            keys=(PAIR_OUTCOME, BACKEND, ERROR_TYPE),
+        )
         self.duration = make.histogram(
-            "rerank.request.duration", "s",
+            "rerank.request.duration",
+            "s",
             "Time from a request's arrival in the pipeline to its summary.",
-            DURATION_BUCKETS_S)
+            DURATION_BUCKETS_S,
+        )
         self.scoring_duration = make.histogram(
-            "rerank.scoring.duration", "s",
-            "Time spent waiting for the scorer per rerank request.", DURATION_BUCKETS_S)
+            "rerank.scoring.duration",
+            "s",
+            "Time spent waiting for the scorer per rerank request.",
+            DURATION_BUCKETS_S,
+        )
         self.cache_lookups = make.counter(
-            "rerank.cache.lookups", "{pair}",
+            "rerank.cache.lookups",
+            "{pair}",
             "Score cache lookups by rerank.cache.result: hit, miss, or bypass (the request "
-            "asked not to read the cache).", keys=(CACHE_RESULT,))
+            "asked not to read the cache).",
+            keys=(CACHE_RESULT,),
+        )
         self.threshold = make.histogram(
-            "rerank.threshold.final", "1",
+            "rerank.threshold.final",
+            "1",
             "The threshold finally applied, per request that asked for one.",
-            THRESHOLD_BUCKETS)
+            THRESHOLD_BUCKETS,
+        )
         self.reranker_weight = make.histogram(
-            "rerank.blend.reranker_weight", "1",
+            "rerank.blend.reranker_weight",
+            "1",
             "The reranker's weight in a request-wide blend (adaptive, profile): 0 keeps "
-            "the retrieval order, 1 is the reranker's order.", WEIGHT_BUCKETS,
-            keys=(BACKEND, BLEND, BLEND_PROFILE))
+            "the retrieval order, 1 is the reranker's order.",
+            WEIGHT_BUCKETS,
+            keys=(BACKEND, BLEND, BLEND_PROFILE),
+        )
         self.threshold_steps = make.histogram(
-            "rerank.threshold.steps", "{step}",
+            "rerank.threshold.steps",
+            "{step}",
             "How many times the adaptive threshold was lowered per request.",
-            (0.0, 1.0, 2.0, 4.0, 8.0))
+            (0.0, 1.0, 2.0, 4.0, 8.0),
+        )
         # --- backend instances
         self.call_durations = CallDurations(make)
         # Read when scraped, from each instance's own count (`watch_active`): counting
@@ -181,35 +223,56 @@ class Metrics:
         # stays with the SDK even when the others record directly.
         self._active: dict[int, Callable[[], tuple[int, dict[str, str | int]]]] = {}
         meter.create_observable_up_down_counter(
-            "http.client.active_requests", callbacks=[self._observe_active],
+            "http.client.active_requests",
+            callbacks=[self._observe_active],
             unit="{request}",
-            description="HTTP calls to a scoring backend instance in flight.")
+            description="HTTP calls to a scoring backend instance in flight.",
+        )
         self.backend_errors = make.counter(
-            "rerank.backend.errors", "{error}",
+            "rerank.backend.errors",
+            "{error}",
             "Failed backend calls by instance and error.type: timeout, connect, "
-            "http_status, malformed.", keys=(*INSTANCE_KEYS, ERROR_TYPE))
+            "http_status, malformed.",
+            keys=(*INSTANCE_KEYS, ERROR_TYPE),
+        )
         self.abandoned_calls = make.counter(
-            "rerank.backend.abandoned_calls", "{call}",
+            "rerank.backend.abandoned_calls",
+            "{call}",
             "Backend calls whose request stopped waiting for them (budget spent, client "
-            "gone); each still holds its slot until it ends.", keys=INSTANCE_KEYS)
+            "gone); each still holds its slot until it ends.",
+            keys=INSTANCE_KEYS,
+        )
         self.abandoned_open = make.up_down_counter(
-            "rerank.backend.abandoned_calls.open", "{call}",
-            "Abandoned backend calls still running.", keys=INSTANCE_KEYS)
+            "rerank.backend.abandoned_calls.open",
+            "{call}",
+            "Abandoned backend calls still running.",
+            keys=INSTANCE_KEYS,
+        )
         self.abandoned_age = make.histogram(
-            "rerank.backend.abandoned_call.age", "s",
+            "rerank.backend.abandoned_call.age",
+            "s",
             "How long an abandoned call ran on after it was abandoned (answered, or "
-            "cancelled when its leash ran out).", DURATION_BUCKETS_S, keys=INSTANCE_KEYS)
+            "cancelled when its leash ran out).",
+            DURATION_BUCKETS_S,
+            keys=INSTANCE_KEYS,
+        )
         self.backend_ejections = make.counter(
-            "rerank.backend.ejections", "{ejection}",
+            "rerank.backend.ejections",
+            "{ejection}",
             "Times an instance was taken out of the pool after failing calls in a row.",
-            keys=INSTANCE_KEYS)
+            keys=INSTANCE_KEYS,
+        )
         self.backend_up = make.gauge(
-            "rerank.backend.up", "1",
-            "1 while the backend's /health answers 200, else 0.", keys=INSTANCE_KEYS)
+            "rerank.backend.up",
+            "1",
+            "1 while the backend's /health answers 200, else 0.",
+            keys=INSTANCE_KEYS,
+        )
         self.llama_restarts = make.counter(*LLAMA_RESTARTS)
 
-    def watch_active(self, owner: object,
-                     source: Callable[[], tuple[int, dict[str, str | int]]] | None) -> None:
+    def watch_active(
+        self, owner: object, source: Callable[[], tuple[int, dict[str, str | int]]] | None
+    ) -> None:
         """Report `source()` (calls in flight, instance attributes) as the owner's
         `http.client.active_requests` from now on; None stops it."""
         if source is None:
@@ -229,25 +292,31 @@ class Metrics:
     def record_rerank(self, summary: RerankSummary) -> None:
         """Everything one answered rerank request contributes."""
         reason = summary.degraded.code.value if summary.degraded else "none"
-        self.requests.add(1, {RERANKED: summary.reranked, REASON: reason,
-                              BACKEND: summary.backend})
+        self.requests.add(1, {RERANKED: summary.reranked, REASON: reason, BACKEND: summary.backend})
         self.candidates.record(summary.candidates)
         self.pairs_scored.record(summary.scored)
         if summary.scored - summary.cached:
-            self.pairs.add(summary.scored - summary.cached,
-                           {PAIR_OUTCOME: "scored", BACKEND: summary.backend})
+            self.pairs.add(
+                summary.scored - summary.cached, {PAIR_OUTCOME: "scored", BACKEND: summary.backend}
+            )
         if summary.cached:
             self.pairs.add(summary.cached, {PAIR_OUTCOME: "cached", BACKEND: summary.backend})
         if summary.threshold is not None:
             self.threshold.record(summary.threshold.threshold)
             self.threshold_steps.record(summary.threshold.steps)
         for failure, n in summary.failures.items():
-            self.pairs.add(n, {PAIR_OUTCOME: "failed", ERROR_TYPE: failure,
-                               BACKEND: summary.backend})
+            self.pairs.add(
+                n, {PAIR_OUTCOME: "failed", ERROR_TYPE: failure, BACKEND: summary.backend}
+            )
         if summary.reranker_weight is not None:
-            self.reranker_weight.record(summary.reranker_weight, {
-                BACKEND: summary.backend, BLEND: summary.blend.value,
-                BLEND_PROFILE: summary.blend_profile})
+            self.reranker_weight.record(
+                summary.reranker_weight,
+                {
+                    BACKEND: summary.backend,
+                    BLEND: summary.blend.value,
+                    BLEND_PROFILE: summary.blend_profile,
+                },
+            )
         self.duration.record(summary.total_ms / 1000)
         if summary.submitted:
             self.scoring_duration.record(summary.scoring_ms / 1000)

@@ -34,7 +34,9 @@ def _textmap() -> tuple[TextMapPropagator, frozenset[str], bool]:
     if _seen[0] is not textmap:  # set at startup; tests may swap it
         kinds = [type(p) for p in getattr(textmap, "_propagators", ())]
         default = isinstance(textmap, CompositePropagator) and kinds == [
-            TraceContextTextMapPropagator, W3CBaggagePropagator]
+            TraceContextTextMapPropagator,
+            W3CBaggagePropagator,
+        ]
         _seen = (textmap, frozenset(textmap.fields), default)
     return textmap, _seen[1], _seen[2]
 
@@ -52,8 +54,10 @@ def outgoing(span: trace.Span) -> dict[str, str]:
     _, _, default = _textmap()
     context = span.get_span_context()
     if default and context.is_valid and not baggage.get_all():
-        headers = {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-"
-                                  f"{context.trace_flags:02x}"}
+        headers = {
+            "traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+            f"{context.trace_flags:02x}"
+        }
         if context.trace_state:
             headers["tracestate"] = context.trace_state.to_header()
         return headers

@@ -60,8 +60,12 @@ class _Untraced(AbstractContextManager[trace.Span]):
     def __enter__(self) -> trace.Span:
         return trace.INVALID_SPAN
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         return None
 
 
@@ -110,8 +114,13 @@ class Telemetry:
         return cls(Metrics.noop(), trace.NoOpTracer())
 
     @classmethod
-    def create(cls, settings: Settings, *, span_processor: SpanProcessor | None = None,
-               environ: Mapping[str, str] | None = None) -> Telemetry:
+    def create(
+        cls,
+        settings: Settings,
+        *,
+        span_processor: SpanProcessor | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Telemetry:
         """Providers for `settings`; `span_processor` (tests, benchmarks) gets every span."""
         environ = os.environ if environ is None else environ
         resource = _resource(environ)
@@ -129,19 +138,28 @@ class Telemetry:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
                 OTLPMetricExporter,
             )
-            readers.append(PeriodicExportingMetricReader(
-                OTLPMetricExporter(endpoint=endpoint or None)))
+
+            readers.append(
+                PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint or None))
+            )
         # Exemplars (trace ids sampled into metrics) only leave over OTLP; the Prometheus
         # text format we serve drops them, and sampling them cost about 5% of a request's
         # CPU with tracing on. OTEL_METRICS_EXEMPLAR_FILTER still decides when set.
-        exemplars = None if otlp_metrics or "OTEL_METRICS_EXEMPLAR_FILTER" in environ \
+        exemplars = (
+            None
+            if otlp_metrics or "OTEL_METRICS_EXEMPLAR_FILTER" in environ
             else AlwaysOffExemplarFilter()
-        meter_provider = MeterProvider(metric_readers=readers, resource=resource,
-                                       exemplar_filter=exemplars) if readers else None
+        )
+        meter_provider = (
+            MeterProvider(metric_readers=readers, resource=resource, exemplar_filter=exemplars)
+            if readers
+            else None
+        )
         # With OTLP metrics on, every instrument goes through the SDK so both exports
         # carry it; otherwise the per-call one records into the registry directly.
-        metrics = Metrics(meter_provider or NoOpMeterProvider(),
-                          prometheus=None if otlp_metrics else registry)
+        metrics = Metrics(
+            meter_provider or NoOpMeterProvider(), prometheus=None if otlp_metrics else registry
+        )
 
         tracer_provider = None
         tracer: trace.Tracer = trace.NoOpTracer()
@@ -151,11 +169,13 @@ class Telemetry:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                     OTLPSpanExporter,
                 )
+
                 span_processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint or None))
             tracer = lean_tracer(tracer_provider, span_processor, "rerank_server", __version__)
 
-        telemetry = cls(metrics, tracer, tracer_provider, meter_provider,
-                        trace_steps=settings.trace_steps)
+        telemetry = cls(
+            metrics, tracer, tracer_provider, meter_provider, trace_steps=settings.trace_steps
+        )
         if registry is not None:
             telemetry._serve_metrics(settings, registry)
         return telemetry
@@ -190,8 +210,11 @@ def _otlp_wanted(signal: str, endpoint: str, environ: Mapping[str, str]) -> bool
     """Whether `signal` (TRACES or METRICS) should go out over OTLP."""
     if environ.get(f"OTEL_{signal}_EXPORTER", "").strip().lower() == "none":
         return False
-    return bool(endpoint or environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
-                or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(
+        endpoint
+        or environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
 
 
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
@@ -205,11 +228,13 @@ class _QuietHandler(WSGIRequestHandler):
 
 def _only_metrics(app: WSGIApplication) -> WSGIApplication:
     """`app` at `/metrics`, 404 everywhere else: an HTTP probe or a typo must fail."""
+
     def serve(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
         if environ.get("PATH_INFO") != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found: this port serves /metrics only\n"]
         return list(app(environ, start_response))
+
     return serve
 
 
@@ -220,16 +245,22 @@ def metrics_endpoint(settings: Settings, app: WSGIApplication) -> WSGIServer:
     try:
         return _metrics_server(host, settings.metrics_port, app)
     except OSError as exc:
-        raise BindError("--metrics-port / RERANK_METRICS_PORT",
-                        host_port(host, settings.metrics_port), exc.strerror or "") from None
+        raise BindError(
+            "--metrics-port / RERANK_METRICS_PORT",
+            host_port(host, settings.metrics_port),
+            exc.strerror or "",
+        ) from None
 
 
 def _metrics_server(host: str, port: int, app: WSGIApplication) -> WSGIServer:
     """The Prometheus endpoint in a daemon thread."""
-    server_class = type("_Server", (_ThreadingServer,), {
-        "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
-    server: WSGIServer = make_server(host, port, _only_metrics(app), server_class,
-                                     handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, daemon=True,
-                     name="metrics-endpoint").start()
+    server_class = type(
+        "_Server",
+        (_ThreadingServer,),
+        {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET},
+    )
+    server: WSGIServer = make_server(
+        host, port, _only_metrics(app), server_class, handler_class=_QuietHandler
+    )
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics-endpoint").start()
     return server

@@ -42,8 +42,10 @@ class SupervisorMetrics:
         make = Instruments(NoOpMeterProvider().get_meter(SCOPE_NAME), self.registry)
         self.llama_restarts: Adder = make.counter(*LLAMA_RESTARTS)
         self.worker_restarts: Adder = make.counter(
-            "rerank.worker.restarts", "{restart}",
-            "Worker processes (--workers) started again after one exited.")
+            "rerank.worker.restarts",
+            "{restart}",
+            "Worker processes (--workers) started again after one exited.",
+        )
         # Shown at 0 from the start, so that `increase()` sees the first restart (the
         # llama-server's is, by the managed llama-server, where there is one).
         self.worker_restarts.add(0)
@@ -73,10 +75,13 @@ class _Merged(Collector):
                 merged = families.get(family.name)
                 if merged is None:
                     merged = families[family.name] = Metric(
-                        family.name, family.documentation, family.type, family.unit)
+                        family.name, family.documentation, family.type, family.unit
+                    )
                 merged.samples.extend(
-                    family.samples if worker is None else
-                    (s._replace(labels={**s.labels, WORKER: worker}) for s in family.samples))
+                    family.samples
+                    if worker is None
+                    else (s._replace(labels={**s.labels, WORKER: worker}) for s in family.samples)
+                )
         up = Metric("rerank_worker_up", "Whether the worker answered this scrape.", "gauge")
         for worker, text in self._texts.items():
             up.add_sample("rerank_worker_up", {WORKER: worker}, float(text is not None))
@@ -86,24 +91,29 @@ class _Merged(Collector):
 def scrape(port: int) -> str | None:
     """One worker's metrics text, or None when it does not answer in time."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                    timeout=SCRAPE_TIMEOUT_S) as response:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S
+        ) as response:
             text: str = response.read().decode()
             return text
     except OSError:
         return None
 
 
-def merged_app(ports: Callable[[], Mapping[str, int]],
-               own: SupervisorMetrics | None = None) -> WSGIApplication:
+def merged_app(
+    ports: Callable[[], Mapping[str, int]], own: SupervisorMetrics | None = None
+) -> WSGIApplication:
     """A WSGI app answering with every worker's metrics and `own`'s; `ports` gives the
     live workers' endpoints (worker label -> port) at the time of the scrape."""
+
     def serve(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
         live = dict(ports())
         with ThreadPoolExecutor(max_workers=max(len(live), 1)) as pool:
             texts = dict(zip(live, pool.map(scrape, live.values()), strict=True))
         body = merge(texts, own.text() if own is not None else "")
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST),
-                                  ("Content-Length", str(len(body)))])
+        start_response(
+            "200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))]
+        )
         return [body]
+
     return serve

@@ -30,9 +30,11 @@ class InflightBytes:
         """Count `size` more bytes; `own` of those in flight are the same request's
         (taken as its body arrived), so a request alone may still exceed the budget."""
         if self.used + size > self.limit and self.used > own:
-            raise Overloaded(f"server busy: {self.used // 1024} KiB of requests in progress "
-                             f"(max_inflight_bytes {self.limit // 1024} KiB); retry with "
-                             "backoff")
+            raise Overloaded(
+                f"server busy: {self.used // 1024} KiB of requests in progress "
+                f"(max_inflight_bytes {self.limit // 1024} KiB); retry with "
+                "backoff"
+            )
         self.used += size
 
     def give_back(self, size: int) -> None:

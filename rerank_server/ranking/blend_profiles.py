@@ -125,8 +125,9 @@ class BlendResolver:
         self.profiles = profiles
         self._unprofiled: set[tuple[str, str]] = set()  # (backend, model) already logged
 
-    def resolve(self, strategy: BlendStrategy, backend: str, model: str,
-                script: Callable[[], str] = str) -> Blend:
+    def resolve(
+        self, strategy: BlendStrategy, backend: str, model: str, script: Callable[[], str] = str
+    ) -> Blend:
         """`PROFILE` becomes the profile matching backend and model, or the built-in
         adaptive blend when none matches (or the model is not known yet). A profile whose
         model does not read the request's `script` gives it no weight."""
@@ -135,19 +136,31 @@ class BlendResolver:
         profile = self.profiles.find(backend, model)
         if profile is not None:
             if profile.scripts and not profile.reads(written := script()):  # ask once
-                return Blend(strategy, NO_WEIGHT, profile.name,
-                             f" on text in {written} script (its model reads "
-                             f"{', '.join(profile.scripts)})")
+                return Blend(
+                    strategy,
+                    NO_WEIGHT,
+                    profile.name,
+                    f" on text in {written} script (its model reads {', '.join(profile.scripts)})",
+                )
             return Blend(strategy, profile.params, profile.name)
         if (backend, model) not in self._unprofiled:
             self._unprofiled.add((backend, model))
-            log.info("no_blend_profile", backend=backend, model=model,
-                     profiles=self.profiles.source, using=BlendStrategy.ADAPTIVE.value)
+            log.info(
+                "no_blend_profile",
+                backend=backend,
+                model=model,
+                profiles=self.profiles.source,
+                using=BlendStrategy.ADAPTIVE.value,
+            )
         return Blend(BlendStrategy.ADAPTIVE)
 
-    def settle(self, strategy: BlendStrategy, backend: Callable[[], str],
-               model: Callable[[], str], script: Callable[[], str] = str,
-               ) -> Callable[[], Blend]:
+    def settle(
+        self,
+        strategy: BlendStrategy,
+        backend: Callable[[], str],
+        model: Callable[[], str],
+        script: Callable[[], str] = str,
+    ) -> Callable[[], Blend]:
         """The request's blend, resolved on first call and the same on every later one;
         `script` is asked only of a profile that names scripts."""
         return _Once(lambda: self.resolve(strategy, backend(), model(), script))
@@ -176,8 +189,7 @@ def load(path: str | Path | None = None) -> BlendProfiles:
 
 def parse(document: Any, source: str) -> BlendProfiles:
     if not isinstance(document, dict) or not isinstance(document.get("profiles"), list):
-        raise ConfigError(f"{_OPTION}: {source}: expected an object with a "
-                          "\"profiles\" list")
+        raise ConfigError(f'{_OPTION}: {source}: expected an object with a "profiles" list')
     profiles: list[BlendProfile] = []
     for i, entry in enumerate(document["profiles"]):
         where = f"{_OPTION}: {source}: profiles[{i}]"
@@ -200,10 +212,10 @@ def parse(document: Any, source: str) -> BlendProfiles:
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         scripts = entry.get("scripts", [])
-        if not isinstance(scripts, list) or not all(isinstance(x, str) and x
-                                                    for x in scripts):
-            raise ConfigError(f"{where}.scripts: a list of script names is required "
-                              "(e.g. [\"Latin\"])")
+        if not isinstance(scripts, list) or not all(isinstance(x, str) and x for x in scripts):
+            raise ConfigError(
+                f'{where}.scripts: a list of script names is required (e.g. ["Latin"])'
+            )
         unknown = set(entry) - {"name", "backend", "model", "fitted", "scripts", *_PARAMS}
         if unknown:
             raise ConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
@@ -212,6 +224,7 @@ def parse(document: Any, source: str) -> BlendProfiles:
             raise ConfigError(f"{where}.fitted: expected an object")
         if any(p.name == text_fields["name"] for p in profiles):
             raise ConfigError(f"{where}.name: {text_fields['name']!r} is used twice")
-        profiles.append(BlendProfile(params=params, fitted=fitted, scripts=tuple(scripts),
-                                     **text_fields))
+        profiles.append(
+            BlendProfile(params=params, fitted=fitted, scripts=tuple(scripts), **text_fields)
+        )
     return BlendProfiles(tuple(profiles), source)

@@ -61,8 +61,9 @@ class AdaptiveParams:
     def weight(self, spread: float, top: float = 1.0) -> float:
         """The reranker's weight at this spread and best score; monotone non-decreasing
         in both."""
-        by_spread = self.min_weight + ramp(spread, self.spread_noise, self.spread_decisive) \
-            * (self.max_weight - self.min_weight)
+        by_spread = self.min_weight + ramp(spread, self.spread_noise, self.spread_decisive) * (
+            self.max_weight - self.min_weight
+        )
         return by_spread * ramp(top, self.top_floor, self.top_full)
 
 
@@ -132,8 +133,7 @@ def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) 
     linear between. Fewer than two scores carry no evidence: the weight is `min_weight`
     (still gated by the best score)."""
     if len(scores) < 2:
-        return params.min_weight * ramp(max(scores, default=0.0), params.top_floor,
-                                        params.top_full)
+        return params.min_weight * ramp(max(scores, default=0.0), params.top_floor, params.top_full)
     return params.weight(spread(scores), max(scores))
 
 
@@ -201,21 +201,24 @@ class Settled:
         return out
 
 
-def adaptive_scores(ranks: Sequence[int], scores: Sequence[float | None],
-                    params: AdaptiveParams = ADAPTIVE) -> list[float]:
+def adaptive_scores(
+    ranks: Sequence[int], scores: Sequence[float | None], params: AdaptiveParams = ADAPTIVE
+) -> list[float]:
     """Final scores of one request's scored candidates under the adaptive blend."""
     return adaptive_blend(ranks, scores, params)[0]
 
 
-def adaptive_blend(ranks: Sequence[int], scores: Sequence[float | None],
-                   params: AdaptiveParams = ADAPTIVE) -> tuple[list[float], float]:
+def adaptive_blend(
+    ranks: Sequence[int], scores: Sequence[float | None], params: AdaptiveParams = ADAPTIVE
+) -> tuple[list[float], float]:
     """Final scores under the request-wide blend (`Settled`), and the reranker's weight."""
     settled = Settled.on([p for p in scores if p is not None], params)
     return settled.finals(zip(ranks, scores, strict=True)), settled.weight
 
 
-def scores_can_matter(strategy: BlendStrategy, params: AdaptiveParams,
-                      ranks: Sequence[int], top_k: int) -> bool:
+def scores_can_matter(
+    strategy: BlendStrategy, params: AdaptiveParams, ranks: Sequence[int], top_k: int
+) -> bool:
     """Whether any reranker score could change the answer's first `top_k` places (all
     when 0). Not when a request-wide blend can give the reranker no weight (`max_weight`
     0), nor when a fixed blend's worst case for each of those places still beats the
@@ -226,8 +229,10 @@ def scores_can_matter(strategy: BlendStrategy, params: AdaptiveParams,
     if not top_k or top_k >= len(ordered):
         return True
     # A failed pair stands in at or above the worst score of 0 (at it under rerank_only).
-    return not all(blend(strategy, ordered[i], 0.0) >= blend(strategy, ordered[i + 1], 1.0)
-                   for i in range(top_k))
+    return not all(
+        blend(strategy, ordered[i], 0.0) >= blend(strategy, ordered[i + 1], 1.0)
+        for i in range(top_k)
+    )
 
 
 def upper_bound(strategy: BlendStrategy, rank: int) -> float:

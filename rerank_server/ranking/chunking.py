@@ -55,8 +55,11 @@ def terms(text: str) -> list[str]:
     """Lower-cased word tokens, single letters left out (they carry too little to match
     on); then the CJK characters and their overlapping pairs."""
     lowered = text.lower()
-    return ([t for t in _WORD.findall(lowered) if len(t) > 1]
-            + _CJK.findall(lowered) + _CJK_PAIR.findall(lowered))
+    return (
+        [t for t in _WORD.findall(lowered) if len(t) > 1]
+        + _CJK.findall(lowered)
+        + _CJK_PAIR.findall(lowered)
+    )
 
 
 def _cjk_only(query_terms: Iterable[str]) -> list[str]:
@@ -160,11 +163,12 @@ def best_chunk(text: str, max_chars: int, weights: Mapping[str, float]) -> str:
                 window[t] = old - c
         if not window:
             score = 0.0
-    return text[best_span[0]:best_span[1]]
+    return text[best_span[0] : best_span[1]]
 
 
-def _piece_counts(text: str, pieces: Sequence[tuple[int, int]],
-                  weights: Mapping[str, float]) -> list[dict[str, int]]:
+def _piece_counts(
+    text: str, pieces: Sequence[tuple[int, int]], weights: Mapping[str, float]
+) -> list[dict[str, int]]:
     """The query terms in each piece, counted (a piece without any: an empty dict)."""
     counts: list[dict[str, int]] = []
     cjk = _cjk_only(weights)
@@ -172,7 +176,7 @@ def _piece_counts(text: str, pieces: Sequence[tuple[int, int]],
         piece = text[s:e].lower()
         found: dict[str, int] = Counter(t for t in _WORD.findall(piece) if t in weights)
         for t in cjk:
-            if (times := piece.count(t)):
+            if times := piece.count(t):
                 found[t] = times
         counts.append(found)
     return counts
@@ -196,17 +200,22 @@ def chars_to_chunk(candidates: Sequence[Candidate], max_chars: int) -> int:
 def head_texts(candidates: Sequence[Candidate], max_chars: int) -> tuple[list[str], int]:
     """`document_texts` without the search: each document's first `max_chars`. For a
     request that cannot wait for the chunking thread (`pipeline`): cheap on the loop."""
-    texts = [f"{c.title}\n{c.text[:max_chars]}" if c.title else c.text[:max_chars]
-             for c in candidates]
+    texts = [
+        f"{c.title}\n{c.text[:max_chars]}" if c.title else c.text[:max_chars] for c in candidates
+    ]
     return texts, sum(len(c.text) > max_chars for c in candidates)
 
 
-def document_texts(query: str, candidates: Sequence[Candidate], max_chars: int,
-                   ) -> tuple[list[str], int]:
+def document_texts(
+    query: str,
+    candidates: Sequence[Candidate],
+    max_chars: int,
+) -> tuple[list[str], int]:
     """What the scorer reads for each candidate (its title line, then its best chunk), and
     how many documents were cut."""
     chunks = select_chunks(query, [c.text for c in candidates], max_chars)
-    texts = [f"{c.title}\n{chunk}" if c.title else chunk
-             for chunk, c in zip(chunks, candidates, strict=True)]
-    return texts, sum(len(chunk) < len(c.text) for chunk, c in zip(chunks, candidates,
-                                                                    strict=True))
+    texts = [
+        f"{c.title}\n{chunk}" if c.title else chunk
+        for chunk, c in zip(chunks, candidates, strict=True)
+    ]
+    return texts, sum(len(chunk) < len(c.text) for chunk, c in zip(chunks, candidates, strict=True))

@@ -60,10 +60,13 @@ _BY_RANK = attrgetter("retrieval_rank", "index")  # retrieval order, ties by pos
 class IncrementalRanking:
     """Releases candidates in final order as their pair outcomes arrive."""
 
-    def __init__(self, strategy: BlendStrategy, scored: list[Candidate],
-                 tail: list[Candidate],
-                 params: Callable[[], blending.AdaptiveParams] = lambda: blending.ADAPTIVE,
-                 ) -> None:
+    def __init__(
+        self,
+        strategy: BlendStrategy,
+        scored: list[Candidate],
+        tail: list[Candidate],
+        params: Callable[[], blending.AdaptiveParams] = lambda: blending.ADAPTIVE,
+    ) -> None:
         self._strategy = strategy
         # The request-wide blends' parameters, asked for only once they settle: a profile
         # is chosen by the model's name, which the backend's answers may tell.
@@ -76,9 +79,14 @@ class IncrementalRanking:
         self._pending: dict[int, Candidate] = {c.index: c for c in scored}
         # A request-wide blend holds every outcome until it settles, so it needs no
         # bounds until then (`_settle` sets them when it settles early).
-        self._bounds: list[tuple[float, int, int]] = [] if self._request_wide else [
-            (-blending.upper_bound(strategy, c.retrieval_rank), c.retrieval_rank, c.index)
-            for c in scored]
+        self._bounds: list[tuple[float, int, int]] = (
+            []
+            if self._request_wide
+            else [
+                (-blending.upper_bound(strategy, c.retrieval_rank), c.retrieval_rank, c.index)
+                for c in scored
+            ]
+        )
         heapq.heapify(self._bounds)
         self._resolved: list[Placed] = []  # a heap while anything is outstanding
         self._tail_released = False
@@ -110,8 +118,11 @@ class IncrementalRanking:
             return
         for candidate_index, reranker_score in outcomes:
             c = pending.pop(candidate_index)
-            score = self._settled.final(c.retrieval_rank, reranker_score) if self._settled \
+            score = (
+                self._settled.final(c.retrieval_rank, reranker_score)
+                if self._settled
                 else blending.blend(self._strategy, c.retrieval_rank, reranker_score)
+            )
             heapq.heappush(self._resolved, _placed(score, c, reranker_score))
 
     def _settle(self) -> None:
@@ -119,8 +130,11 @@ class IncrementalRanking:
         weight: then every final score is 1/rank), place what is held, and bound what is
         still outstanding."""
         scores = [p for _, p in self._held if p is not None]
-        settled = (blending.Settled.on(scores, self._params()) if not self._pending
-                   else blending.Settled.weighted(0.0, scores))
+        settled = (
+            blending.Settled.on(scores, self._params())
+            if not self._pending
+            else blending.Settled.weighted(0.0, scores)
+        )
         self._settled, self.reranker_weight = settled, settled.weight
         held, resolved = self._held, self._resolved
         finals = settled.finals([(c.retrieval_rank, p) for c, p in held])
@@ -130,8 +144,10 @@ class IncrementalRanking:
         held.clear()
         if self._pending:  # else `release` sorts them all at once
             heapq.heapify(resolved)
-            self._bounds = [(-settled.upper_bound(c.retrieval_rank), c.retrieval_rank,
-                             c.index) for c in self._pending.values()]
+            self._bounds = [
+                (-settled.upper_bound(c.retrieval_rank), c.retrieval_rank, c.index)
+                for c in self._pending.values()
+            ]
             heapq.heapify(self._bounds)
 
     def fail_outstanding(self) -> list[int]:
@@ -181,10 +197,14 @@ class Emitter:
     def take(self, placed: list[Placed]) -> list[RankedCandidate]:
         first = self._next_rank
         if self._top_k:
-            placed = placed[:max(0, self._top_k - first + 1)]
+            placed = placed[: max(0, self._top_k - first + 1)]
         self._next_rank = first + len(placed)
         texts, cached, new = self._texts, self._cached, _new
         # Built with `tuple.__new__`, fields in `RankedCandidate`'s order (see `Placed`).
-        return [new(RankedCandidate, (c, rank, -neg_score, p, texts.get(index) if texts
-                                      else None, index in cached))
-                for rank, (neg_score, _, index, c, p) in enumerate(placed, first)]
+        return [
+            new(
+                RankedCandidate,
+                (c, rank, -neg_score, p, texts.get(index) if texts else None, index in cached),
+            )
+            for rank, (neg_score, _, index, c, p) in enumerate(placed, first)
+        ]

@@ -52,10 +52,15 @@ log = structlog.get_logger(__name__)
 class Reranker:
     """Runs requests through the pipeline against one scorer."""
 
-    def __init__(self, rules: RequestRules, scorer: Scorer,
-                 telemetry: Telemetry | None = None, cache: ScoreCache | None = None,
-                 blends: BlendResolver | None = None,
-                 loop_lag: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(
+        self,
+        rules: RequestRules,
+        scorer: Scorer,
+        telemetry: Telemetry | None = None,
+        cache: ScoreCache | None = None,
+        blends: BlendResolver | None = None,
+        loop_lag: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.rules = rules
         self.scorer = scorer
         self.telemetry = telemetry or Telemetry.disabled()
@@ -83,9 +88,12 @@ class Reranker:
         with self.telemetry.step("rerank.validate"):
             return resolve(query, self.rules)
 
-    async def run(self, query: RerankQuery, deadline_remaining_s: float | None = None,
-                  request_span: trace.Span | None = None,
-                  ) -> AsyncGenerator[RankedCandidate | RerankSummary, None]:
+    async def run(
+        self,
+        query: RerankQuery,
+        deadline_remaining_s: float | None = None,
+        request_span: trace.Span | None = None,
+    ) -> AsyncGenerator[RankedCandidate | RerankSummary, None]:
         """The results as their places become certain, then the summary.
 
         `request_span`: the request's own span from the edge (`Telemetry.request_span`);
@@ -94,8 +102,9 @@ class Reranker:
         try:
             # Closed with this generator (a stream cancelled or left early), not later by
             # the loop's finalizer in a task of its own.
-            async with contextlib.aclosing(self._run(query, deadline_remaining_s,
-                                                     request_span)) as pipeline:
+            async with contextlib.aclosing(
+                self._run(query, deadline_remaining_s, request_span)
+            ) as pipeline:
                 async for released in pipeline:
                     if isinstance(released, RerankSummary):
                         yield released
@@ -120,24 +129,31 @@ class Reranker:
             return None
         ahead_s = self.scorer.estimate_s(0, self.outstanding_pairs)
         if ahead_s > 0:
-            return Degraded(DegradedCode.OVERLOADED,
-                            f"backend busy: about {_seconds(wait_s)} until these pairs "
-                            f"would be scored, {_seconds(ahead_s)} of it behind the pairs "
-                            f"ahead, past {1 - ADMISSION_HEADROOM:.0%} of the "
-                            f"{_seconds(budget_s)} budget")
+            return Degraded(
+                DegradedCode.OVERLOADED,
+                f"backend busy: about {_seconds(wait_s)} until these pairs "
+                f"would be scored, {_seconds(ahead_s)} of it behind the pairs "
+                f"ahead, past {1 - ADMISSION_HEADROOM:.0%} of the "
+                f"{_seconds(budget_s)} budget",
+            )
         now = time.monotonic()
         if now - self._last_unsure >= OWN_TIME_PROBE_S:
             self._last_unsure = now
             return None
-        return Degraded(DegradedCode.TIMEOUT,
-                        f"the {_seconds(budget_s)} budget is shorter than these pairs' own "
-                        f"scoring time at the recent pace, about {_seconds(wait_s)} with "
-                        "nothing ahead: answered at once (one such request in "
-                        f"{OWN_TIME_PROBE_S:.0f} s is sent, to measure the pace again)")
+        return Degraded(
+            DegradedCode.TIMEOUT,
+            f"the {_seconds(budget_s)} budget is shorter than these pairs' own "
+            f"scoring time at the recent pace, about {_seconds(wait_s)} with "
+            "nothing ahead: answered at once (one such request in "
+            f"{OWN_TIME_PROBE_S:.0f} s is sent, to measure the pace again)",
+        )
 
-    async def answer(self, query: RerankQuery, deadline_remaining_s: float | None = None,
-                     request_span: trace.Span | None = None,
-                     ) -> tuple[list[RankedCandidate], RerankSummary]:
+    async def answer(
+        self,
+        query: RerankQuery,
+        deadline_remaining_s: float | None = None,
+        request_span: trace.Span | None = None,
+    ) -> tuple[list[RankedCandidate], RerankSummary]:
         """The whole answer at once (unary RPCs, the JSON API): results in final order and
         the summary.
 
@@ -161,9 +177,12 @@ class Reranker:
             raise RuntimeError("pipeline ended without a summary")
         return results, summary
 
-    async def _run(self, query: RerankQuery, deadline_remaining_s: float | None,
-                   request_span: trace.Span | None,
-                   ) -> AsyncGenerator[list[RankedCandidate] | RerankSummary, None]:
+    async def _run(
+        self,
+        query: RerankQuery,
+        deadline_remaining_s: float | None,
+        request_span: trace.Span | None,
+    ) -> AsyncGenerator[list[RankedCandidate] | RerankSummary, None]:
         """The results in lists, as each group's places become certain (never an empty
         list), then the summary. Lists rather than one result at a time: a generator
         resumption per result was the pipeline's largest fixed cost per candidate."""
@@ -177,15 +196,22 @@ class Reranker:
             scored_set, tail = list(shaped.candidates[:cap]), list(shaped.candidates[cap:])
             skip = skip_reason(request, shaped)
             if span.is_recording():
-                span.set_attributes(_shape_attributes(request, shaped,
-                                                      0 if skip else len(scored_set)))
+                span.set_attributes(
+                    _shape_attributes(request, shaped, 0 if skip else len(scored_set))
+                )
         blend = self.blends.settle(
-            request.blend, lambda: self.scorer.kind, lambda: self.scorer.model,
-            lambda: dominant_script(request.query, (c.text for c in scored_set)))
+            request.blend,
+            lambda: self.scorer.kind,
+            lambda: self.scorer.model,
+            lambda: dominant_script(request.query, (c.text for c in scored_set)),
+        )
         # A profile is chosen by the model's name: until the backend has told it, the
         # pairs are sent (and the profile is chosen once their answers are in).
-        if skip is None and not request.always_score and (
-                self.scorer.model or request.blend not in REQUEST_WIDE):
+        if (
+            skip is None
+            and not request.always_score
+            and (self.scorer.model or request.blend not in REQUEST_WIDE)
+        ):
             skip = _no_reranker_weight(request, blend(), scored_set)
         ranking = IncrementalRanking(request.blend, scored_set, tail, lambda: blend().params)
         outcome = _Outcome(submitted=0 if skip else len(scored_set))
@@ -199,28 +225,43 @@ class Reranker:
 
         with telemetry.step("rerank.chunk") as span:
             if chars_to_chunk(scored_set, request.max_chunk_chars) > CHUNK_ON_LOOP_CHARS:
-                found = await _off_loop(partial(
-                    document_texts, request.query, scored_set, request.max_chunk_chars),
-                    _chunk_wait_s(request, deadline_remaining_s, started))
+                found = await _off_loop(
+                    partial(document_texts, request.query, scored_set, request.max_chunk_chars),
+                    _chunk_wait_s(request, deadline_remaining_s, started),
+                )
                 if found is None:  # the thread stayed busy with others' documents
                     documents, chunked = head_texts(scored_set, request.max_chunk_chars)
                     span.set_attribute("rerank.chunk_fallback", True)
-                    log.info("chunking_busy", fallback="document heads",
-                             waited_ms=round((time.perf_counter() - started) * 1000, 1))
+                    log.info(
+                        "chunking_busy",
+                        fallback="document heads",
+                        waited_ms=round((time.perf_counter() - started) * 1000, 1),
+                    )
                 else:
                     documents, chunked = found
             else:
-                documents, chunked = document_texts(request.query, scored_set,
-                                                    request.max_chunk_chars)
-            span.set_attributes({"rerank.max_chunk_chars": request.max_chunk_chars,
-                                 "rerank.chunked": chunked})
-        emitter = Emitter(request.top_k, {c.index: d for c, d in zip(scored_set, documents,
-                                                                     strict=True)}
-                          if request.return_text else None)
+                documents, chunked = document_texts(
+                    request.query, scored_set, request.max_chunk_chars
+                )
+            span.set_attributes(
+                {"rerank.max_chunk_chars": request.max_chunk_chars, "rerank.chunked": chunked}
+            )
+        emitter = Emitter(
+            request.top_k,
+            {c.index: d for c, d in zip(scored_set, documents, strict=True)}
+            if request.return_text
+            else None,
+        )
 
         # Pairs the cache knows are resolved before anything is sent.
-        scope = Scope(self.scorer.kind, self.scorer.model, request.instruction, request.query,
-                      request.max_tokens_per_doc, self.scorer.variant)
+        scope = Scope(
+            self.scorer.kind,
+            self.scorer.model,
+            request.instruction,
+            request.query,
+            request.max_tokens_per_doc,
+            self.scorer.variant,
+        )
         looked_up = await self.cache.lookup(scope, documents, bypass=request.bypass_cache)
         hits = looked_up.hits
         ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
@@ -237,24 +278,30 @@ class Reranker:
         # of the deadline and of the timeout already. Not subtracted, a request that
         # spent 0.6 s before scoring answered 0.6 s after a 1 s deadline.
         elapsed = scoring_started - started
-        budget = budget_s(request.timeout_s - elapsed,
-                          None if deadline_remaining_s is None
-                          else deadline_remaining_s - elapsed,
-                          self._loop_lag(), self.active)
+        budget = budget_s(
+            request.timeout_s - elapsed,
+            None if deadline_remaining_s is None else deadline_remaining_s - elapsed,
+            self._loop_lag(),
+            self.active,
+        )
         overloaded = self._overloaded(len(pending), budget) if pending else None
         if overloaded is not None:
             ranking.fail_outstanding()  # answered at once, in retrieval order
             pending = []
             outcome.submitted = len(hits)  # what was not sent was not submitted
         if pending:
-            pairs = ScoreRequest(request.query, request.instruction,
-                                 [documents[i] for i in pending], request.max_tokens_per_doc)
+            pairs = ScoreRequest(
+                request.query,
+                request.instruction,
+                [documents[i] for i in pending],
+                request.max_tokens_per_doc,
+            )
             left = len(pending)  # counted in `outstanding_pairs` until back
             self.outstanding_pairs += left
             try:
-                async for arrived in score_within(self.scorer, pairs, budget,
-                                                  telemetry.tracer, self.stopping,
-                                                  request_span):
+                async for arrived in score_within(
+                    self.scorer, pairs, budget, telemetry.tracer, self.stopping, request_span
+                ):
                     self.outstanding_pairs -= len(arrived)
                     left -= len(arrived)
                     resolved = []
@@ -281,38 +328,68 @@ class Reranker:
         # switch to logits would land under the logits' key.
         if self.scorer.variant == scope.variant:
             model = self.scorer.model
-            self.cache.store(looked_up, scope if model == scope.model
-                             else dataclasses.replace(scope, model=model), fresh)
+            self.cache.store(
+                looked_up,
+                scope if model == scope.model else dataclasses.replace(scope, model=model),
+                fresh,
+            )
 
         # Results whose place was certain were blended and sent during scoring already.
         with telemetry.step("rerank.blend") as span:
             final = emitter.take(ranking.release())
             settled = blend()
-            span.set_attributes({"rerank.released_after_scoring": len(final),
-                                 "rerank.blend": settled.strategy.value,
-                                 "rerank.blend_profile": settled.profile})
+            span.set_attributes(
+                {
+                    "rerank.released_after_scoring": len(final),
+                    "rerank.blend": settled.strategy.value,
+                    "rerank.blend_profile": settled.profile,
+                }
+            )
             if ranking.reranker_weight is not None:
                 span.set_attribute("rerank.reranker_weight", ranking.reranker_weight)
         if final:
             yield final
-        yield self._summary(request, shaped, settled, ranking, outcome,
-                            overloaded or outcome.degraded() or _capped(scored_set, tail),
-                            started)
+        yield self._summary(
+            request,
+            shaped,
+            settled,
+            ranking,
+            outcome,
+            overloaded or outcome.degraded() or _capped(scored_set, tail),
+            started,
+        )
 
-    def _summary(self, request: Request, shaped: Shaped, blend: Blend,
-                 ranking: IncrementalRanking, outcome: _Outcome, degraded: Degraded | None,
-                 started: float) -> RerankSummary:
+    def _summary(
+        self,
+        request: Request,
+        shaped: Shaped,
+        blend: Blend,
+        ranking: IncrementalRanking,
+        outcome: _Outcome,
+        degraded: Degraded | None,
+        started: float,
+    ) -> RerankSummary:
         return RerankSummary(
-            request_id=request.request_id, reranked=outcome.scored > 0, degraded=degraded,
-            backend=self.scorer.kind, model=self.scorer.model, blend=blend.strategy,
-            candidates=request.occurrences, submitted=outcome.submitted,
-            scored=outcome.scored, failed=sum(outcome.failures.values()),
+            request_id=request.request_id,
+            reranked=outcome.scored > 0,
+            degraded=degraded,
+            backend=self.scorer.kind,
+            model=self.scorer.model,
+            blend=blend.strategy,
+            candidates=request.occurrences,
+            submitted=outcome.submitted,
+            scored=outcome.scored,
+            failed=sum(outcome.failures.values()),
             total_ms=(time.perf_counter() - started) * 1000,
             scoring_ms=outcome.scoring_s * 1000,
             failures={failure.value: n for failure, n in outcome.failures.items()},
-            cached=outcome.cached, deduplicated=shaped.deduplicated, filtered=shaped.filtered,
-            threshold=shaped.threshold, blend_profile=blend.profile,
-            reranker_weight=ranking.reranker_weight if outcome.scored else None)
+            cached=outcome.cached,
+            deduplicated=shaped.deduplicated,
+            filtered=shaped.filtered,
+            threshold=shaped.threshold,
+            blend_profile=blend.profile,
+            reranker_weight=ranking.reranker_weight if outcome.scored else None,
+        )
 
 
 # Up to 900 documents of 128 KiB to cut: seconds of Python at worst, which on the event
@@ -328,10 +405,12 @@ CHUNK_WAIT_SHARE = 0.5
 MIN_CHUNK_WAIT_S = 0.05  # for an idle thread to take the job up
 
 
-def _chunk_wait_s(request: Request, deadline_remaining_s: float | None,
-                  started: float) -> float:
-    limit = request.timeout_s if deadline_remaining_s is None \
+def _chunk_wait_s(request: Request, deadline_remaining_s: float | None, started: float) -> float:
+    limit = (
+        request.timeout_s
+        if deadline_remaining_s is None
         else min(request.timeout_s, deadline_remaining_s)
+    )
     return max(CHUNK_WAIT_SHARE * limit - (time.perf_counter() - started), MIN_CHUNK_WAIT_S)
 
 
@@ -376,37 +455,49 @@ class _Outcome:
         if failed == 0:
             return None
         # Details name exceptions, HTTP statuses and limits, never request text.
-        kinds = ", ".join(f"{kind.value}: {n}" + (f", {self.details[kind]}"
-                                                  if self.details.get(kind) else "")
-                          for kind, n in self.failures.most_common())
+        kinds = ", ".join(
+            f"{kind.value}: {n}" + (f", {self.details[kind]}" if self.details.get(kind) else "")
+            for kind, n in self.failures.most_common()
+        )
         if self.scored == 0:
             main = self.failures.most_common(1)[0][0]
             return Degraded(main.degraded_code, f"all {self.submitted} pairs failed ({kinds})")
-        return Degraded(DegradedCode.PARTIAL,
-                        f"{failed} of {self.submitted} pairs failed ({kinds})")
+        return Degraded(
+            DegradedCode.PARTIAL, f"{failed} of {self.submitted} pairs failed ({kinds})"
+        )
 
 
 def _capped(scored: list[Candidate], tail: list[Candidate]) -> Degraded | None:
     """CAPPED when candidates beyond `max_candidates` were left unscored."""
     if not tail:
         return None
-    return Degraded(DegradedCode.CAPPED,
-                    f"{len(tail)} of {len(scored) + len(tail)} candidates were not scored "
-                    f"(max_candidates={len(scored)}): they follow in retrieval order")
+    return Degraded(
+        DegradedCode.CAPPED,
+        f"{len(tail)} of {len(scored) + len(tail)} candidates were not scored "
+        f"(max_candidates={len(scored)}): they follow in retrieval order",
+    )
 
 
-def _no_reranker_weight(request: Request, blend: Blend, scored: list[Candidate],
-                        ) -> Degraded | None:
+def _no_reranker_weight(
+    request: Request,
+    blend: Blend,
+    scored: list[Candidate],
+) -> Degraded | None:
     """NO_RERANKER_WEIGHT when no score could change the answer: the pairs are not sent."""
-    if scores_can_matter(blend.strategy, blend.params, [c.retrieval_rank for c in scored],
-                         request.top_k):
+    if scores_can_matter(
+        blend.strategy, blend.params, [c.retrieval_rank for c in scored], request.top_k
+    ):
         return None
-    why = (f"blend profile {blend.profile} gives the reranker no weight{blend.note}"
-           if blend.profile
-           else f"no score can change the first {request.top_k} places under the "
-                f"{blend.strategy.value} blend")
-    return Degraded(DegradedCode.NO_RERANKER_WEIGHT,
-                    f"{why}: retrieval order, no pair sent (always_score sends them)")
+    why = (
+        f"blend profile {blend.profile} gives the reranker no weight{blend.note}"
+        if blend.profile
+        else f"no score can change the first {request.top_k} places under the "
+        f"{blend.strategy.value} blend"
+    )
+    return Degraded(
+        DegradedCode.NO_RERANKER_WEIGHT,
+        f"{why}: retrieval order, no pair sent (always_score sends them)",
+    )
 
 
 # Admission keeps this share of a request's budget as slack for the estimate's error: the
@@ -423,8 +514,15 @@ def _seconds(value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"
 
 
-def _shape_attributes(request: Request, shaped: Shaped, submitted: int,
-                      ) -> dict[str, str | int]:
-    return {"rerank.candidates": request.occurrences, "rerank.deduplicated": shaped.deduplicated,
-            "rerank.filtered": shaped.filtered, "rerank.submitted": submitted,
-            "rerank.blend": request.blend.value}
+def _shape_attributes(
+    request: Request,
+    shaped: Shaped,
+    submitted: int,
+) -> dict[str, str | int]:
+    return {
+        "rerank.candidates": request.occurrences,
+        "rerank.deduplicated": shaped.deduplicated,
+        "rerank.filtered": shaped.filtered,
+        "rerank.submitted": submitted,
+        "rerank.blend": request.blend.value,
+    }

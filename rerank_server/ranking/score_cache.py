@@ -64,10 +64,18 @@ def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashl
     return digest
 
 
-def cache_key(backend: str, model: str, instruction: str, query: str, document: str,
-              max_tokens: int | None = None, variant: str = "") -> bytes:
-    return _hashing((backend, model, instruction, query,
-                     *_optional(max_tokens, variant), document)).digest()
+def cache_key(
+    backend: str,
+    model: str,
+    instruction: str,
+    query: str,
+    document: str,
+    max_tokens: int | None = None,
+    variant: str = "",
+) -> bytes:
+    return _hashing(
+        (backend, model, instruction, query, *_optional(max_tokens, variant), document)
+    ).digest()
 
 
 def _optional(max_tokens: int | None, variant: str) -> tuple[str, ...]:
@@ -89,14 +97,28 @@ class Scope:
     variant: str = ""  # the scorer's (`Scorer.variant`)
 
     def key(self, document: str) -> bytes:
-        return cache_key(self.backend, self.model, self.instruction, self.query, document,
-                         self.max_tokens, self.variant)
+        return cache_key(
+            self.backend,
+            self.model,
+            self.instruction,
+            self.query,
+            document,
+            self.max_tokens,
+            self.variant,
+        )
 
     def keys(self, documents: Iterable[str]) -> list[bytes]:
         """`key` of each document: the four shared parts are hashed once and the digest
         copied for each document (the same keys in half the time for 40 passages)."""
-        shared = _hashing((self.backend, self.model, self.instruction, self.query,
-                           *_optional(self.max_tokens, self.variant)))
+        shared = _hashing(
+            (
+                self.backend,
+                self.model,
+                self.instruction,
+                self.query,
+                *_optional(self.max_tokens, self.variant),
+            )
+        )
         keys = []
         for document in documents:
             data = document.encode()
@@ -121,17 +143,25 @@ class Lookup:
 class ScoreCache:
     """Memory LRU with expiry, optionally backed by a SQLite file."""
 
-    def __init__(self, max_entries: int, ttl_s: float, path: Path | None = None,
-                 clock: Callable[[], float] = time.time, metrics: Metrics | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        max_entries: int,
+        ttl_s: float,
+        path: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._lookups = (metrics or Metrics.noop()).cache_lookups
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
         self._memory: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # score, stored
         self._disk = _open_disk(path, ttl_s, clock) if path is not None else None
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="score-cache-writer") \
-            if self._disk is not None else None
+        self._writer = (
+            ThreadPoolExecutor(1, thread_name_prefix="score-cache-writer")
+            if self._disk is not None
+            else None
+        )
         self._writes: set[asyncio.Future[None]] = set()
         self._left_out = 0  # writes not queued, the disk behind (MAX_PENDING_WRITES)
         self._behind_logged = -BEHIND_LOG_EVERY_S
@@ -145,8 +175,13 @@ class ScoreCache:
     def __len__(self) -> int:
         return len(self._memory)
 
-    async def lookup(self, scope: Scope, documents: Sequence[str], *, bypass: bool = False,
-                     ) -> Lookup:
+    async def lookup(
+        self,
+        scope: Scope,
+        documents: Sequence[str],
+        *,
+        bypass: bool = False,
+    ) -> Lookup:
         """Cached scores by position in `documents` (none when bypassed or disabled), and
         the documents' keys for `store`."""
         if not self.enabled or not documents:
@@ -158,8 +193,9 @@ class ScoreCache:
         found = await self.get_many(keys)
         self._lookups.add(len(found), {CACHE_RESULT: "hit"})
         self._lookups.add(len(keys) - len(found), {CACHE_RESULT: "miss"})
-        return Lookup(scope, documents, keys,
-                      {i: found[key] for i, key in enumerate(keys) if key in found})
+        return Lookup(
+            scope, documents, keys, {i: found[key] for i, key in enumerate(keys) if key in found}
+        )
 
     def store(self, looked_up: Lookup, scope: Scope, scores: Mapping[int, float]) -> None:
         """Remember `scores`, by position in the looked-up documents, under `scope`: with
@@ -173,8 +209,9 @@ class ScoreCache:
             self.put_many({keys[i]: score for i, score in scores.items()})
         else:
             documents = looked_up.documents
-            self.put_many(dict(zip(scope.keys(documents[i] for i in scores),
-                                   scores.values(), strict=True)))
+            self.put_many(
+                dict(zip(scope.keys(documents[i] for i in scores), scores.values(), strict=True))
+            )
 
     async def get_many(self, keys: Iterable[bytes]) -> dict[bytes, float]:
         """The cached scores among `keys` that have not expired."""
@@ -220,7 +257,8 @@ class ScoreCache:
                 self._behind(now)
                 return
             write = asyncio.get_running_loop().run_in_executor(
-                self._writer, self._disk.put_many, dict(scores), now)
+                self._writer, self._disk.put_many, dict(scores), now
+            )
             self._writes.add(write)
             write.add_done_callback(_written)
             write.add_done_callback(self._writes.discard)
@@ -230,8 +268,13 @@ class ScoreCache:
         self._left_out += 1
         if now - self._behind_logged >= BEHIND_LOG_EVERY_S:
             self._behind_logged = now
-            log.warning("score_cache_disk_error", op="write", error="WritesBehind",
-                        pending=len(self._writes), left_out=self._left_out)
+            log.warning(
+                "score_cache_disk_error",
+                op="write",
+                error="WritesBehind",
+                pending=len(self._writes),
+                left_out=self._left_out,
+            )
 
     async def flush(self) -> None:
         """Wait until every score stored so far is on disk (or failed to get there)."""
@@ -272,14 +315,23 @@ def _open_disk(path: Path, ttl_s: float, clock: Callable[[], float]) -> _Disk | 
         return _Disk(path, ttl_s, clock)
     except sqlite3.DatabaseError as exc:
         # Also a directory this user cannot write (SQLite cannot open the file there).
-        log.error("score_cache_file_unusable", path=str(path), error=type(exc).__name__,
-                  detail=str(exc), action="memory only; to cache on disk again, delete or "
-                  "move a file that is not a SQLite database, or give --cache-path a "
-                  "directory this user can write")
+        log.error(
+            "score_cache_file_unusable",
+            path=str(path),
+            error=type(exc).__name__,
+            detail=str(exc),
+            action="memory only; to cache on disk again, delete or "
+            "move a file that is not a SQLite database, or give --cache-path a "
+            "directory this user can write",
+        )
     except OSError as exc:  # no permission for the directory, a read-only file system
-        log.error("score_cache_file_unusable", path=str(path), error=type(exc).__name__,
-                  detail=exc.strerror or str(exc),
-                  action="memory only; give --cache-path a directory this user can write")
+        log.error(
+            "score_cache_file_unusable",
+            path=str(path),
+            error=type(exc).__name__,
+            detail=exc.strerror or str(exc),
+            action="memory only; give --cache-path a directory this user can write",
+        )
     return None
 
 
@@ -300,12 +352,14 @@ class _Disk:
         self._ttl_s = ttl_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                                   timeout=self.BUSY_TIMEOUT_S)
+        self._db = sqlite3.connect(
+            path, check_same_thread=False, isolation_level=None, timeout=self.BUSY_TIMEOUT_S
+        )
         try:
             self._set_up()
-            self._reader = sqlite3.connect(path, check_same_thread=False,
-                                           isolation_level=None, timeout=self.BUSY_TIMEOUT_S)
+            self._reader = sqlite3.connect(
+                path, check_same_thread=False, isolation_level=None, timeout=self.BUSY_TIMEOUT_S
+            )
         except BaseException:
             self._db.close()
             raise
@@ -323,13 +377,17 @@ class _Disk:
                 # A cache: a power cut may lose the last few writes (WAL keeps the file
                 # whole), and a commit need not wait for the disk.
                 self._db.execute("PRAGMA synchronous=NORMAL")
-                self._db.execute("CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
-                                 "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID")
+                self._db.execute(
+                    "CREATE TABLE IF NOT EXISTS scores (key BLOB PRIMARY KEY, "
+                    "score REAL NOT NULL, stored REAL NOT NULL) WITHOUT ROWID"
+                )
                 return
             except sqlite3.OperationalError as exc:
                 code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code
-                if code not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) \
-                        or time.monotonic() >= deadline:
+                if (
+                    code not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+                    or time.monotonic() >= deadline
+                ):
                     raise
                 time.sleep(0.01)
 
@@ -338,11 +396,12 @@ class _Disk:
         found: dict[bytes, tuple[float, float]] = {}
         with self._read_lock:
             for start in range(0, len(keys), 500):  # SQLite caps bound parameters
-                chunk = keys[start:start + 500]
+                chunk = keys[start : start + 500]
                 marks = ",".join("?" * len(chunk))
                 rows = self._reader.execute(
-                    f"SELECT key, score, stored FROM scores WHERE key IN ({marks}) "
-                    "AND stored >= ?", (*chunk, oldest))
+                    f"SELECT key, score, stored FROM scores WHERE key IN ({marks}) AND stored >= ?",
+                    (*chunk, oldest),
+                )
                 found.update((key, (score, stored)) for key, score, stored in rows)
         return found
 
@@ -352,8 +411,10 @@ class _Disk:
                 # IMMEDIATE: wait (the busy timeout) for the write lock up front, rather
                 # than fail on upgrading a read to a write half-way.
                 self._db.execute("BEGIN IMMEDIATE")
-                self._db.executemany("INSERT OR REPLACE INTO scores VALUES (?, ?, ?)",
-                                     [(key, score, stored) for key, score in scores.items()])
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO scores VALUES (?, ?, ?)",
+                    [(key, score, stored) for key, score in scores.items()],
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 # Left open, the transaction would fail every later BEGIN, pin this

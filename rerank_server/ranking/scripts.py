@@ -38,8 +38,10 @@ def script_of(char: str) -> str:
 def dominant_script(query: str, documents: Iterable[str]) -> str:
     """The script most of the request's letters are in; "" when it has none. Text that
     is all ASCII (`str.isascii` is a flag CPython keeps) is Latin without a look."""
-    texts = [query, *(d[:DOCUMENT_CHARS] for _, d in zip(range(DOCUMENTS), documents,
-                                                         strict=False))]
+    texts = [
+        query,
+        *(d[:DOCUMENT_CHARS] for _, d in zip(range(DOCUMENTS), documents, strict=False)),
+    ]
     if all(t.isascii() for t in texts):
         return LATIN
     counts: Counter[str] = Counter()

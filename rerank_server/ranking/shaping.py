@@ -67,8 +67,10 @@ class _Source:
     candidates: tuple[Candidate, ...]  # normalized_score set
 
 
-def normalize(scores: Sequence[float | None], kind: ScoreKind,
-              ) -> tuple[list[float | None], ScoreKind]:
+def normalize(
+    scores: Sequence[float | None],
+    kind: ScoreKind,
+) -> tuple[list[float | None], ScoreKind]:
     """Scores on 0..1 and the kind they were read as; `None` stays `None`."""
     given = [x for x in scores if x is not None]
     if kind is ScoreKind.AUTO:
@@ -88,8 +90,7 @@ def normalize(scores: Sequence[float | None], kind: ScoreKind,
         lo, hi = lo / 2, hi / 2
         span = hi - lo
         scores = [None if x is None else x / 2 for x in scores]
-    return [None if x is None else (1.0 if span == 0 else (x - lo) / span)
-            for x in scores], kind
+    return [None if x is None else (1.0 if span == 0 else (x - lo) / span) for x in scores], kind
 
 
 def rank_bonus(rank: int) -> float:
@@ -114,13 +115,20 @@ def shape(query: Request) -> Shaped:
     kept = ordered
     if query.threshold is not None:
         kept, report = apply_threshold(ordered, query.threshold, query.top_k)
-    return Shaped(tuple(kept), deduplicated=occurrences - distinct,
-                  filtered=len(ordered) - len(kept), threshold=report,
-                  lexical_top=_lexical_top(sources))
+    return Shaped(
+        tuple(kept),
+        deduplicated=occurrences - distinct,
+        filtered=len(ordered) - len(kept),
+        threshold=report,
+        lexical_top=_lexical_top(sources),
+    )
 
 
-def _merged(query: Request, sources: list[_Source], everything: list[Candidate],
-            ) -> tuple[list[Candidate], int]:
+def _merged(
+    query: Request,
+    sources: list[_Source],
+    everything: list[Candidate],
+) -> tuple[list[Candidate], int]:
     """Occurrences of one document merged, lists fused (by weighted reciprocal rank, when
     there are lists), in retrieval order; and how many distinct documents there are."""
     fused = bool(query.lists)
@@ -129,11 +137,21 @@ def _merged(query: Request, sources: list[_Source], everything: list[Candidate],
 
     merged: list[tuple[Candidate, float]] = []
     for members in groups:
-        best = members[0] if len(members) == 1 \
+        best = (
+            members[0]
+            if len(members) == 1
             else min(members, key=lambda c: (c.retrieval_rank, c.index))
+        )
         # One list: every candidate already names it (`_sources`).
-        names = best.found_in if len(sources) == 1 else tuple(dict.fromkeys(
-            src.name for src in sources if any(source_of[m.index] is src for m in members)))
+        names = (
+            best.found_in
+            if len(sources) == 1
+            else tuple(
+                dict.fromkeys(
+                    src.name for src in sources if any(source_of[m.index] is src for m in members)
+                )
+            )
+        )
         score = 0.0
         if fused:
             k = query.fusion_k
@@ -147,15 +165,15 @@ def _merged(query: Request, sources: list[_Source], everything: list[Candidate],
             # below decides rather than the last bit of a running sum.
             score = math.fsum(terms)
         # Most groups are one occurrence, already marked with its list (`_sources`).
-        merged.append((best if best.found_in == names
-                       else best._replace(found_in=names), score))
+        merged.append((best if best.found_in == names else best._replace(found_in=names), score))
 
     if fused:
         merged.sort(key=lambda cs: (-cs[1], cs[0].retrieval_rank, cs[0].index))
         top = merged[0][1] if merged else 1.0
-        ordered = [c._replace(retrieval_rank=i + 1,
-                                   normalized_score=score / top if top > 0 else 0.0)
-                   for i, (c, score) in enumerate(merged)]
+        ordered = [
+            c._replace(retrieval_rank=i + 1, normalized_score=score / top if top > 0 else 0.0)
+            for i, (c, score) in enumerate(merged)
+        ]
     else:
         ordered = sorted((c for c, _ in merged), key=_BY_RANK)
     return ordered, len(groups)
@@ -164,8 +182,14 @@ def _merged(query: Request, sources: list[_Source], everything: list[Candidate],
 def _sources(query: Request) -> list[_Source]:
     lists: list[RankedList] = []
     if query.candidates or not query.lists:
-        lists.append(RankedList(IMPLICIT_LIST, query.candidates, query.candidates_weight,
-                                score_kind=query.score_kind))
+        lists.append(
+            RankedList(
+                IMPLICIT_LIST,
+                query.candidates,
+                query.candidates_weight,
+                score_kind=query.score_kind,
+            )
+        )
     lists.extend(query.lists)
     sources = []
     for lst in lists:
@@ -174,19 +198,35 @@ def _sources(query: Request) -> list[_Source]:
         # `found_in` names lists only when there are lists (the proto's word): the
         # implicit list of a plain request is not worth naming in every result.
         found_in = (lst.name,) if query.lists else ()
-        candidates = tuple([_shaped(c, s, found_in)
-                            for c, s in zip(lst.candidates, scores, strict=True)])
+        candidates = tuple(
+            [_shaped(c, s, found_in) for c, s in zip(lst.candidates, scores, strict=True)]
+        )
         sources.append(_Source(lst.name, weight, kind, candidates))
     return sources
 
 
-def _shaped(c: Candidate, normalized_score: float | None, found_in: tuple[str, ...],
-            ) -> Candidate:
+def _shaped(
+    c: Candidate,
+    normalized_score: float | None,
+    found_in: tuple[str, ...],
+) -> Candidate:
     """`c` with its shaping fields set: `c._replace` without its keyword handling, and
     built with `tuple.__new__` rather than the named tuple's constructor (a quarter of
     `_replace`'s cost; a test holds the two equal)."""
-    return _new(Candidate, (c.id, c.text, c.index, c.retrieval_rank, c.title,
-                            c.retrieval_score, c.metadata, normalized_score, found_in))
+    return _new(
+        Candidate,
+        (
+            c.id,
+            c.text,
+            c.index,
+            c.retrieval_rank,
+            c.title,
+            c.retrieval_score,
+            c.metadata,
+            normalized_score,
+            found_in,
+        ),
+    )
 
 
 _new = tuple.__new__
@@ -218,9 +258,13 @@ def _groups(candidates: list[Candidate], dedup_key: str) -> list[list[Candidate]
     return list(groups.values())
 
 
-def apply_threshold(ordered: list[Candidate], spec: ThresholdSpec, top_k: int,
-                    ) -> tuple[list[Candidate], ThresholdReport]:
+def apply_threshold(
+    ordered: list[Candidate],
+    spec: ThresholdSpec,
+    top_k: int,
+) -> tuple[list[Candidate], ThresholdReport]:
     """Keep the candidates whose normalized score passes; see `Threshold` in the proto."""
+
     def passing(t: float) -> list[Candidate]:
         return [c for c in ordered if (c.normalized_score or 0.0) >= t - _EPS]
 
@@ -248,8 +292,7 @@ def apply_threshold(ordered: list[Candidate], spec: ThresholdSpec, top_k: int,
     kept = passing(t)
     if not kept and ordered:
         # At the floor with nothing passing: keep the best found rather than nothing.
-        best = {c.index for c in sorted(ordered, key=lambda c: -(c.normalized_score or 0.0))
-                [:need]}
+        best = {c.index for c in sorted(ordered, key=lambda c: -(c.normalized_score or 0.0))[:need]}
         kept = [c for c in ordered if c.index in best]
     return kept, ThresholdReport(t, steps, len(kept), reached_floor)
 
@@ -262,8 +305,10 @@ def _lexical_top(sources: list[_Source]) -> tuple[float, float] | None:
     for src in sources:
         if src.kind is not ScoreKind.LEXICAL:
             continue
-        scores = sorted((c.normalized_score for c in src.candidates
-                         if c.normalized_score is not None), reverse=True)
+        scores = sorted(
+            (c.normalized_score for c in src.candidates if c.normalized_score is not None),
+            reverse=True,
+        )
         if len(scores) >= 2:
             return scores[0], scores[1]
     return None
@@ -276,14 +321,19 @@ def skip_reason(query: Request, shaped: Shaped) -> Degraded | None:
         return Degraded(DegradedCode.DISABLED, "reranking is disabled on this server")
     n = len(shaped.candidates)
     if n < rules.min_candidates:
-        return Degraded(DegradedCode.TOO_FEW_CANDIDATES,
-                        f"{n} candidates, fewer than min_candidates={rules.min_candidates}")
+        return Degraded(
+            DegradedCode.TOO_FEW_CANDIDATES,
+            f"{n} candidates, fewer than min_candidates={rules.min_candidates}",
+        )
     if rules.within_top_k and query.top_k and n <= query.top_k:
-        return Degraded(DegradedCode.WITHIN_TOP_K,
-                        f"{n} candidates, no more than top_k={query.top_k}")
+        return Degraded(
+            DegradedCode.WITHIN_TOP_K, f"{n} candidates, no more than top_k={query.top_k}"
+        )
     if rules.strong_signal and shaped.lexical_top is not None:
         top, second = shaped.lexical_top
         if top >= rules.strong_signal_min and top - second >= rules.strong_signal_gap:
-            return Degraded(DegradedCode.STRONG_SIGNAL,
-                            f"lexical top score {top:.2f} leads the next by {top - second:.2f}")
+            return Degraded(
+                DegradedCode.STRONG_SIGNAL,
+                f"lexical top score {top:.2f} leads the next by {top - second:.2f}",
+            )
     return None

@@ -36,11 +36,17 @@ def resolve(query: RerankQuery, rules: RequestRules) -> Request:
     """`query` with every option resolved; raises InvalidRequest for the first rule broken."""
     validate(query, rules)
     r = rules
-    lists = tuple(dataclasses.replace(lst, weight=_list_weight(lst.weight, lst.expansion, r))
-                  for lst in query.lists)
+    lists = tuple(
+        dataclasses.replace(lst, weight=_list_weight(lst.weight, lst.expansion, r))
+        for lst in query.lists
+    )
     return Request(
-        request_id=query.request_id, query=query.query, candidates=query.candidates,
-        lists=lists, candidates_weight=r.original_list_weight, top_k=query.top_k,
+        request_id=query.request_id,
+        query=query.query,
+        candidates=query.candidates,
+        lists=lists,
+        candidates_weight=r.original_list_weight,
+        top_k=query.top_k,
         instruction=r.instruction if query.instruction is None else query.instruction,
         blend=query.blend or r.blend,
         # A request may ask for less than the operator allows, never for more.
@@ -48,15 +54,22 @@ def resolve(query: RerankQuery, rules: RequestRules) -> Request:
         timeout_s=min(query.timeout_s or r.timeout_s, r.timeout_s),
         max_chunk_chars=query.max_chunk_chars or r.max_chunk_chars,
         max_tokens_per_doc=query.max_tokens_per_doc or r.max_tokens_per_doc,
-        return_text=query.return_text, score_kind=query.score_kind,
-        fusion_k=query.fusion_k or r.fusion_k, dedup_key=query.dedup_key,
+        return_text=query.return_text,
+        score_kind=query.score_kind,
+        fusion_k=query.fusion_k or r.fusion_k,
+        dedup_key=query.dedup_key,
         threshold=query.threshold,
         skip=SkipRules(
-            disabled=r.disabled, min_candidates=r.min_candidates,
+            disabled=r.disabled,
+            min_candidates=r.min_candidates,
             within_top_k=_or_default(query.skip_within_top_k, r.skip_within_top_k),
             strong_signal=_or_default(query.strong_signal_skip, r.strong_signal_skip),
-            strong_signal_min=r.strong_signal_min, strong_signal_gap=r.strong_signal_gap),
-        bypass_cache=query.bypass_cache, always_score=query.always_score)
+            strong_signal_min=r.strong_signal_min,
+            strong_signal_gap=r.strong_signal_gap,
+        ),
+        bypass_cache=query.bypass_cache,
+        always_score=query.always_score,
+    )
 
 
 def _list_weight(weight: float | None, expansion: bool, rules: RequestRules) -> float:
@@ -95,28 +108,36 @@ class _MetadataBudget:
     def check(self, at: str, metadata: Mapping[str, str]) -> None:
         r = self._rules
         if len(metadata) > r.max_metadata_entries:
-            raise InvalidRequest(f"{at}.metadata", f"{len(metadata)} entries exceeds the "
-                                                   f"limit of {r.max_metadata_entries}")
+            raise InvalidRequest(
+                f"{at}.metadata",
+                f"{len(metadata)} entries exceeds the limit of {r.max_metadata_entries}",
+            )
         for key, value in metadata.items():
             if len(key) > r.max_metadata_key_chars:
-                raise InvalidRequest(f"{at}.metadata", f"a key of {len(key)} characters "
-                                     f"exceeds the limit of {r.max_metadata_key_chars}")
+                raise InvalidRequest(
+                    f"{at}.metadata",
+                    f"a key of {len(key)} characters "
+                    f"exceeds the limit of {r.max_metadata_key_chars}",
+                )
             if len(value) > r.max_metadata_value_chars:
                 # The key is the caller's field name, not document text: safe to name.
-                _check_length(f"{at}.metadata[{key[:64]!r}]", value,
-                              r.max_metadata_value_chars)
+                _check_length(f"{at}.metadata[{key[:64]!r}]", value, r.max_metadata_value_chars)
             self._left -= len(key) + len(value)
         if self._left < 0:
-            raise InvalidRequest(f"{at}.metadata", "the request's metadata exceeds the "
-                                 f"limit of {r.max_metadata_request_chars} characters in all")
+            raise InvalidRequest(
+                f"{at}.metadata",
+                "the request's metadata exceeds the "
+                f"limit of {r.max_metadata_request_chars} characters in all",
+            )
 
 
 def check_candidate_count(where: str, count: int, rules: RequestRules) -> None:
     """The cap on candidates, which an edge may apply before building any (a JSON body
     of millions of empty documents is cheap to send and dear to convert)."""
     if count > rules.max_request_candidates:
-        raise InvalidRequest(where, f"{count} candidates exceeds the "
-                                    f"limit of {rules.max_request_candidates}")
+        raise InvalidRequest(
+            where, f"{count} candidates exceeds the limit of {rules.max_request_candidates}"
+        )
 
 
 def check_list_count(count: int, rules: RequestRules) -> None:
@@ -125,8 +146,9 @@ def check_list_count(count: int, rules: RequestRules) -> None:
         raise InvalidRequest("lists", f"{count} lists exceeds the limit of {rules.max_lists}")
 
 
-def _validate_candidates(where: str, candidates: Sequence[Candidate],
-                         rules: RequestRules, metadata: _MetadataBudget) -> None:
+def _validate_candidates(
+    where: str, candidates: Sequence[Candidate], rules: RequestRules, metadata: _MetadataBudget
+) -> None:
     check_candidate_count(where, len(candidates), rules)
     max_id, max_text = rules.max_id_chars, rules.max_document_chars
     seen: dict[str, int] = {}
@@ -155,8 +177,7 @@ def _bad_id(at: str, id_: str, limit: int, where: str, seen: Mapping[str, int]) 
     raise InvalidRequest(f"{at}.id", f"duplicate of {where}[{seen[id_]}].id")
 
 
-def _validate_lists(query: RerankQuery, rules: RequestRules,
-                    metadata: _MetadataBudget) -> None:
+def _validate_lists(query: RerankQuery, rules: RequestRules, metadata: _MetadataBudget) -> None:
     check_list_count(len(query.lists), rules)
     # With lists, the request's own `candidates` form one more list with this name.
     names = {IMPLICIT_LIST: "candidates"} if query.candidates else {}
@@ -169,26 +190,35 @@ def _validate_lists(query: RerankQuery, rules: RequestRules,
         if lst.weight is not None and not 0 <= lst.weight <= MAX_LIST_WEIGHT:  # NaN too
             # Weights are relative; near the float limit their fused sum overflowed to
             # infinity and every normalized score came out NaN.
-            raise InvalidRequest(f"{where}.weight",
-                                 f"must be a number from 0 to {MAX_LIST_WEIGHT:g}")
+            raise InvalidRequest(
+                f"{where}.weight", f"must be a number from 0 to {MAX_LIST_WEIGHT:g}"
+            )
         _validate_candidates(f"{where}.candidates", lst.candidates, rules, metadata)
 
 
 def _validate_options(query: RerankQuery, rules: RequestRules) -> None:
     if query.max_candidates is not None and not (
-            1 <= query.max_candidates <= rules.max_request_candidates):
-        raise InvalidRequest("options.max_candidates", "must be between 1 and "
-                                                       f"{rules.max_request_candidates}")
+        1 <= query.max_candidates <= rules.max_request_candidates
+    ):
+        raise InvalidRequest(
+            "options.max_candidates", f"must be between 1 and {rules.max_request_candidates}"
+        )
     if query.timeout_s is not None and not (0 < query.timeout_s * 1000 <= MAX_TIMEOUT_MS):
         raise InvalidRequest("options.timeout_ms", f"must be between 1 and {MAX_TIMEOUT_MS}")
     if query.max_chunk_chars is not None and not (
-            MIN_CHUNK_CHARS <= query.max_chunk_chars <= rules.max_document_chars):
-        raise InvalidRequest("options.max_chunk_chars", f"must be between {MIN_CHUNK_CHARS} "
-                                                        f"and {rules.max_document_chars}")
+        MIN_CHUNK_CHARS <= query.max_chunk_chars <= rules.max_document_chars
+    ):
+        raise InvalidRequest(
+            "options.max_chunk_chars",
+            f"must be between {MIN_CHUNK_CHARS} and {rules.max_document_chars}",
+        )
     if query.max_tokens_per_doc is not None and not (
-            MIN_TOKENS_PER_DOC <= query.max_tokens_per_doc <= MAX_TOKENS_PER_DOC):
-        raise InvalidRequest("options.max_tokens_per_doc", f"must be between "
-                             f"{MIN_TOKENS_PER_DOC} and {MAX_TOKENS_PER_DOC}")
+        MIN_TOKENS_PER_DOC <= query.max_tokens_per_doc <= MAX_TOKENS_PER_DOC
+    ):
+        raise InvalidRequest(
+            "options.max_tokens_per_doc",
+            f"must be between {MIN_TOKENS_PER_DOC} and {MAX_TOKENS_PER_DOC}",
+        )
     if query.fusion_k is not None and not 1 <= query.fusion_k <= MAX_FUSION_K:
         raise InvalidRequest("options.fusion_k", f"must be between 1 and {MAX_FUSION_K}")
     _check_length("options.dedup_key", query.dedup_key, rules.max_id_chars)
@@ -212,5 +242,8 @@ def _validate_threshold(query: RerankQuery, t: ThresholdSpec) -> None:
     if t.mode is ThresholdMode.ADAPTIVE and floor > start:
         raise InvalidRequest("options.threshold.floor", "must not be above start")
     if not query.lists and any(c.retrieval_score is None for c in query.candidates):
-        raise InvalidRequest("options.threshold", "filters on retrieval scores: every "
-                             "candidate needs retrieval_score (or send lists to fuse)")
+        raise InvalidRequest(
+            "options.threshold",
+            "filters on retrieval scores: every "
+            "candidate needs retrieval_score (or send lists to fuse)",
+        )

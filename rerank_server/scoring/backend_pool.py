@@ -58,9 +58,9 @@ _PINNED: ContextVar[Endpoint | None] = ContextVar("rerank_pinned_endpoint", defa
 
 @dataclass(frozen=True, slots=True)
 class Ejection:
-    after: int = 3          # consecutive failures
-    base_s: float = 1.0     # first back-off
-    max_s: float = 4.0      # longest back-off
+    after: int = 3  # consecutive failures
+    base_s: float = 1.0  # first back-off
+    max_s: float = 4.0  # longest back-off
 
 
 @dataclass
@@ -72,10 +72,10 @@ class Endpoint:
     failures_in_row: int = 0
     ejections_in_row: int = 0
     ejected_until: float | None = None  # monotonic; set while ejected
-    healthy: bool = True                # per the health monitor (optimistic until polled)
+    healthy: bool = True  # per the health monitor (optimistic until polled)
     ejections: int = 0
-    answered_at: float | None = None     # monotonic time of the last successful call
-    failed_polls: int = 0               # health polls failed in a row
+    answered_at: float | None = None  # monotonic time of the last successful call
+    failed_polls: int = 0  # health polls failed in a row
     polls_failing_since: float | None = None
 
     @property
@@ -90,12 +90,21 @@ class Endpoint:
 class BackendPool:
     """Calls a backend through whichever instance is best placed to answer."""
 
-    def __init__(self, urls: Sequence[str], *, concurrency: int, timeout_s: float,
-                 kind: str, metrics: Metrics | None = None,
-                 tracer: trace.Tracer | None = None, ejection: Ejection | None = None,
-                 headers: dict[str, str] | None = None, health_path: str = "/health",
-                 clock: Callable[[], float] = time.monotonic, trace_calls: bool = False,
-                 ) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        concurrency: int,
+        timeout_s: float,
+        kind: str,
+        metrics: Metrics | None = None,
+        tracer: trace.Tracer | None = None,
+        ejection: Ejection | None = None,
+        headers: dict[str, str] | None = None,
+        health_path: str = "/health",
+        clock: Callable[[], float] = time.monotonic,
+        trace_calls: bool = False,
+    ) -> None:
         if not urls:
             raise ValueError("a backend pool needs at least one URL")
         self.kind = kind
@@ -103,11 +112,22 @@ class BackendPool:
         self._ejection = ejection or Ejection()
         self._clock = clock
         self.endpoints = [
-            Endpoint(HttpBackend(url, concurrency, timeout_s, kind=kind, metrics=metrics,
-                                 tracer=tracer, headers=headers, health_path=health_path,
-                                 trace_calls=trace_calls),
-                     concurrency)
-            for url in urls]
+            Endpoint(
+                HttpBackend(
+                    url,
+                    concurrency,
+                    timeout_s,
+                    kind=kind,
+                    metrics=metrics,
+                    tracer=tracer,
+                    headers=headers,
+                    health_path=health_path,
+                    trace_calls=trace_calls,
+                ),
+                concurrency,
+            )
+            for url in urls
+        ]
         for endpoint in self.endpoints:
             endpoint.http.on_outcome = functools.partial(self._outcome, endpoint)
         self._turn = itertools.count()
@@ -118,8 +138,14 @@ class BackendPool:
 
     # --- calls
 
-    async def call(self, path: str, payload: Any, parse: Callable[[Any], T],
-                   pairs: int = 1, decode: Decode = orjson.loads) -> T:
+    async def call(
+        self,
+        path: str,
+        payload: Any,
+        parse: Callable[[Any], T],
+        pairs: int = 1,
+        decode: Decode = orjson.loads,
+    ) -> T:
         """POST to the best instance and `parse` its JSON, as `decode` reads it (orjson
         unless a scorer gives its own, see `HttpBackend.post_json`); raises
         BackendCallError.
@@ -132,8 +158,7 @@ class BackendPool:
         while True:
             endpoint = self._pick(tried)
             if endpoint is None:
-                raise last or BackendCallError(Failure.UNAVAILABLE,
-                                               "every backend instance is out")
+                raise last or BackendCallError(Failure.UNAVAILABLE, "every backend instance is out")
             tried.append(endpoint)
             try:
                 try:
@@ -181,8 +206,7 @@ class BackendPool:
             return 0.0
         rate = sum(rates) / len(rates)
         slots = sum(e.http.concurrency for e in ready)
-        waiting = max(sum(e.http.queued_pairs + e.http.in_flight_pairs for e in ready),
-                      outstanding)
+        waiting = max(sum(e.http.queued_pairs + e.http.in_flight_pairs for e in ready), outstanding)
         calls = -(-pairs // per_call)
         rounds = -(-calls // slots)
         return waiting * rate / slots + rounds * min(pairs, per_call) * rate
@@ -199,8 +223,10 @@ class BackendPool:
             return None
         turn = next(self._turn)
         # Fewest in flight relative to the instance's own limit; rotate among equals.
-        return min(ready, key=lambda e: (e.http.load,
-                                         (self.endpoints.index(e) - turn) % len(self.endpoints)))
+        return min(
+            ready,
+            key=lambda e: (e.http.load, (self.endpoints.index(e) - turn) % len(self.endpoints)),
+        )
 
     # --- ejection
 
@@ -218,8 +244,9 @@ class BackendPool:
         if endpoint.failures_in_row >= self._ejection.after:
             self._eject(endpoint, f"{endpoint.failures_in_row} failed calls in a row")
         elif endpoint.http.stuck:
-            self._eject(endpoint, f"all {endpoint.concurrency} slots held by calls that "
-                                  "got no answer")
+            self._eject(
+                endpoint, f"all {endpoint.concurrency} slots held by calls that got no answer"
+            )
 
     def _succeeded(self, endpoint: Endpoint) -> None:
         endpoint.answered_at = self._clock()
@@ -227,28 +254,34 @@ class BackendPool:
         endpoint.ejections_in_row = 0
 
     def _eject(self, endpoint: Endpoint, reason: str) -> None:
-        backoff = min(self._ejection.base_s * 2 ** endpoint.ejections_in_row,
-                      self._ejection.max_s)
+        backoff = min(self._ejection.base_s * 2**endpoint.ejections_in_row, self._ejection.max_s)
         endpoint.ejections_in_row += 1
         endpoint.ejections += 1
         endpoint.ejected_until = self._clock() + backoff
         self.changed.set()
         self._metrics.backend_ejections.add(1, endpoint.http.instance.attributes)
-        log.warning("backend_ejected", instance=endpoint.name, backend=self.kind,
-                    reason=reason, backoff_s=backoff)
+        log.warning(
+            "backend_ejected",
+            instance=endpoint.name,
+            backend=self.kind,
+            reason=reason,
+            backoff_s=backoff,
+        )
 
     def due_for_probe(self) -> list[Endpoint]:
         """Ejected instances whose back-off is over: the monitor probes them."""
         now = self._clock()
-        return [e for e in self.endpoints
-                if e.ejected_until is not None and now >= e.ejected_until]
+        return [e for e in self.endpoints if e.ejected_until is not None and now >= e.ejected_until]
 
     def next_probe_in(self, skip: Collection[str] = ()) -> float | None:
         """Seconds until the first back-off ends among ejected instances not named in
         `skip` (0 if one is over; None if none is ejected)."""
         now = self._clock()
-        waits = [e.ejected_until - now for e in self.endpoints
-                 if e.ejected_until is not None and e.name not in skip]
+        waits = [
+            e.ejected_until - now
+            for e in self.endpoints
+            if e.ejected_until is not None and e.name not in skip
+        ]
         return max(0.0, min(waits)) if waits else None
 
     def note_poll(self, endpoint: Endpoint, ok: bool) -> bool:
@@ -264,8 +297,10 @@ class BackendPool:
         endpoint.failed_polls += 1
         if endpoint.polls_failing_since is None:
             endpoint.polls_failing_since = self._clock()
-        answered = endpoint.answered_at is not None and \
-            endpoint.answered_at >= endpoint.polls_failing_since
+        answered = (
+            endpoint.answered_at is not None
+            and endpoint.answered_at >= endpoint.polls_failing_since
+        )
         return endpoint.failed_polls < self.polls_to_down or answered
 
     def restore(self, endpoint: Endpoint) -> None:
@@ -290,9 +325,11 @@ class BackendPool:
 # input is too long: that is the input's fault, on every instance.
 def _counts_against(exc: BackendCallError) -> bool:
     return exc.failure in (Failure.UNAVAILABLE, Failure.TIMEOUT) or (
-        exc.failure is Failure.HTTP_ERROR and exc.status >= 500 and not exc.too_long)
+        exc.failure is Failure.HTTP_ERROR and exc.status >= 500 and not exc.too_long
+    )
 
 
 def _retryable(exc: BackendCallError) -> bool:
     return exc.failure is Failure.UNAVAILABLE or (
-        exc.failure is Failure.HTTP_ERROR and exc.status >= 500 and not exc.too_long)
+        exc.failure is Failure.HTTP_ERROR and exc.status >= 500 and not exc.too_long
+    )

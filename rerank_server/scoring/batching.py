@@ -29,15 +29,24 @@ SliceCall = Callable[[int, Sequence[str]], Awaitable[Mapping[int, float | None]]
 _new = tuple.__new__
 
 
-async def score_in_batches(documents: Sequence[str], max_batch: int, call: SliceCall,
-                           emit: Emit, missing: str = "no score for this document",
-                           split_too_long: bool = False) -> None:
+async def score_in_batches(
+    documents: Sequence[str],
+    max_batch: int,
+    call: SliceCall,
+    emit: Emit,
+    missing: str = "no score for this document",
+    split_too_long: bool = False,
+) -> None:
     """Score `documents` in slices of `max_batch`; a pair the answer leaves out fails as
     malformed with the detail `missing`. `split_too_long`: only for a `call` that scores
     each document on its own (the slice's documents are not read together)."""
-    async def one(start: int, size: int = max_batch, splits: list[int] | None = None,
-                  ) -> None:
-        chunk = documents[start:start + size]
+
+    async def one(
+        start: int,
+        size: int = max_batch,
+        splits: list[int] | None = None,
+    ) -> None:
+        chunk = documents[start : start + size]
         indexes = range(start, start + len(chunk))
         try:
             scores = await call(start, chunk)
@@ -47,18 +56,25 @@ async def score_in_batches(documents: Sequence[str], max_batch: int, call: Slice
             if split_too_long and exc.too_long and len(chunk) > 1 and splits[0] > 0:
                 splits[0] -= 1
                 half = len(chunk) // 2
-                await asyncio.gather(one(start, half, splits),
-                                     one(start + half, len(chunk) - half, splits))
+                await asyncio.gather(
+                    one(start, half, splits), one(start + half, len(chunk) - half, splits)
+                )
                 return
             failed_all(indexes, exc, emit)
             return
         except Exception as exc:  # a bug in reading an answer: this slice's pairs fail,
             # not, through the task group, every other slice's (once all of a request's)
             # Frames without the message, which may quote the model's text.
-            log.error("slice_crashed", error=type(exc).__name__, stack="".join(
-                traceback.format_list(traceback.extract_tb(exc.__traceback__))))
-            failed_all(indexes, BackendCallError(
-                Failure.HTTP_ERROR, f"scorer crashed: {type(exc).__name__}"), emit)
+            log.error(
+                "slice_crashed",
+                error=type(exc).__name__,
+                stack="".join(traceback.format_list(traceback.extract_tb(exc.__traceback__))),
+            )
+            failed_all(
+                indexes,
+                BackendCallError(Failure.HTTP_ERROR, f"scorer crashed: {type(exc).__name__}"),
+                emit,
+            )
             return
         for offset, i in enumerate(indexes):
             score = scores.get(offset)
@@ -94,8 +110,7 @@ def to_unit(scores: Mapping[int, float], logits: bool = False) -> dict[int, floa
     return {i: 1 / (1 + math.exp(-max(min(s, 60.0), -60.0))) for i, s in scores.items()}
 
 
-async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
-                    emit: Emit) -> None:
+async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]], emit: Emit) -> None:
     """Run `one(i)` for every pair concurrently, emitting each outcome as it lands.
 
     One task per pair, which makes its backend call itself (`http.own_calls`). When this
@@ -137,7 +152,6 @@ async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]],
             let_go(task)
 
 
-def failed_all(indexes: Sequence[int], exc: BackendCallError,
-               emit: Emit) -> None:
+def failed_all(indexes: Sequence[int], exc: BackendCallError, emit: Emit) -> None:
     for i in indexes:
         emit(PairOutcome.failed(i, exc.failure, exc.detail))

@@ -38,21 +38,26 @@ LAG_RESERVE_FACTOR = 3.0
 PER_REQUEST_RESERVE_S = 0.003
 
 
-def reserve_s(deadline_remaining_s: float, loop_lag_s: float = 0.0, active: int = 0,
-              ) -> float:
+def reserve_s(
+    deadline_remaining_s: float,
+    loop_lag_s: float = 0.0,
+    active: int = 0,
+) -> float:
     idle = min(DEADLINE_RESERVE_MAX_S, deadline_remaining_s * DEADLINE_RESERVE_FRACTION)
     busy = max(LAG_RESERVE_FACTOR * loop_lag_s, PER_REQUEST_RESERVE_S * active)
     return min(max(idle, busy), deadline_remaining_s / 2)
 
 
-def budget_s(timeout_s: float, deadline_remaining_s: float | None,
-             loop_lag_s: float = 0.0, active: int = 0) -> float:
+def budget_s(
+    timeout_s: float, deadline_remaining_s: float | None, loop_lag_s: float = 0.0, active: int = 0
+) -> float:
     """Seconds the scorer may use: the request's timeout, shortened by the caller's deadline
     less the reserve for blending and sending."""
     budget = timeout_s
     if deadline_remaining_s is not None:
-        budget = min(budget, deadline_remaining_s - reserve_s(deadline_remaining_s,
-                                                              loop_lag_s, active))
+        budget = min(
+            budget, deadline_remaining_s - reserve_s(deadline_remaining_s, loop_lag_s, active)
+        )
     return max(budget, 0.0)
 
 
@@ -99,10 +104,14 @@ class _Inbox(Wakeup):
         return items
 
 
-async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
-                       tracer: trace.Tracer, stop: StopSignal | None = None,
-                       span: trace.Span | None = None,
-                       ) -> AsyncIterator[list[PairOutcome]]:
+async def score_within(
+    scorer: Scorer,
+    request: ScoreRequest,
+    budget: float,
+    tracer: trace.Tracer,
+    stop: StopSignal | None = None,
+    span: trace.Span | None = None,
+) -> AsyncIterator[list[PairOutcome]]:
     """The pairs' outcomes as they arrive, each exactly once; those left when `budget`
     runs out as timeouts, and those left when `stop` is set (the server is shutting
     down) as such.
@@ -118,8 +127,10 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
     deadline = loop.time() + budget
     inbox = _Inbox()
     remaining = set(range(len(request.documents)))
-    attributes: dict[str, str | int] = {"rerank.backend": scorer.kind,
-                                        "rerank.pairs": len(remaining)}
+    attributes: dict[str, str | int] = {
+        "rerank.backend": scorer.kind,
+        "rerank.pairs": len(remaining),
+    }
     own = span is None
     if span is None:
         # Not a `with` block: the span must not stay current across the yields below.
@@ -146,8 +157,9 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
         while remaining:
             arrived = inbox.take()
             if not arrived:
-                rest = _why_nothing(task, stop, inbox.expired or loop.time() >= deadline,
-                                    scorer.kind)
+                rest = _why_nothing(
+                    task, stop, inbox.expired or loop.time() >= deadline, scorer.kind
+                )
                 if rest is not None:
                     break
                 await inbox.wait()
@@ -166,8 +178,9 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
                         scored += 1
                         fresh.append(outcome)
                         continue
-                    outcome = PairOutcome.failed(outcome.pair, Failure.MALFORMED,
-                                                 "no score on 0..1")
+                    outcome = PairOutcome.failed(
+                        outcome.pair, Failure.MALFORMED, "no score on 0..1"
+                    )
                 failed += 1
                 fresh.append(outcome)
             if fresh:
@@ -185,14 +198,21 @@ async def score_within(scorer: Scorer, request: ScoreRequest, budget: float,
             unsubscribe()
         await _stop(task)
         if span.is_recording():  # the request's span gets all of them here, at once
-            span.set_attributes({**attributes, "rerank.model": scorer.model,
-                                 "rerank.scored": scored, "rerank.failed": failed})
+            span.set_attributes(
+                {
+                    **attributes,
+                    "rerank.model": scorer.model,
+                    "rerank.scored": scored,
+                    "rerank.failed": failed,
+                }
+            )
         if own:
             span.end()
 
 
-def _why_nothing(task: asyncio.Task[None], stop: StopSignal | None, spent: bool,
-                 backend: str) -> tuple[Failure, str] | None:
+def _why_nothing(
+    task: asyncio.Task[None], stop: StopSignal | None, spent: bool, backend: str
+) -> tuple[Failure, str] | None:
     """Why no more outcomes will come, when nothing is waiting to be taken; None while
     they still may."""
     if stop is not None and stop.is_set():

@@ -28,8 +28,7 @@ class ChatScorer(PooledScorer):
 
     kind = BackendKind.CHAT
 
-    def __init__(self, pool: BackendPool, model: str = "",
-                 assistant_prefill: bool = True) -> None:
+    def __init__(self, pool: BackendPool, model: str = "", assistant_prefill: bool = True) -> None:
         super().__init__(pool, model)
         self._prefill = assistant_prefill
         self._fit = ContextFit(pool)
@@ -38,8 +37,10 @@ class ChatScorer(PooledScorer):
     def payload(self, request: ScoreRequest, document: str) -> dict[str, Any]:
         messages = [
             {"role": "system", "content": prompt.SYSTEM_PROMPT},
-            {"role": "user", "content": prompt.user_message(request.instruction, request.query,
-                                                            document)},
+            {
+                "role": "user",
+                "content": prompt.user_message(request.instruction, request.query, document),
+            },
         ]
         if self._prefill:
             messages.append({"role": "assistant", "content": prompt.ASSISTANT_PREFILL})
@@ -62,22 +63,30 @@ class ChatScorer(PooledScorer):
 
     def around(self, request: ScoreRequest) -> str:
         """The prompt text besides the document, for the context budget."""
-        return (prompt.SYSTEM_PROMPT + prompt.user_message(request.instruction, request.query,
-                                                           "")
-                + (prompt.ASSISTANT_PREFILL if self._prefill else ""))
+        return (
+            prompt.SYSTEM_PROMPT
+            + prompt.user_message(request.instruction, request.query, "")
+            + (prompt.ASSISTANT_PREFILL if self._prefill else "")
+        )
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         # Neutralized before they are counted, as they will be sent (`completion.py`).
-        documents = await self._fit.fit([prompt.neutralize(d) for d in request.documents],
-                                        self.around(request), request.max_tokens_per_doc)
+        documents = await self._fit.fit(
+            [prompt.neutralize(d) for d in request.documents],
+            self.around(request),
+            request.max_tokens_per_doc,
+        )
 
         async def one(i: int) -> PairOutcome:
             document = documents[i]
             for last_try in (False, True):
                 try:
-                    score = await self._pool.call("/v1/chat/completions",
-                                                  self.payload(request, document),
-                                                  self._parse, decode=decode_chat)
+                    score = await self._pool.call(
+                        "/v1/chat/completions",
+                        self.payload(request, document),
+                        self._parse,
+                        decode=decode_chat,
+                    )
                 except BackendCallError as exc:
                     if exc.too_long and not last_try:
                         document = shorter(document)
@@ -87,4 +96,3 @@ class ChatScorer(PooledScorer):
             raise AssertionError("unreachable")
 
         await map_pairs(len(documents), one, emit)
-

@@ -56,8 +56,13 @@ class CompletionScorer(PooledScorer):
 
     kind = BackendKind.COMPLETION
 
-    def __init__(self, pool: BackendPool, model: str = "", assistant_prefill: bool = True,
-                 max_batch: int = 32) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        model: str = "",
+        assistant_prefill: bool = True,
+        max_batch: int = 32,
+    ) -> None:
         super().__init__(pool, model)
         self._prefill = assistant_prefill
         self._max_batch = max_batch
@@ -76,13 +81,15 @@ class CompletionScorer(PooledScorer):
                 ids: dict[int, str] = {}
                 for answer, variants in (("yes", YES_VARIANTS), ("no", NO_VARIANTS)):
                     for variant in variants:
-                        tokens = await self._pool.call("/tokenize", {"content": variant},
-                                                       token_list, pairs=0)
+                        tokens = await self._pool.call(
+                            "/tokenize", {"content": variant}, token_list, pairs=0
+                        )
                         if len(tokens) == 1:
                             ids[tokens[0]] = answer
                 if "yes" not in ids.values() or "no" not in ids.values():
                     raise BackendCallError(
-                        Failure.MALFORMED, "no single-token yes/no in the vocabulary")
+                        Failure.MALFORMED, "no single-token yes/no in the vocabulary"
+                    )
                 self._answer_ids = ids
             return self._answer_ids
 
@@ -108,12 +115,14 @@ class CompletionScorer(PooledScorer):
             {"role": "system", "content": prompt.SYSTEM_PROMPT},
             {"role": "user", "content": prompt.user_message(instruction, query, PLACEHOLDER)},
         ]
-        rendered = await self._pool.call("/apply-template", {"messages": messages},
-                                         _rendered, pairs=0)
+        rendered = await self._pool.call(
+            "/apply-template", {"messages": messages}, _rendered, pairs=0
+        )
         prefix, found, suffix = rendered.partition(PLACEHOLDER)
         if not found or PLACEHOLDER in suffix:
-            raise BackendCallError(Failure.MALFORMED,
-                                   "the chat template did not keep the document in place")
+            raise BackendCallError(
+                Failure.MALFORMED, "the chat template did not keep the document in place"
+            )
         return prefix, suffix + (prompt.ASSISTANT_PREFILL if self._prefill else "")
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
@@ -127,24 +136,45 @@ class CompletionScorer(PooledScorer):
         # Neutralized before they are counted: `/tokenize` reads `<|im_end|>` as one
         # token, where its neutralized text is seven, and 1,500 of them overflowed the
         # slot and failed the whole batch.
-        documents = await self._fit.fit([prompt.neutralize(d) for d in request.documents],
-                                        prefix + suffix, request.max_tokens_per_doc)
+        documents = await self._fit.fit(
+            [prompt.neutralize(d) for d in request.documents],
+            prefix + suffix,
+            request.max_tokens_per_doc,
+        )
         prompts = [prefix + doc + suffix for doc in documents]
 
         async def batch(_start: int, chunk: Sequence[str]) -> dict[int, float | None]:
-            body = self.with_model({"prompt": list(chunk), "n_probs": N_PROBS,
-                                    "n_predict": 1, "temperature": 0.0, "cache_prompt": True,
-                                    "response_fields": RESPONSE_FIELDS})
-            scores = await self._pool.call("/completion", body,
-                                           lambda b: self._parse(b, ids, len(chunk)),
-                                           pairs=len(chunk), decode=_decode)
+            body = self.with_model(
+                {
+                    "prompt": list(chunk),
+                    "n_probs": N_PROBS,
+                    "n_predict": 1,
+                    "temperature": 0.0,
+                    "cache_prompt": True,
+                    "response_fields": RESPONSE_FIELDS,
+                }
+            )
+            scores = await self._pool.call(
+                "/completion",
+                body,
+                lambda b: self._parse(b, ids, len(chunk)),
+                pairs=len(chunk),
+                decode=_decode,
+            )
             return dict(enumerate(scores))
 
-        await score_in_batches(prompts, self._max_batch, batch, emit, split_too_long=True,
-                               missing="no yes/no logprob in its result")
+        await score_in_batches(
+            prompts,
+            self._max_batch,
+            batch,
+            emit,
+            split_too_long=True,
+            missing="no yes/no logprob in its result",
+        )
 
-    def _parse(self, results: list[_Result], ids: dict[int, str],
-               expected: int) -> list[float | None]:
+    def _parse(
+        self, results: list[_Result], ids: dict[int, str], expected: int
+    ) -> list[float | None]:
         """A score per result; None for a result without a usable yes/no logprob, which
         fails only its own pair (the answer as a whole is malformed only when it has the
         wrong shape or count)."""
@@ -224,6 +254,7 @@ def _rendered(body: Any) -> str:
     if not isinstance(text, str):
         raise MalformedResponse("/apply-template answer has no prompt")
     if len(text) > MAX_RENDERED_CHARS:  # kept per instruction: bounded, as the query is
-        raise MalformedResponse(f"/apply-template answer longer than {MAX_RENDERED_CHARS} "
-                                "characters")
+        raise MalformedResponse(
+            f"/apply-template answer longer than {MAX_RENDERED_CHARS} characters"
+        )
     return text

@@ -68,24 +68,32 @@ class ContextFit:
                 # A failed asking (llama-server answers 503 while it loads) is soon
                 # repeated: until it is answered, no document is cut to the slot.
                 self._next_try = loop.time() + (PROPS_RETRY_S if props is None else RELEARN_S)
-                settings = props.get("default_generation_settings") \
-                    if isinstance(props, dict) else None
+                settings = (
+                    props.get("default_generation_settings") if isinstance(props, dict) else None
+                )
                 n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
                 if isinstance(n_ctx, int) and n_ctx > 0:
                     self._slot_tokens = n_ctx
                 self._asked = True
             return self._slot_tokens
 
-    async def fit(self, documents: list[str], around: str, max_tokens_per_doc: int = 0,
-                  ) -> list[str]:
+    async def fit(
+        self,
+        documents: list[str],
+        around: str,
+        max_tokens_per_doc: int = 0,
+    ) -> list[str]:
         """`documents`, each cut to its budget; `around` is the prompt text besides it."""
         budget = await self.budget(around, max_tokens_per_doc)
         if budget is None:
             return documents
         # Only the documents over the byte bound need the tokenizer, and a task each:
         # gathering every document made a task per pair on every request.
-        longer = [i for i, doc in enumerate(documents)
-                  if len(doc) > budget // 4 and len(doc.encode()) > budget]
+        longer = [
+            i
+            for i, doc in enumerate(documents)
+            if len(doc) > budget // 4 and len(doc.encode()) > budget
+        ]
         if not longer:
             return documents
         cut = await asyncio.gather(*(self._cut(documents[i], budget) for i in longer))
@@ -115,12 +123,14 @@ class ContextFit:
             return document  # at most one token per byte: it fits
         if self._tokenizer:
             try:
-                tokens = await self._pool.call("/tokenize", {"content": document},
-                                               token_list, pairs=0)
+                tokens = await self._pool.call(
+                    "/tokenize", {"content": document}, token_list, pairs=0
+                )
                 if len(tokens) <= budget:
                     return document
-                cut = await self._pool.call("/detokenize", {"tokens": tokens[:budget]},
-                                            _content, pairs=0)
+                cut = await self._pool.call(
+                    "/detokenize", {"tokens": tokens[:budget]}, _content, pairs=0
+                )
                 return str(cut).rstrip("\ufffd")  # the half of a character the cut split
             except BackendCallError as exc:
                 log.debug("tokenize_unavailable", error=exc.detail)

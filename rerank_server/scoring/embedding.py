@@ -62,9 +62,12 @@ class EmbeddingScorer(PooledScorer):
                 raise
             # Also when another request lowered the cap first: these were cut before.
             if self._fit.cap(exc.limit_tokens):
-                log.warning("embedding_inputs_capped", physical_batch=exc.limit_tokens,
-                            advice="raise llama-server's -ub (and -b) to its context to "
-                                   "embed longer texts whole")
+                log.warning(
+                    "embedding_inputs_capped",
+                    physical_batch=exc.limit_tokens,
+                    advice="raise llama-server's -ub (and -b) to its context to "
+                    "embed longer texts whole",
+                )
         return await self._embed_either(await self._fit.fit(list(texts), ""))
 
     async def _embed_either(self, texts: Sequence[str]) -> list[Vector | None]:
@@ -86,9 +89,13 @@ class EmbeddingScorer(PooledScorer):
         body = self.with_model({"input": list(texts)})
         if as_base64:
             body["encoding_format"] = "base64"
-        return await self._pool.call("/v1/embeddings", body,
-                                     lambda a: self._vectors(a, len(texts)),
-                                     pairs=len(texts), decode=_decode)
+        return await self._pool.call(
+            "/v1/embeddings",
+            body,
+            lambda a: self._vectors(a, len(texts)),
+            pairs=len(texts),
+            decode=_decode,
+        )
 
     def _vectors(self, answer: _Answer, count: int) -> list[Vector | None]:
         data = answer.data
@@ -103,8 +110,7 @@ class EmbeddingScorer(PooledScorer):
             indexes.append(index)
         vectors: list[Vector | None] = [None] * count
         named: set[int] = set()
-        for index, vector in zip(indexes, _rows([item.embedding for item in data]),
-                                 strict=True):
+        for index, vector in zip(indexes, _rows([item.embedding for item in data]), strict=True):
             # Named twice, a text has no vector: which entry is its own is unknown (the
             # last one used to win, and a document was scored with another's vector, or
             # every document against a document's instead of the query's).
@@ -119,12 +125,16 @@ class EmbeddingScorer(PooledScorer):
         # characters of Chinese are about 2,000 of them).
         texts = await self._fit.fit(
             [prompt.neutralize(request.query), *map(prompt.neutralize, request.documents)],
-            "", request.max_tokens_per_doc)
+            "",
+            request.max_tokens_per_doc,
+        )
         if len(texts) <= self._max_batch:
             # The query and every document in one call (the common request): one round
             # trip instead of two, and a third less of our CPU per request.
-            async def together(_start: int, _documents: Sequence[str],
-                               ) -> Mapping[int, float | None]:
+            async def together(
+                _start: int,
+                _documents: Sequence[str],
+            ) -> Mapping[int, float | None]:
                 vectors = await self.embed(texts)
                 return _similarities(vectors[0], vectors[1:])
 
@@ -146,8 +156,10 @@ class EmbeddingScorer(PooledScorer):
                 query.exception()  # retrieved: reported through the slices already
 
 
-def _similarities(query: Vector | None, vectors: Sequence[Vector | None],
-                  ) -> dict[int, float | None]:
+def _similarities(
+    query: Vector | None,
+    vectors: Sequence[Vector | None],
+) -> dict[int, float | None]:
     """`similarities`, with an answer that cannot be scored as a failed call."""
     try:
         if query is None:
@@ -187,15 +199,21 @@ def _rows(embeddings: list[str | list[float]]) -> list[Vector]:
     """The embeddings as float64 vectors: those of one size as rows of one array, made
     with one conversion (a conversion per vector was most of the decoding's cost)."""
     try:
-        raw = [pybase64.b64decode(e, validate=True) if isinstance(e, str) else None
-               for e in embeddings]
+        raw = [
+            pybase64.b64decode(e, validate=True) if isinstance(e, str) else None for e in embeddings
+        ]
     except binascii.Error:
         raise MalformedResponse("embedding is neither floats nor base64 float32") from None
     blocks = [r for r in raw if r is not None]
-    if blocks and len(blocks) == len(raw) and len(blocks[0]) % 4 == 0 \
-            and all(len(b) == len(blocks[0]) for b in blocks):
-        return list(np.frombuffer(b"".join(blocks), dtype="<f4")
-                    .astype(np.float64).reshape(len(blocks), -1))
+    if (
+        blocks
+        and len(blocks) == len(raw)
+        and len(blocks[0]) % 4 == 0
+        and all(len(b) == len(blocks[0]) for b in blocks)
+    ):
+        return list(
+            np.frombuffer(b"".join(blocks), dtype="<f4").astype(np.float64).reshape(len(blocks), -1)
+        )
     return [_vector(e, r) for e, r in zip(embeddings, raw, strict=True)]
 
 
@@ -231,4 +249,3 @@ def similarities(query: Vector, vectors: Sequence[Vector | None]) -> dict[int, f
         else:
             scores[i] = None
     return scores
-

@@ -63,9 +63,9 @@ HEALTH_TIMEOUT_S = 3.0  # a health poll or metadata GET, whole: head and body
 SIDE_CONNECTIONS = 2  # the side client's: health polls, `/props`, `/v1/models`
 SIDE_MAX_BYTES = 1024 * 1024  # a metadata answer (/v1/models, /props) read at most
 HEALTH_MAX_BYTES = 64 * 1024  # a health answer, read whole so its connection is kept
-ABANDON_MIN_S = 1.0        # an abandoned call may always run this long
-ABANDON_UNKNOWN_S = 2.0    # ... and this long before any call has answered
-ABANDON_LATENCIES = 4.0    # ... else this many times the recent call latency
+ABANDON_MIN_S = 1.0  # an abandoned call may always run this long
+ABANDON_UNKNOWN_S = 2.0  # ... and this long before any call has answered
+ABANDON_LATENCIES = 4.0  # ... else this many times the recent call latency
 
 # error.type values on metrics and spans, by failure kind.
 ERROR_TYPES = {
@@ -97,8 +97,14 @@ class BackendCallError(Exception):
     (llama-server's embedding refusal names its physical batch, `-ub`).
     """
 
-    def __init__(self, failure: Failure, detail: str, status: int = 0,
-                 too_long: bool = False, limit_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        failure: Failure,
+        detail: str,
+        status: int = 0,
+        too_long: bool = False,
+        limit_tokens: int | None = None,
+    ) -> None:
         super().__init__(detail)
         self.failure = failure
         self.detail = detail
@@ -125,14 +131,20 @@ async def _read_bounded(response: httpx.Response, limit: int) -> tuple[int, byte
     return response.status_code, transport.decoded(response.headers.raw, bytes(body), limit)
 
 
-def new_client(concurrency: int, timeout_s: float, loopback: bool = False,
-               ) -> httpx.AsyncClient:
+def new_client(
+    concurrency: int,
+    timeout_s: float,
+    loopback: bool = False,
+) -> httpx.AsyncClient:
     """The pooled client for backends off the lean transport (`https://`, proxied): its
     pool is never smaller than the semaphore, so at most `concurrency` calls are on the
     wire (`HttpBackend`'s slots). To `loopback`, never through a proxy."""
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s),
-                             transport=_unproxied(limits) if loopback else None)
+    return httpx.AsyncClient(
+        limits=limits,
+        timeout=httpx.Timeout(timeout_s),
+        transport=_unproxied(limits) if loopback else None,
+    )
 
 
 def _unproxied(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
@@ -181,17 +193,24 @@ def let_go(task: asyncio.Task[Any]) -> None:
 class HttpBackend:
     """Posts JSON to one base URL with at most `concurrency` calls in flight."""
 
-    def __init__(self, base_url: str, concurrency: int, timeout_s: float,
-                 *, kind: str = "",
-                 metrics: Metrics | None = None, tracer: trace.Tracer | None = None,
-                 headers: dict[str, str] | None = None, health_path: str = "/health",
-                 trace_calls: bool = False) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        concurrency: int,
+        timeout_s: float,
+        *,
+        kind: str = "",
+        metrics: Metrics | None = None,
+        tracer: trace.Tracer | None = None,
+        headers: dict[str, str] | None = None,
+        health_path: str = "/health",
+        trace_calls: bool = False,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.health_path = health_path
         # Identity: an answer need not be decoded, and one that is anyway is decoded
         # with a bound (`transport.decoded`).
-        self._headers = {"user-agent": USER_AGENT, "accept-encoding": "identity",
-                         **(headers or {})}
+        self._headers = {"user-agent": USER_AGENT, "accept-encoding": "identity", **(headers or {})}
         for name, value in self._headers.items():
             if any(c in name + value for c in "\r\n\0"):
                 raise ValueError(f"header {name!r} holds a line break or NUL")
@@ -208,16 +227,24 @@ class HttpBackend:
         # objects normalize every header: none of it is used, and together it was most
         # of a call's CPU (docs/performance-history.md). Otherwise httpx's client with its own
         # transport, proxies and TLS settings.
-        self._lean = transport.LeanTransport(max_idle=concurrency) \
-            if transport.wanted(self.base_url) else None
-        self._client = new_client(concurrency, timeout_s, transport.loopback(self.base_url)) \
-            if self._lean is None else None
+        self._lean = (
+            transport.LeanTransport(max_idle=concurrency)
+            if transport.wanted(self.base_url)
+            else None
+        )
+        self._client = (
+            new_client(concurrency, timeout_s, transport.loopback(self.base_url))
+            if self._lean is None
+            else None
+        )
         base = httpx.URL(self.base_url)
         self._address = (base.host, base.port or 80)
         side_limits = httpx.Limits(max_connections=SIDE_CONNECTIONS, max_keepalive_connections=1)
         self._side_client = httpx.AsyncClient(
-            limits=side_limits, timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
-            transport=_unproxied(side_limits) if transport.loopback(self.base_url) else None)
+            limits=side_limits,
+            timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
+            transport=_unproxied(side_limits) if transport.loopback(self.base_url) else None,
+        )
         self._side_slots = asyncio.Semaphore(SIDE_CONNECTIONS)  # see `_side_get`
         self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
@@ -227,16 +254,17 @@ class HttpBackend:
         self.queued_pairs = 0
         self.in_flight_pairs = 0
         self.waiting = 0  # calls waiting for a slot
-        self.latency_s: float | None = None     # recent latency of answered calls (EWMA)
-        self.pair_s: float | None = None        # ... per pair in the call
-        self.abandoned = 0                      # abandoned calls still running
+        self.latency_s: float | None = None  # recent latency of answered calls (EWMA)
+        self.pair_s: float | None = None  # ... per pair in the call
+        self.abandoned = 0  # abandoned calls still running
         # Every call's end, for the pool's ejection bookkeeping: None = answered.
         self.on_outcome: Outcome = lambda _failure: None
         attributes = self.instance.attributes
         self._metrics.watch_active(self, lambda: (len(self._calls), attributes))
 
-    async def post_json(self, path: str, payload: Any, pairs: int = 1,
-                        decode: Decode = orjson.loads) -> Any:
+    async def post_json(
+        self, path: str, payload: Any, pairs: int = 1, decode: Decode = orjson.loads
+    ) -> Any:
         """POST `payload` (scoring `pairs` pairs), return the decoded JSON body: by orjson,
         or by `decode` (a scorer's typed decoder of only the fields it reads).
 
@@ -304,8 +332,9 @@ class HttpBackend:
         balancing compares (a hung instance full of abandoned calls is not idle)."""
         return (len(self._calls) + self.waiting) / self.concurrency
 
-    async def _call(self, path: str, payload: Any, pairs: int,
-                    decode: Decode = orjson.loads) -> Any:
+    async def _call(
+        self, path: str, payload: Any, pairs: int, decode: Decode = orjson.loads
+    ) -> Any:
         """One call, from holding its slot to releasing it; reports how it ended."""
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -369,9 +398,12 @@ class HttpBackend:
             # now, not cancelled: the backend may be working on it (module docstring).
             if not call.done() and call in self._calls:
                 self._given_up.add(call)
-                self.on_outcome(BackendCallError(
-                    Failure.TIMEOUT, "abandoned call got no answer within "
-                    f"{loop.time() - sent_at:.1f} s"))
+                self.on_outcome(
+                    BackendCallError(
+                        Failure.TIMEOUT,
+                        f"abandoned call got no answer within {loop.time() - sent_at:.1f} s",
+                    )
+                )
 
         handle = loop.call_later(delay, give_up)
 
@@ -389,8 +421,13 @@ class HttpBackend:
         try:
             status, body = await self._side_get(path, SIDE_MAX_BYTES)
             return json.loads(body) if status == 200 else None
-        except (httpx.HTTPError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError,
-                RecursionError):
+        except (
+            httpx.HTTPError,
+            TimeoutError,
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            RecursionError,
+        ):
             return None
 
     async def health(self) -> bool:
@@ -416,27 +453,41 @@ class HttpBackend:
         polls, `/props` and `/v1/models` overlapping against a backend that stopped
         answering leaked both, and once it answered again every health poll still
         failed, so the instance stayed down until the process restarted."""
-        async with asyncio.timeout(HEALTH_TIMEOUT_S), self._side_slots, \
-                self._side_client.stream("GET", self.base_url + path,
-                                         headers=self._headers) as response:
+        async with (
+            asyncio.timeout(HEALTH_TIMEOUT_S),
+            self._side_slots,
+            self._side_client.stream(
+                "GET", self.base_url + path, headers=self._headers
+            ) as response,
+        ):
             return await _read_bounded(response, max_bytes)
 
     def record_malformed(self) -> None:
         """Count a call whose JSON parsed but did not hold what the scorer needs."""
         self._metrics.backend_errors.add(
-            1, {**self.instance.attributes, ERROR_TYPE: ERROR_TYPES[Failure.MALFORMED]})
+            1, {**self.instance.attributes, ERROR_TYPE: ERROR_TYPES[Failure.MALFORMED]}
+        )
 
-    async def _traced_post(self, path: str, payload: Any, pairs: int,
-                           decode: Decode) -> Any:
+    async def _traced_post(self, path: str, payload: Any, pairs: int, decode: Decode) -> Any:
         attributes = self.instance.attributes
         started = time.perf_counter()
         status: int | None = None
         error_type: str | None = None
         # Not made current: nothing below starts spans, and attaching costs per call.
-        span = self._tracer.start_span(
-            "POST", kind=trace.SpanKind.CLIENT,
-            attributes={**attributes, HTTP_METHOD: "POST", "url.path": path,
-                        "rerank.pairs": pairs}) if self._trace_calls else None
+        span = (
+            self._tracer.start_span(
+                "POST",
+                kind=trace.SpanKind.CLIENT,
+                attributes={
+                    **attributes,
+                    HTTP_METHOD: "POST",
+                    "url.path": path,
+                    "rerank.pairs": pairs,
+                },
+            )
+            if self._trace_calls
+            else None
+        )
         # The backend continues the trace: from this call's span, or from the request's
         # (sampled ones only: `continuing` stores none for the others, and nothing is
         # stored while tracing is off).
@@ -461,43 +512,60 @@ class HttpBackend:
                 if error_type is not None:
                     span.set_attribute(ERROR_TYPE, error_type)
                 span.end()
-            self._metrics.call_durations.record(time.perf_counter() - started,
-                                                self.instance, status, error_type)
+            self._metrics.call_durations.record(
+                time.perf_counter() - started, self.instance, status, error_type
+            )
 
-    async def _post(self, path: str, payload: Any,
-                    propagated: trace_context.TraceHeaders | None,
-                    decode: Decode = orjson.loads) -> tuple[Any, int]:
+    async def _post(
+        self,
+        path: str,
+        payload: Any,
+        propagated: trace_context.TraceHeaders | None,
+        decode: Decode = orjson.loads,
+    ) -> tuple[Any, int]:
         content = orjson.dumps(payload)
         try:
             if self._lean is not None:
                 # The head is bytes kept per path; only the length and the trace vary.
                 data = b"%scontent-length: %d\r\n%s\r\n%s" % (
-                    self._head(path), len(content), propagated[1] if propagated else b"",
-                    content)
-                answer = await self._lean.send(*self._address, data, self._timeout_s,
-                                               self._timeout_s)
+                    self._head(path),
+                    len(content),
+                    propagated[1] if propagated else b"",
+                    content,
+                )
+                answer = await self._lean.send(
+                    *self._address, data, self._timeout_s, self._timeout_s
+                )
                 status, body = answer.status, answer.content()
             else:
                 assert self._client is not None
-                headers = {**self._headers, "content-type": "application/json",
-                           **(propagated[0] if propagated else {})}
+                headers = {
+                    **self._headers,
+                    "content-type": "application/json",
+                    **(propagated[0] if propagated else {}),
+                }
                 status, body = await self._streamed_post(path, content, headers)
         except httpx.TimeoutException as exc:
             raise BackendCallError(Failure.TIMEOUT, type(exc).__name__) from None
         except httpx.TransportError as exc:
             raise BackendCallError(Failure.UNAVAILABLE, type(exc).__name__) from None
         except httpx.DecodingError as exc:  # an encoding we cannot or will not undo
-            raise BackendCallError(Failure.MALFORMED, f"undecodable body: {exc}",
-                                   status=0) from None
+            raise BackendCallError(
+                Failure.MALFORMED, f"undecodable body: {exc}", status=0
+            ) from None
         if not 200 <= status < 300:
             # llama-server refuses an embedding input longer than its physical batch with
             # a 500 ("input ... is too large to process"): the input's fault all the same,
             # not to be retried elsewhere or counted against the instance.
             # A 413 (a proxy's or the server's body limit) is the input's size too.
             if status == 413 or (400 <= status < 600 and _too_long(body)):
-                raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}: the document "
-                                       "exceeds the model's context", status, too_long=True,
-                                       limit_tokens=_physical_batch(body))
+                raise BackendCallError(
+                    Failure.HTTP_ERROR,
+                    f"HTTP {status}: the document exceeds the model's context",
+                    status,
+                    too_long=True,
+                    limit_tokens=_physical_batch(body),
+                )
             # A redirect or an odd status is no answer either (a 302 with a JSON body
             # was once scored as one).
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
@@ -510,13 +578,15 @@ class HttpBackend:
             # reports it as a decoding error.
             raise BackendCallError(Failure.MALFORMED, "response is not JSON", status) from None
 
-    async def _streamed_post(self, path: str, content: bytes,
-                             headers: dict[str, str]) -> tuple[int, bytes]:
+    async def _streamed_post(
+        self, path: str, content: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
         """A POST on httpx's own transport (https, proxies), its answer read raw and
         decoded here, both with the lean transport's bound."""
         assert self._client is not None
-        async with self._client.stream("POST", self._url(path), content=content,
-                                       headers=headers) as response:
+        async with self._client.stream(
+            "POST", self._url(path), content=content, headers=headers
+        ) as response:
             return await _read_bounded(response, transport.MAX_BODY_BYTES)
 
     def _url(self, path: str) -> httpx.URL:
@@ -530,8 +600,11 @@ class HttpBackend:
         and the JSON type, as httpx would send them; built once per path."""
         head = self._heads.get(path)
         if head is None:
-            request = httpx.Request("POST", self._url(path), headers={
-                **self._headers, "content-type": "application/json"})
+            request = httpx.Request(
+                "POST",
+                self._url(path),
+                headers={**self._headers, "content-type": "application/json"},
+            )
             head = self._heads[path] = transport.request_head(request, omit=b"content-length")
         return head
 
@@ -558,8 +631,11 @@ def _too_long(body: bytes) -> bool:
     if not isinstance(error, dict):
         return False
     message = str(error.get("message", "")).lower()
-    return error.get("type") == "exceed_context_size_error" or \
-        "exceeds the available context" in message or "too large" in message
+    return (
+        error.get("type") == "exceed_context_size_error"
+        or "exceeds the available context" in message
+        or "too large" in message
+    )
 
 
 # llama-server: "input (302 tokens) is too large to process. increase the physical batch

@@ -24,15 +24,21 @@ from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
 DOCUMENT_CHARS = 1000
-SYSTEM = ("You are a search relevance judge. Score how well each numbered candidate "
-          "answers the query, from 0 (irrelevant) to 1 (perfectly relevant). Reply with "
-          'only a JSON array such as [{"index": 1, "score": 0.9}], one entry per '
-          "candidate, and nothing else.")
+SYSTEM = (
+    "You are a search relevance judge. Score how well each numbered candidate "
+    "answers the query, from 0 (irrelevant) to 1 (perfectly relevant). Reply with "
+    'only a JSON array such as [{"index": 1, "score": 0.9}], one entry per '
+    "candidate, and nothing else."
+)
 
 
 def user_prompt(instruction: str, query: str, documents: Sequence[str]) -> str:
-    lines = [f"Task: {prompt.neutralize(instruction)}", f"Query: {prompt.neutralize(query)}",
-             "", "Candidates:"]
+    lines = [
+        f"Task: {prompt.neutralize(instruction)}",
+        f"Query: {prompt.neutralize(query)}",
+        "",
+        "Candidates:",
+    ]
     for n, document in enumerate(documents, start=1):
         # One line per candidate: every line break Python knows (\r, \v, U+2028 ...), not
         # only \n, so that no document starts a line that reads as another candidate.
@@ -63,8 +69,11 @@ def parse_scores(body: Any, count: int) -> dict[int, float | None]:
         if not isinstance(index, int) or isinstance(index, bool) or not 1 <= index <= count:
             continue
         try:  # an integer of 400 digits is an int, and too large for a float
-            value = float(score) if isinstance(score, int | float) and \
-                not isinstance(score, bool) else None
+            value = (
+                float(score)
+                if isinstance(score, int | float) and not isinstance(score, bool)
+                else None
+            )
         except OverflowError:
             value = None
         ok = value is not None and 0 <= value <= 1
@@ -109,12 +118,22 @@ class LlmScorer(PooledScorer):
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
-            body = {"model": self.model, "temperature": 0.1,
-                    "messages": [{"role": "system", "content": SYSTEM},
-                                 {"role": "user", "content": user_prompt(
-                                     request.instruction, request.query, documents)}]}
-            return await self._pool.call("/v1/chat/completions", body,
-                                         lambda b: parse_scores(b, len(documents)),
-                                         pairs=len(documents))
+            body = {
+                "model": self.model,
+                "temperature": 0.1,
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {
+                        "role": "user",
+                        "content": user_prompt(request.instruction, request.query, documents),
+                    },
+                ],
+            }
+            return await self._pool.call(
+                "/v1/chat/completions",
+                body,
+                lambda b: parse_scores(b, len(documents)),
+                pairs=len(documents),
+            )
 
         await score_in_batches(request.documents, self._max_batch, call, emit)

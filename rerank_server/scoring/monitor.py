@@ -37,8 +37,9 @@ log = structlog.get_logger(__name__)
 
 PROBE_QUERY = "What is the capital of France?"
 PROBE_RELEVANT = "Paris is the capital and most populous city of France."
-PROBE_IRRELEVANT = ("Photosynthesis lets green plants turn sunlight, water and carbon dioxide "
-                    "into sugar.")
+PROBE_IRRELEVANT = (
+    "Photosynthesis lets green plants turn sunlight, water and carbon dioxide into sugar."
+)
 MIN_SEPARATION = 0.05
 INSTANCE_PROBE_TIMEOUT_S = 5.0
 MIN_WAIT_S = 0.05  # the monitor's shortest sleep between looks at the pool
@@ -78,8 +79,10 @@ class ProbeResult:
     def degenerate(self) -> bool:
         if self.relevant is None or self.irrelevant is None:
             return False
-        return max(self.relevant, self.irrelevant) < DEGENERATE_BELOW or \
-            min(self.relevant, self.irrelevant) > 1 - DEGENERATE_BELOW
+        return (
+            max(self.relevant, self.irrelevant) < DEGENERATE_BELOW
+            or min(self.relevant, self.irrelevant) > 1 - DEGENERATE_BELOW
+        )
 
     @property
     def discriminates(self) -> bool:
@@ -110,9 +113,16 @@ class BackendMonitor:
     comes up from down, the model's name is asked for and the probe runs.
     """
 
-    def __init__(self, scorer: Scorer, pool: BackendPool, instruction: str, report: Report,
-                 interval_s: float = 5.0, run_probe: bool = True,
-                 metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        scorer: Scorer,
+        pool: BackendPool,
+        instruction: str,
+        report: Report,
+        interval_s: float = 5.0,
+        run_probe: bool = True,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._scorer = scorer
         self._pool = pool
         self._instruction = instruction
@@ -140,8 +150,11 @@ class BackendMonitor:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self._came_up, self._reprobe,
-                             *self._probes.values()) if t is not None]
+        tasks = [
+            t
+            for t in (self._task, self._came_up, self._reprobe, *self._probes.values())
+            if t is not None
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -194,8 +207,7 @@ class BackendMonitor:
         """Probe ejected instances that are due; report state that changed."""
         for endpoint in self._pool.due_for_probe():
             if endpoint.name not in self._probes:
-                self._probes[endpoint.name] = asyncio.create_task(
-                    self._probe_instance(endpoint))
+                self._probes[endpoint.name] = asyncio.create_task(self._probe_instance(endpoint))
         for endpoint in self._pool.endpoints:
             await self._report_instance(endpoint)
         up = self._pool.any_available
@@ -286,16 +298,27 @@ class BackendMonitor:
         await self._report_state(endpoint.name, up)
 
     def _report(self, r: ProbeResult) -> None:
-        fields = {"relevant": r.relevant, "irrelevant": r.irrelevant,
-                  "backend": self._scorer.kind, "model": self._scorer.model}
+        fields = {
+            "relevant": r.relevant,
+            "irrelevant": r.irrelevant,
+            "backend": self._scorer.kind,
+            "model": self._scorer.model,
+        }
         if not r.scored:
             log.warning("backend_probe_unscored", **fields)
         elif r.degenerate:
-            log.warning("backend_probe_degenerate", hint="scores near 0 or 1 for both pairs: "
-                        "a GGUF without its classification head?", **fields)
+            log.warning(
+                "backend_probe_degenerate",
+                hint="scores near 0 or 1 for both pairs: a GGUF without its classification head?",
+                **fields,
+            )
         elif not r.discriminates:
-            log.warning("backend_probe_indistinct", hint="the model cannot tell a relevant "
-                        "from an irrelevant passage; its reranking adds noise", **fields)
+            log.warning(
+                "backend_probe_indistinct",
+                hint="the model cannot tell a relevant "
+                "from an irrelevant passage; its reranking adds noise",
+                **fields,
+            )
         else:
             log.info("backend_probe_ok", **fields)
 

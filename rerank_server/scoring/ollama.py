@@ -21,14 +21,18 @@ from .pooled_scorer import PooledScorer
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_CHARS = 256  # of the answer searched for the number
-INSTRUCTIONS = ("Judge how relevant the Document is to the Query, following the Instruct. "
-                "Answer with one number from 0 (irrelevant) to 10 (perfectly relevant) "
-                "and nothing else.")
+INSTRUCTIONS = (
+    "Judge how relevant the Document is to the Query, following the Instruct. "
+    "Answer with one number from 0 (irrelevant) to 10 (perfectly relevant) "
+    "and nothing else."
+)
 
 
 def generate_prompt(instruction: str, query: str, document: str) -> str:
-    return (f"{INSTRUCTIONS}\n\n{prompt.user_message(instruction, query, document)}\n\n"
-            "Relevance (0-10):")
+    return (
+        f"{INSTRUCTIONS}\n\n{prompt.user_message(instruction, query, document)}\n\n"
+        "Relevance (0-10):"
+    )
 
 
 VARIANT = prompt.digest(generate_prompt(*prompt.SLOTS))
@@ -55,10 +59,12 @@ class OllamaScorer(PooledScorer):
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def one(i: int) -> PairOutcome:
-            body = {"model": self.model, "stream": False,
-                    "prompt": generate_prompt(request.instruction, request.query,
-                                              request.documents[i]),
-                    "options": {"temperature": 0, "num_predict": 8}}
+            body = {
+                "model": self.model,
+                "stream": False,
+                "prompt": generate_prompt(request.instruction, request.query, request.documents[i]),
+                "options": {"temperature": 0, "num_predict": 8},
+            }
             try:
                 return PairOutcome(i, await self._pool.call("/api/generate", body, relevance))
             except BackendCallError as exc:

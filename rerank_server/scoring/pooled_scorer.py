@@ -71,8 +71,12 @@ async def served_model(pool: BackendPool) -> str:
     "" when neither can be read."""
     body = await pool.get_json("/v1/models")
     data = body.get("data") if isinstance(body, dict) else None
-    if isinstance(data, list) and data and isinstance(data[0], dict) \
-            and isinstance(data[0].get("id"), str):
+    if (
+        isinstance(data, list)
+        and data
+        and isinstance(data[0], dict)
+        and isinstance(data[0].get("id"), str)
+    ):
         return model_name(data[0]["id"])
     info = await pool.get_json("/info")
     if isinstance(info, dict) and isinstance(info.get("model_id"), str) and info["model_id"]:

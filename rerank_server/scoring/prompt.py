@@ -27,7 +27,8 @@ ASSISTANT_PREFILL = "<think>\n\n</think>\n\n"
 # `<|im_end|>`, `<｜end▁of▁sentence｜>`, `</s>`, `<think>`, `<start_of_turn>`, `[INST]` ...
 _ANGLE_TOKEN = re.compile(r"<(?=/?[|｜]?/?[\w▁.:-]{1,64}[|｜]?>)")
 _SQUARE_TOKEN = re.compile(
-    r"\[(?=/?[A-Za-z_][A-Za-z0-9_]{1,31}\]|\|[\w.:-]{1,64}\|\]|@[\w.:-]{1,64}@\])")
+    r"\[(?=/?[A-Za-z_][A-Za-z0-9_]{1,31}\]|\|[\w.:-]{1,64}\|\]|@[\w.:-]{1,64}@\])"
+)
 # MiniMax's turn markers (`]~b]`, `]~!b[`, `[e~[`), which no pattern above has the shape
 # of. A lookahead, as above, so that overlapping ones (`]~b]~b]`) are each broken:
 # `str.replace` skipped the second, and it reached the model whole.
@@ -50,8 +51,10 @@ def neutralize(text: str) -> str:
 
 def user_message(instruction: str, query: str, document: str) -> str:
     """The user turn, every caller-supplied part neutralized."""
-    return (f"<Instruct>: {neutralize(instruction)}\n<Query>: {neutralize(query)}\n"
-            f"<Document>: {neutralize(document)}")
+    return (
+        f"<Instruct>: {neutralize(instruction)}\n<Query>: {neutralize(query)}\n"
+        f"<Document>: {neutralize(document)}"
+    )
 
 
 # Stand-ins for the caller's parts when a prompt's fixed text is digested.
@@ -72,5 +75,8 @@ def digest(*parts: str) -> str:
 def qwen3_variant(assistant_prefill: bool) -> str:
     """The `chat` and `completion` scorers' variant: the Qwen3-Reranker prompt, with or
     without its prefill."""
-    return digest(SYSTEM_PROMPT, user_message(*SLOTS),
-                  ASSISTANT_PREFILL if assistant_prefill else "no prefill")
+    return digest(
+        SYSTEM_PROMPT,
+        user_message(*SLOTS),
+        ASSISTANT_PREFILL if assistant_prefill else "no prefill",
+    )

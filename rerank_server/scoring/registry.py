@@ -19,11 +19,17 @@ def build_pool(settings: Settings, telemetry: Telemetry | None = None) -> Backen
     key = settings.outbound_key
     headers = {"Authorization": f"Bearer {key}"} if key else None
     return BackendPool(
-        settings.backend_urls, concurrency=settings.concurrency,
-        timeout_s=settings.backend_timeout_ms / 1000, kind=settings.backend,
-        metrics=telemetry.metrics, tracer=telemetry.tracer, headers=headers,
-        health_path=settings.health_path, trace_calls=settings.trace_backend_calls,
-        ejection=Ejection(settings.eject_after, settings.eject_base_s, settings.eject_max_s))
+        settings.backend_urls,
+        concurrency=settings.concurrency,
+        timeout_s=settings.backend_timeout_ms / 1000,
+        kind=settings.backend,
+        metrics=telemetry.metrics,
+        tracer=telemetry.tracer,
+        headers=headers,
+        health_path=settings.health_path,
+        trace_calls=settings.trace_backend_calls,
+        ejection=Ejection(settings.eject_after, settings.eject_base_s, settings.eject_max_s),
+    )
 
 
 def build_scorer(settings: Settings, pool: BackendPool) -> Scorer:
@@ -33,15 +39,22 @@ def build_scorer(settings: Settings, pool: BackendPool) -> Scorer:
         case BackendKind.CHAT:
             return ChatScorer(pool, model=s.model, assistant_prefill=s.assistant_prefill)
         case BackendKind.COMPLETION:
-            return CompletionScorer(pool, model=s.model, assistant_prefill=s.assistant_prefill,
-                                    max_batch=s.max_batch)
+            return CompletionScorer(
+                pool, model=s.model, assistant_prefill=s.assistant_prefill, max_batch=s.max_batch
+            )
         case BackendKind.RERANK:
-            return RerankApiScorer(pool, model=s.model, wire_format=s.rerank_format,
-                                   path=s.rerank_path, max_batch=s.max_batch)
+            return RerankApiScorer(
+                pool,
+                model=s.model,
+                wire_format=s.rerank_format,
+                path=s.rerank_path,
+                max_batch=s.max_batch,
+            )
         case BackendKind.EMBEDDING:
             # Imported here: it brings numpy, 15 MB and 65 ms of start-up in every
             # server process, which only this backend uses.
             from .embedding import EmbeddingScorer
+
             return EmbeddingScorer(pool, model=s.model, max_batch=s.max_batch)
         case BackendKind.OLLAMA:
             return OllamaScorer(pool, model=s.model)

@@ -38,9 +38,15 @@ LOGIT_ANSWERS = 3  # answers with scores outside 0..1 that make every score a lo
 class RerankApiScorer(PooledScorer):
     kind = BackendKind.RERANK
 
-    def __init__(self, pool: BackendPool, *, model: str = "",
-                 wire_format: RerankFormat = RerankFormat.COHERE, path: str = "/v1/rerank",
-                 max_batch: int = 32) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        *,
+        model: str = "",
+        wire_format: RerankFormat = RerankFormat.COHERE,
+        path: str = "/v1/rerank",
+        max_batch: int = 32,
+    ) -> None:
         super().__init__(pool, model)
         self._format = wire_format
         self._path = path
@@ -59,10 +65,8 @@ class RerankApiScorer(PooledScorer):
         query = prompt.neutralize(query)
         documents = [prompt.neutralize(d) for d in documents]
         if self._format is RerankFormat.TEI:
-            return {"query": query, "texts": documents, "raw_scores": False,
-                    "truncate": True}
-        return self.with_model({"query": query, "documents": documents,
-                                "top_n": len(documents)})
+            return {"query": query, "texts": documents, "raw_scores": False, "truncate": True}
+        return self.with_model({"query": query, "documents": documents, "top_n": len(documents)})
 
     def parse(self, body: Any, count: int) -> dict[int, float]:
         if self._format is RerankFormat.TEI:
@@ -82,23 +86,29 @@ class RerankApiScorer(PooledScorer):
         for entry in entries:
             if type(entry) is dict:
                 index, value = entry.get("index"), entry.get(key)
-                if type(index) is int and 0 <= index < count and \
-                        (type(value) is float or type(value) is int):
+                if (
+                    type(index) is int
+                    and 0 <= index < count
+                    and (type(value) is float or type(value) is int)
+                ):
                     if index in scores:
                         twice.add(index)
                     scores[index] = float(value)
         for index in twice:  # which of the two is the score? neither
             del scores[index]
-        if self._logit_answers < LOGIT_ANSWERS and \
-                not all(0.0 <= v <= 1.0 for v in scores.values()):
+        if self._logit_answers < LOGIT_ANSWERS and not all(
+            0.0 <= v <= 1.0 for v in scores.values()
+        ):
             self._logit_answers += 1
         return to_unit(scores, logits=self._logit_answers >= LOGIT_ANSWERS)
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         async def call(_start: int, documents: Sequence[str]) -> Mapping[int, float | None]:
-            return await self._pool.call(self._path, self.payload(request.query, documents),
-                                         lambda b: self.parse(b, len(documents)),
-                                         pairs=len(documents))
+            return await self._pool.call(
+                self._path,
+                self.payload(request.query, documents),
+                lambda b: self.parse(b, len(documents)),
+                pairs=len(documents),
+            )
 
-        await score_in_batches(request.documents, self._max_batch, call, emit,
-                               split_too_long=True)
+        await score_in_batches(request.documents, self._max_batch, call, emit, split_too_long=True)

@@ -136,8 +136,7 @@ class Answer(NamedTuple):
         return decoded(self.headers, self.body)
 
 
-def decoded(headers: list[tuple[bytes, bytes]], body: bytes,
-            limit: int = MAX_BODY_BYTES) -> bytes:
+def decoded(headers: list[tuple[bytes, bytes]], body: bytes, limit: int = MAX_BODY_BYTES) -> bytes:
     """`body` without its `Content-Encoding` (gzip or deflate), at most `limit` bytes of
     it; httpx.DecodingError for another coding, bad data, or more than that. We never ask
     for an encoding, but a server (or a proxy before it) may use one anyway, and httpx's
@@ -181,17 +180,37 @@ class LeanTransport(httpx.AsyncBaseTransport):
         body = await request.aread()
         head = request_head(request)
         if "transfer-encoding" in request.headers:  # a streamed body, read whole: framed by
-            head = request_head(request, omit=b"transfer-encoding") \
-                + b"Content-Length: %d\r\n" % len(body)  # length, not chunks
-        answer = await self.send(url.host, url.port or 80, head + b"\r\n" + body,
-                                 timeout.get("connect"), timeout.get("read"),
-                                 head_only=request.method == "HEAD", request=request)
-        return httpx.Response(answer.status, headers=answer.headers, content=answer.body,
-                              request=request, extensions={"http_version": b"HTTP/1.1"})
+            head = request_head(
+                request, omit=b"transfer-encoding"
+            ) + b"Content-Length: %d\r\n" % len(body)  # length, not chunks
+        answer = await self.send(
+            url.host,
+            url.port or 80,
+            head + b"\r\n" + body,
+            timeout.get("connect"),
+            timeout.get("read"),
+            head_only=request.method == "HEAD",
+            request=request,
+        )
+        return httpx.Response(
+            answer.status,
+            headers=answer.headers,
+            content=answer.body,
+            request=request,
+            extensions={"http_version": b"HTTP/1.1"},
+        )
 
-    async def send(self, host: str, port: int, data: bytes, connect_s: float | None,
-                   read_s: float | None, *, head_only: bool = False,
-                   request: httpx.Request | None = None) -> Answer:
+    async def send(
+        self,
+        host: str,
+        port: int,
+        data: bytes,
+        connect_s: float | None,
+        read_s: float | None,
+        *,
+        head_only: bool = False,
+        request: httpx.Request | None = None,
+    ) -> Answer:
         """Send `data` (a whole request: head and body) to `host:port` and read the
         answer; raises httpx's transport errors (naming `request` where there is one)."""
         if self._closed:
@@ -201,27 +220,34 @@ class LeanTransport(httpx.AsyncBaseTransport):
         connection, reused = await self._connection(key, connect_s, request, loop)
         sent = loop.time()
         try:
-            return await self._exchange(key, connection, reused, data, head_only, request,
-                                        read_s, loop)
+            return await self._exchange(
+                key, connection, reused, data, head_only, request, read_s, loop
+            )
         except _Unanswered:
             pass
         # The keep-alive race: once more, on a new connection, in the time that is left.
         left = None if read_s is None else read_s - (loop.time() - sent)
         if left is not None and left <= 0:
-            raise httpx.ReadTimeout("no complete answer within the read timeout",
-                                    request=request)
+            raise httpx.ReadTimeout("no complete answer within the read timeout", request=request)
         connection, _ = await self._connection(key, connect_s, request, loop, fresh=True)
-        return await self._exchange(key, connection, False, data, head_only, request, left,
-                                    loop)
+        return await self._exchange(key, connection, False, data, head_only, request, left, loop)
 
-    async def _connection(self, key: tuple[str, int], connect_s: float | None,
-                          request: httpx.Request | None, loop: asyncio.AbstractEventLoop,
-                          fresh: bool = False) -> tuple[_Connection, bool]:
+    async def _connection(
+        self,
+        key: tuple[str, int],
+        connect_s: float | None,
+        request: httpx.Request | None,
+        loop: asyncio.AbstractEventLoop,
+        fresh: bool = False,
+    ) -> tuple[_Connection, bool]:
         idle = self._idle[key]
         while idle and not fresh:
             connection = idle.pop()
-            if not connection.closed and not connection.buffer \
-                    and loop.time() - connection.idle_since < MAX_IDLE_S:
+            if (
+                not connection.closed
+                and not connection.buffer
+                and loop.time() - connection.idle_since < MAX_IDLE_S
+            ):
                 connection.busy = True
                 return connection, True
             connection.close()  # closed, idle too long, or holding bytes nobody asked for
@@ -234,34 +260,50 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
         return connection, False
 
-    async def _exchange(self, key: tuple[str, int], connection: _Connection, reused: bool,
-                        data: bytes, head_only: bool, request: httpx.Request | None,
-                        read_s: float | None, loop: asyncio.AbstractEventLoop) -> Answer:
+    async def _exchange(
+        self,
+        key: tuple[str, int],
+        connection: _Connection,
+        reused: bool,
+        data: bytes,
+        head_only: bool,
+        request: httpx.Request | None,
+        read_s: float | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> Answer:
         assert connection.transport is not None
         connection.transport.write(data)
         # One timer that wakes the reader (`Wakeup.expire`): `asyncio.timeout` costs a
         # context manager and a task's cancellation bookkeeping per call besides.
-        timer = None if read_s is None else \
-            loop.call_later(read_s, connection.wakeup.expire)
+        timer = None if read_s is None else loop.call_later(read_s, connection.wakeup.expire)
         done = False
         try:
             status, headers, keep_alive = await _read_head(connection, reused, request)
             while 100 <= status < 200:  # interim answers (100 Continue, 103): skip
                 status, headers, keep_alive = await _read_head(connection, False, request)
-            content = b"" if status in _NO_BODY or head_only \
+            content = (
+                b""
+                if status in _NO_BODY or head_only
                 else await _read_body(connection, headers, request)
+            )
             done = True
         except TimeoutError:
-            raise httpx.ReadTimeout("no complete answer within the read timeout",
-                                    request=request) from None
+            raise httpx.ReadTimeout(
+                "no complete answer within the read timeout", request=request
+            ) from None
         finally:
             if timer is not None:
                 timer.cancel()
             if not done:
                 connection.close()  # mid-answer: its bytes would confuse the next request
         idle = self._idle[key]
-        if keep_alive and not connection.closed and not connection.buffer \
-                and not self._closed and len(idle) < self._max_idle:
+        if (
+            keep_alive
+            and not connection.closed
+            and not connection.buffer
+            and not self._closed
+            and len(idle) < self._max_idle
+        ):
             connection.idle_since = loop.time()
             connection.busy = False
             idle.append(connection)
@@ -282,13 +324,17 @@ def request_head(request: httpx.Request, omit: bytes = b"") -> bytes:
     line that ends the head; the header named `omit` (lowercase) is left out."""
     target = request.url.raw_path  # path and query, already encoded
     lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
-    lines.extend(name + b": " + value for name, value in request.headers.raw
-                 if name.lower() != omit)
+    lines.extend(
+        name + b": " + value for name, value in request.headers.raw if name.lower() != omit
+    )
     return b"\r\n".join(lines) + b"\r\n"
 
 
-async def _read_head(connection: _Connection, reused: bool, request: httpx.Request | None,
-                     ) -> tuple[int, list[tuple[bytes, bytes]], bool]:
+async def _read_head(
+    connection: _Connection,
+    reused: bool,
+    request: httpx.Request | None,
+) -> tuple[int, list[tuple[bytes, bytes]], bool]:
     buffer = connection.buffer
     while (end := buffer.find(b"\r\n\r\n")) < 0:
         if len(buffer) > MAX_HEAD_BYTES:
@@ -297,7 +343,7 @@ async def _read_head(connection: _Connection, reused: bool, request: httpx.Reque
             _disconnected(connection, reused, request)
         await connection.more()
     lines = bytes(buffer[:end]).split(b"\r\n")
-    del buffer[:end + 4]
+    del buffer[: end + 4]
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
         raise httpx.RemoteProtocolError("malformed status line", request=request)
@@ -312,25 +358,32 @@ async def _read_head(connection: _Connection, reused: bool, request: httpx.Reque
             raise httpx.RemoteProtocolError("malformed header line", request=request)
         headers.append((name.strip(), value.strip()))
     connection_header = _header(headers, b"connection").lower()
-    keep_alive = b"close" not in connection_header and \
-        (parts[0] == b"HTTP/1.1" or b"keep-alive" in connection_header)
+    keep_alive = b"close" not in connection_header and (
+        parts[0] == b"HTTP/1.1" or b"keep-alive" in connection_header
+    )
     return int(parts[1]), headers, keep_alive
 
 
-def _disconnected(connection: _Connection, reused: bool, request: httpx.Request | None,
-                  ) -> None:
+def _disconnected(
+    connection: _Connection,
+    reused: bool,
+    request: httpx.Request | None,
+) -> None:
     """Raise for a connection that closed before the answer was complete."""
     if reused and connection.error is None and not connection.buffer:
         raise _Unanswered
     if isinstance(connection.error, OSError):
-        raise httpx.ReadError(str(connection.error) or type(connection.error).__name__,
-                              request=request)
-    raise httpx.RemoteProtocolError("server disconnected before the answer was complete",
-                                    request=request)
+        raise httpx.ReadError(
+            str(connection.error) or type(connection.error).__name__, request=request
+        )
+    raise httpx.RemoteProtocolError(
+        "server disconnected before the answer was complete", request=request
+    )
 
 
-async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]],
-                     request: httpx.Request | None) -> bytes:
+async def _read_body(
+    connection: _Connection, headers: list[tuple[bytes, bytes]], request: httpx.Request | None
+) -> bytes:
     coding = _header(headers, b"transfer-encoding")
     if coding:
         # Only plain chunked: a coding before it (`gzip, chunked`) would reach the caller
@@ -346,8 +399,9 @@ async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]]
             raise httpx.RemoteProtocolError("response body too large", request=request)
         await connection.more()
     if isinstance(connection.error, OSError):  # a reset, not the end of the body
-        raise httpx.ReadError(str(connection.error) or type(connection.error).__name__,
-                              request=request)
+        raise httpx.ReadError(
+            str(connection.error) or type(connection.error).__name__, request=request
+        )
     if connection.overrun:  # our own close, not the end of the body
         raise httpx.RemoteProtocolError("response body too large", request=request)
     content = bytes(connection.buffer)
@@ -355,8 +409,11 @@ async def _read_body(connection: _Connection, headers: list[tuple[bytes, bytes]]
     return content
 
 
-async def _read_exactly(connection: _Connection, n: int, request: httpx.Request | None,
-                        ) -> bytes:
+async def _read_exactly(
+    connection: _Connection,
+    n: int,
+    request: httpx.Request | None,
+) -> bytes:
     buffer = connection.buffer
     while len(buffer) < n:
         if connection.closed:
@@ -394,22 +451,27 @@ async def _read_line(connection: _Connection, request: httpx.Request | None) -> 
     buffer = connection.buffer
     while (end := buffer.find(b"\r\n")) < 0:
         if len(buffer) > MAX_HEAD_BYTES:
-            raise httpx.RemoteProtocolError("chunk-size or trailer line too long",
-                                            request=request)
+            raise httpx.RemoteProtocolError("chunk-size or trailer line too long", request=request)
         if connection.closed:
             _disconnected(connection, False, request)
         await connection.more()
     line = bytes(buffer[:end])
-    del buffer[:end + 2]
+    del buffer[: end + 2]
     return line
 
 
-def _content_length(headers: list[tuple[bytes, bytes]], request: httpx.Request | None,
-                    ) -> int | None:
+def _content_length(
+    headers: list[tuple[bytes, bytes]],
+    request: httpx.Request | None,
+) -> int | None:
     """The body's length, None when no header gives it; one value however many times
     it is sent (`5, 5` too), or the answer is malformed."""
-    values = {v.strip() for key, value in headers if key.lower() == b"content-length"
-              for v in value.split(b",")}
+    values = {
+        v.strip()
+        for key, value in headers
+        if key.lower() == b"content-length"
+        for v in value.split(b",")
+    }
     if not values:
         return None
     value = values.pop()
@@ -429,8 +491,7 @@ def wanted(base_url: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether `base_url` gets this transport: plain HTTP with no proxy configured, or
     to loopback, which no proxy can be meant for (`loopback`)."""
     env = os.environ if environ is None else environ
-    proxied = any(env.get(name) for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY",
-                                             "all_proxy"))
+    proxied = any(env.get(name) for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"))
     return base_url.startswith("http://") and (not proxied or loopback(base_url))
 
 

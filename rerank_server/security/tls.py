@@ -32,10 +32,16 @@ class CertificateFiles:
         """The files, checked readable now; None when TLS is off (no certificate)."""
         if not cert:
             return None
-        files = cls(Path(cert).expanduser(), Path(key).expanduser(),
-                    Path(client_ca).expanduser() if client_ca else None)
-        for name, path in (("--tls-cert", files.cert), ("--tls-key", files.key),
-                           ("--tls-client-ca", files.client_ca)):
+        files = cls(
+            Path(cert).expanduser(),
+            Path(key).expanduser(),
+            Path(client_ca).expanduser() if client_ca else None,
+        )
+        for name, path in (
+            ("--tls-cert", files.cert),
+            ("--tls-key", files.key),
+            ("--tls-client-ca", files.client_ca),
+        ):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{name}: {path} is not a readable file")
         files.loaded()  # the times the first load sees

@@ -31,13 +31,16 @@ class TokenSet:
             try:
                 lines = Path(tokens_file).expanduser().read_text().splitlines()
             except OSError as exc:
-                raise ConfigError(f"--auth-tokens-file / RERANK_AUTH_TOKENS_FILE: cannot read "
-                                  f"{tokens_file}: {exc.strerror}") from None
+                raise ConfigError(
+                    f"--auth-tokens-file / RERANK_AUTH_TOKENS_FILE: cannot read "
+                    f"{tokens_file}: {exc.strerror}"
+                ) from None
             found += [line.strip() for line in lines if not line.lstrip().startswith("#")]
         short = [t for t in found if t and len(t) < 16]
         if short:
-            raise ConfigError("--auth-tokens / RERANK_AUTH_TOKENS: every token must have at "
-                              "least 16 characters")
+            raise ConfigError(
+                "--auth-tokens / RERANK_AUTH_TOKENS: every token must have at least 16 characters"
+            )
         return cls(t for t in found if t)
 
     @property

@@ -30,7 +30,7 @@ NO_LOGPROBS = "no_logprobs"
 NO_YES_NO = "no_yes_no"
 ONLY_YES = "only_yes"
 DROP_CONNECTION = "drop_connection"
-HANG = "hang"                        # accept the call, never answer (until `unhang`)
+HANG = "hang"  # accept the call, never answer (until `unhang`)
 EXCEEDS_CONTEXT = "exceeds_context"  # llama-server's 400 for a prompt longer than a slot
 
 
@@ -211,11 +211,19 @@ class FakeLlamaServer:
                 handler.close_connection = True
                 return
             if mode == EXCEEDS_CONTEXT:
-                reply(400, {"error": {
-                    "code": 400, "type": "exceed_context_size_error",
-                    "message": "request (3120 tokens) exceeds the available context size "
-                               "(2048 tokens), try increasing it",
-                    "n_prompt_tokens": 3120, "n_ctx": 2048}})
+                reply(
+                    400,
+                    {
+                        "error": {
+                            "code": 400,
+                            "type": "exceed_context_size_error",
+                            "message": "request (3120 tokens) exceeds the available context size "
+                            "(2048 tokens), try increasing it",
+                            "n_prompt_tokens": 3120,
+                            "n_ctx": 2048,
+                        }
+                    },
+                )
                 return
             if mode == DROP_CONNECTION:
                 uncount()
@@ -223,8 +231,16 @@ class FakeLlamaServer:
                 handler.connection.shutdown(2)
                 return
             if mode == HTTP_500:
-                reply(500, {"error": {"code": 500, "message": "Internal Server Error",
-                                      "type": "server_error"}})
+                reply(
+                    500,
+                    {
+                        "error": {
+                            "code": 500,
+                            "message": "Internal Server Error",
+                            "type": "server_error",
+                        }
+                    },
+                )
                 return
             if mode == NOT_JSON:
                 reply(200, None, raw=b"<html>oops</html>")
@@ -244,10 +260,13 @@ class FakeLlamaServer:
         elif mode == ONLY_YES:
             top = [("yes", math.log(p)), ("The", -3.0)]
         top.sort(key=lambda t: -t[1])
-        entries = [{"id": i, "token": t, "bytes": list(t.encode()), "logprob": lp}
-                   for i, (t, lp) in enumerate(top)]
+        entries = [
+            {"id": i, "token": t, "bytes": list(t.encode()), "logprob": lp}
+            for i, (t, lp) in enumerate(top)
+        ]
         choice: dict[str, Any] = {
-            "finish_reason": "length", "index": 0,
+            "finish_reason": "length",
+            "index": 0,
             "message": {"role": "assistant", "content": top[0][0]},
         }
         if mode != NO_LOGPROBS:

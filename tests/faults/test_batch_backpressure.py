@@ -32,18 +32,24 @@ def rss_mib(pid: int) -> float:
 
 
 async def test_unread_answers_do_not_grow_server_memory(fake_llama: FakeLlamaServer) -> None:
-    candidates = [pb.Candidate(id=str(i), text=f"passage {i}. " + "word " * 2400)
-                  for i in range(3)]
+    candidates = [pb.Candidate(id=str(i), text=f"passage {i}. " + "word " * 2400) for i in range(3)]
 
     async def requests() -> AsyncIterator[pb.RerankRequest]:
         for i in range(REQUESTS):
-            yield pb.RerankRequest(request_id=str(i), query=f"q{i}", candidates=candidates,
-                                   options=pb.RerankOptions(return_text=True))
+            yield pb.RerankRequest(
+                request_id=str(i),
+                query=f"q{i}",
+                candidates=candidates,
+                options=pb.RerankOptions(return_text=True),
+            )
 
-    async with server_process(fake_llama.url, RERANK_PROBE="0") as (port, proc), \
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with (
+        server_process(fake_llama.url, RERANK_PROBE="0") as (port, proc),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
         warm = pb_grpc.RerankerStub(channel).Rerank(
-            pb.RerankRequest(query="warm up", candidates=candidates))
+            pb.RerankRequest(query="warm up", candidates=candidates)
+        )
         assert (await warm).reranked
         before = rss_mib(proc.pid)
         call = pb_grpc.RerankerStub(channel).RerankBatch(requests())

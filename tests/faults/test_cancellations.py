@@ -26,7 +26,8 @@ DOCS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
 
 
 async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.latency_s = 0.1
     server = await start_server(concurrency=4, health_interval_s=0.5)
     cancelled = 0
@@ -48,15 +49,19 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
         assert cancelled > 300, cancelled
         assert fake_llama.max_in_flight <= 4, "abandoned calls went past --concurrency"
         http = server.pool.endpoints[0].http
-        assert await eventually(lambda: http.abandoned == 0 and not _tracked(), 3), \
+        assert await eventually(lambda: http.abandoned == 0 and not _tracked(), 3), (
             "abandoned calls did not end, or their tasks stayed registered"
+        )
         assert server.pool.endpoints[0].available, "a healthy backend was taken out"
         answers = [await client.rerank(f"normal {i}", DOCS, timeout=5) for i in range(20)]
     assert all(a.reranked and a.summary.failed == 0 for a in answers)
-    print(f"cancellations: {cancelled} in 4 s, backend max in flight "
-          f"{fake_llama.max_in_flight} (--concurrency 4), 20/20 reranked afterwards")
+    print(
+        f"cancellations: {cancelled} in 4 s, backend max in flight "
+        f"{fake_llama.max_in_flight} (--concurrency 4), 20/20 reranked afterwards"
+    )
     reply = await server.edge.health.Check(
-        health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None)
+        health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None
+    )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -65,8 +70,9 @@ def _tracked() -> list[object]:
     return [*http_module._OWN, *http_module._LET_GO, *http_module._ON_WIRE]
 
 
-async def test_a_pair_let_go_makes_no_further_call(start_server: StartServer,
-                                                   fake_llama: FakeLlamaServer) -> None:
+async def test_a_pair_let_go_makes_no_further_call(
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     """A per-pair call runs in its pair's own task. When the request stops waiting, a call
     on the wire is abandoned, not cancelled; when it then comes back "too long", the pair
     must not try again with a shorter document: nobody waits for it."""
@@ -88,18 +94,25 @@ async def test_a_pair_let_go_makes_no_further_call(start_server: StartServer,
 
 
 async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out(
-        start_server: StartServer) -> None:
+    start_server: StartServer,
+) -> None:
     """A batching scorer makes its one call in the scorer's own task (no task and shield
     of its own): when the request's budget runs out, that task is let go, so the call on
     the wire is abandoned, not cancelled. It keeps its slot until it ends within the
     leash, the request answers in retrieval order in time, and nothing stays tracked."""
-    def slow_rerank(method: str, path: str, body: Any, headers: Mapping[str, str],
-                    ) -> tuple[int, Any]:
+
+    def slow_rerank(
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+    ) -> tuple[int, Any]:
         if method == "GET":
             return (200, {"status": "ok"}) if path == "/health" else (404, {})
         time.sleep(1.0)  # past the request's deadline, within the leash (2 s)
-        return 200, {"results": [{"index": i, "relevance_score": 0.5}
-                                 for i in range(len(body["documents"]))]}
+        return 200, {
+            "results": [{"index": i, "relevance_score": 0.5} for i in range(len(body["documents"]))]
+        }
 
     fake = JsonServer(slow_rerank).start()
     try:
@@ -110,8 +123,9 @@ async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out
             answer = await client.rerank("q", DOCS, timeout=0.5)
         assert not answer.reranked and answer.summary.degraded_code == "timeout"
         assert http.abandoned == 1 and len(http._calls) == 1, "the call was not abandoned"
-        assert await eventually(lambda: http.abandoned == 0 and not http._calls, 3), \
+        assert await eventually(lambda: http.abandoned == 0 and not http._calls, 3), (
             "the abandoned call did not end within its leash"
+        )
         assert len(fake.posts("/v1/rerank")) == 1
         assert not _tracked()
     finally:
@@ -123,8 +137,13 @@ async def test_a_scorer_let_go_mid_call_goes_no_further() -> None:
     `/apply-template`, say) stops when that call comes back within the leash: it starts
     no scoring calls in tasks of its own, which nobody would let go, and leaves nothing
     tracked, not even for the leash's timer."""
-    def slow(method: str, path: str, body: Any, headers: Mapping[str, str],
-             ) -> tuple[int, Any]:
+
+    def slow(
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+    ) -> tuple[int, Any]:
         time.sleep(0.3)
         return 200, {"ok": True}
 
@@ -140,8 +159,9 @@ async def test_a_scorer_let_go_mid_call_goes_no_further() -> None:
     fake = JsonServer(slow).start()
     backend = http_module.HttpBackend(fake.url, 4, 10.0)
     try:
-        task = asyncio.create_task(budget._scoring(
-            TwoStepScorer(), ScoreRequest("q", "", ["d"]), lambda _: None))  # type: ignore[arg-type]
+        task = asyncio.create_task(
+            budget._scoring(TwoStepScorer(), ScoreRequest("q", "", ["d"]), lambda _: None)
+        )  # type: ignore[arg-type]
         await asyncio.sleep(0.1)  # its own call is on the wire
         await budget._stop(task)  # the request stops waiting
         assert backend.abandoned == 1
@@ -154,14 +174,21 @@ async def test_a_scorer_let_go_mid_call_goes_no_further() -> None:
         fake.stop()
 
 
-@pytest.mark.parametrize(("latency_s", "mode", "deadline_s"), [
-    (0.1, OK, None),    # quick calls, clients cancelling at random
-    (2.0, OK, 0.5),     # calls slower than every caller's deadline
-    (0.0, HANG, 0.5),   # a backend that takes calls and never answers
-])
+@pytest.mark.parametrize(
+    ("latency_s", "mode", "deadline_s"),
+    [
+        (0.1, OK, None),  # quick calls, clients cancelling at random
+        (2.0, OK, 0.5),  # calls slower than every caller's deadline
+        (0.0, HANG, 0.5),  # a backend that takes calls and never answers
+    ],
+)
 async def test_a_cancellation_storm_never_gives_the_backend_more_than_concurrency(
-        start_server: StartServer, fake_llama: FakeLlamaServer, latency_s: float,
-        mode: str, deadline_s: float | None) -> None:
+    start_server: StartServer,
+    fake_llama: FakeLlamaServer,
+    latency_s: float,
+    mode: str,
+    deadline_s: float | None,
+) -> None:
     """A model server goes on working on a call whose client hung up, so a slot given back
     when the connection closes is one the backend still fills: the backend's own count of
     calls in hand must stay within --concurrency however clients give up."""
@@ -173,8 +200,9 @@ async def test_a_cancellation_storm_never_gives_the_backend_more_than_concurrenc
     async def churn(client: AsyncRerankClient, until: float) -> None:
         nonlocal gave_up, answered
         while time.monotonic() < until:
-            call = asyncio.ensure_future(client.rerank(f"q {rng.random()}", DOCS,
-                                                       timeout=deadline_s))
+            call = asyncio.ensure_future(
+                client.rerank(f"q {rng.random()}", DOCS, timeout=deadline_s)
+            )
             if deadline_s is None:
                 await asyncio.sleep(rng.uniform(0.01, 0.12))
                 if not call.done():
@@ -190,7 +218,9 @@ async def test_a_cancellation_storm_never_gives_the_backend_more_than_concurrenc
             await asyncio.gather(*(churn(client, time.monotonic() + 4) for _ in range(24)))
     finally:
         fake_llama.unhang()
-    print(f"latency {latency_s} s {mode}: {gave_up} given up, {answered} answered, backend "
-          f"max in flight {fake_llama.max_in_flight} (--concurrency 4)")
+    print(
+        f"latency {latency_s} s {mode}: {gave_up} given up, {answered} answered, backend "
+        f"max in flight {fake_llama.max_in_flight} (--concurrency 4)"
+    )
     assert gave_up > 20
     assert fake_llama.max_in_flight <= 4, "the backend was handed more than --concurrency"

@@ -27,13 +27,15 @@ DOCS = ["alpha", "beta", "gamma", "delta"]
 
 async def backend_status(server: RunningServer) -> int:
     reply = await server.edge.health.Check(
-        health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None)
+        health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None
+    )
     return int(reply.status)
 
 
 @pytest.mark.usefixtures("frozen_heap")  # it times answers to a quarter of a second
 async def test_hung_backend_is_ejected_then_recovers_within_5_s(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     server = await start_server(concurrency=2, health_interval_s=0.5)
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         assert (await client.rerank("warm up", DOCS, timeout=5)).reranked
@@ -60,9 +62,11 @@ async def test_hung_backend_is_ejected_then_recovers_within_5_s(
             await asyncio.sleep(0.1)
         back_s = time.monotonic() - fixed
     waited = [round(d, 2) for d in durations[:4]]
-    print(f"hung: {len(answers)} answers, first waits {waited} s, last 10 max "
-          f"{max(durations[-10:]) * 1000:.0f} ms, backend max in flight "
-          f"{fake_llama.max_in_flight}, reranked again {back_s:.1f} s after the fix")
+    print(
+        f"hung: {len(answers)} answers, first waits {waited} s, last 10 max "
+        f"{max(durations[-10:]) * 1000:.0f} ms, backend max in flight "
+        f"{fake_llama.max_in_flight}, reranked again {back_s:.1f} s after the fix"
+    )
     # The health name follows at once: the restore wakes the monitor.
     serving = health_pb2.HealthCheckResponse.SERVING
 
@@ -74,8 +78,12 @@ async def test_hung_backend_is_ejected_then_recovers_within_5_s(
 
 @pytest.mark.parametrize(("before_s", "after_s"), [(0.3, 0.8), (0.05, 1.5)])
 async def test_a_slow_but_alive_backend_comes_back_after_ejection(
-        start_server: StartServer, fake_llama: FakeLlamaServer,
-        monkeypatch: pytest.MonkeyPatch, before_s: float, after_s: float) -> None:
+    start_server: StartServer,
+    fake_llama: FakeLlamaServer,
+    monkeypatch: pytest.MonkeyPatch,
+    before_s: float,
+    after_s: float,
+) -> None:
     """It answered in `before_s`, hung until ejected, and now answers in `after_s`,
     longer than the fixed probe window (5 s in production, 0.5 s here).
 
@@ -88,8 +96,9 @@ async def test_a_slow_but_alive_backend_comes_back_after_ejection(
       failed probe in a row now doubles the window."""
     monkeypatch.setattr(monitor, "INSTANCE_PROBE_TIMEOUT_S", 0.5)
     fake_llama.latency_s = before_s
-    server = await start_server(concurrency=4, health_interval_s=0.5, eject_base_s=0.5,
-                                eject_max_s=1.0)
+    server = await start_server(
+        concurrency=4, health_interval_s=0.5, eject_base_s=0.5, eject_max_s=1.0
+    )
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         assert (await client.rerank("warm up", DOCS, timeout=10)).reranked
         fake_llama.mode = HANG
@@ -102,5 +111,4 @@ async def test_a_slow_but_alive_backend_comes_back_after_ejection(
         async def reranked() -> bool:
             return (await client.rerank(f"q {time.monotonic()}", DOCS, timeout=8)).reranked
 
-        assert await eventually(reranked, 20, poll_s=0.5), \
-            "a slow instance was never re-admitted"
+        assert await eventually(reranked, 20, poll_s=0.5), "a slow instance was never re-admitted"

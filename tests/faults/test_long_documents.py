@@ -18,7 +18,8 @@ from tests.waiting import eventually
 
 
 async def test_context_error_is_retried_with_a_shorter_document(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.max_document_chars = 500
     long_doc = "word " * 160  # 800 characters: refused whole, scored halved
     answer = await client.rerank("q", [long_doc, "short one", "short two"])
@@ -28,18 +29,20 @@ async def test_context_error_is_retried_with_a_shorter_document(
 
 
 async def test_a_document_too_long_even_halved_fails_alone_and_says_why(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.max_document_chars = 100
     answer = await client.rerank("q", ["word " * 160, "short one", "short two"])
     assert answer.reranked and answer.summary.failed == 1
     assert answer.summary.degraded_code == "partial"
     assert answer.summary.degraded_message == (
-        "1 of 3 pairs failed (http_error: 1, HTTP 400: the document exceeds the model's "
-        "context)")
+        "1 of 3 pairs failed (http_error: 1, HTTP 400: the document exceeds the model's context)"
+    )
 
 
 async def test_many_long_documents_of_short_sentences_leave_the_server_responsive(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     """The largest request the limits allow, made to cost the most in best-chunk search:
     100 documents of 128 KiB in 6-character sentences of the query's own words. It held
     the event loop for minutes (scoring each window afresh over every query term), and
@@ -48,11 +51,14 @@ async def test_many_long_documents_of_short_sentences_leave_the_server_responsiv
     query = " ".join(f"w{i:03d}" for i in range(800))  # 3,999 characters
     doc = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
     gaps: list[float] = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel, \
-            AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+        AsyncRerankClient(f"127.0.0.1:{server.port}") as client,
+    ):
         health = health_pb2_grpc.HealthStub(channel)
-        call = asyncio.ensure_future(client.rerank(query, [doc] * 100, bypass_cache=True,
-                                                   timeout=300))
+        call = asyncio.ensure_future(
+            client.rerank(query, [doc] * 100, bypass_cache=True, timeout=300)
+        )
         while not call.done():
             sent = time.monotonic()
             await health.Check(health_pb2.HealthCheckRequest(), timeout=60)
@@ -62,12 +68,14 @@ async def test_many_long_documents_of_short_sentences_leave_the_server_responsiv
     assert answer.reranked and answer.summary.scored == 100
     assert all(len(d) <= 2000 for d in fake_llama.documents())
     # With the search on the event loop, no check is even sent while it runs.
-    assert len(gaps) > 3 and max(gaps) < 1.0, \
+    assert len(gaps) > 3 and max(gaps) < 1.0, (
         f"{len(gaps)} health checks during the request, the longest {max(gaps):.2f} s"
+    )
 
 
 async def test_a_deadline_counts_the_time_spent_before_scoring(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     """Cutting 30 long documents takes a while (0.5 s or so here) before any pair is
     sent; against a backend that never answers, the request must still answer, in
     retrieval order, within the caller's 3 s deadline. The scoring budget was the whole
@@ -88,7 +96,8 @@ async def test_a_deadline_counts_the_time_spent_before_scoring(
 
 
 async def test_a_request_behind_a_long_chunking_answers_within_its_deadline(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     """One thread searches long documents for their best chunk, and the costliest request
     the limits allow holds it for seconds. A small request behind it (its own documents
     long enough to go to that thread) waited its turn and answered after its 1.5 s
@@ -99,8 +108,9 @@ async def test_a_request_behind_a_long_chunking_answers_within_its_deadline(
     costly = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
     small = [f"document {n}: " + "plain words of a long text. " * 2200 for n in range(3)]
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
-        blocking = asyncio.ensure_future(client.rerank(query, [costly] * 100,
-                                                       bypass_cache=True, timeout=300))
+        blocking = asyncio.ensure_future(
+            client.rerank(query, [costly] * 100, bypass_cache=True, timeout=300)
+        )
         # In the pipeline (decoded and admitted), then a moment to reach the thread.
         assert await eventually(lambda: server.reranker.active == 1, 30)
         await asyncio.sleep(0.2)

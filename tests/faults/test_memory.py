@@ -36,8 +36,12 @@ IN_FLIGHT_MIB = 64
 def big_request(i: int) -> pb.RerankRequest:
     """About 12 MB: 4 lists of 100 candidates of 30,000 characters (all within limits)."""
     text = ("The quick brown fox jumps over the lazy dog. " * 700)[:30_000]
-    lists = [pb.RankedList(name=f"l{n}", candidates=[
-        pb.Candidate(id=f"{n}-{k}", text=text) for k in range(100)]) for n in range(4)]
+    lists = [
+        pb.RankedList(
+            name=f"l{n}", candidates=[pb.Candidate(id=f"{n}-{k}", text=text) for k in range(100)]
+        )
+        for n in range(4)
+    ]
     return pb.RerankRequest(request_id=str(i), query=f"fox {i}", lists=lists)
 
 
@@ -47,9 +51,15 @@ async def test_big_requests_at_once_keep_memory_bounded(fake_llama: FakeLlamaSer
     size_mib = requests[0].ByteSize() / 2**20
     codes: collections.Counter[str] = collections.Counter()
     options = [("grpc.max_send_message_length", 32 * 2**20)]
-    async with server_process(fake_llama.url, RERANK_PROBE="0", RERANK_MAX_INFLIGHT_BYTES=str(
-            IN_FLIGHT_MIB * 1024 * 1024), RERANK_MAX_MESSAGE_BYTES=str(16 << 20)) as (port, proc), \
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+    async with (
+        server_process(
+            fake_llama.url,
+            RERANK_PROBE="0",
+            RERANK_MAX_INFLIGHT_BYTES=str(IN_FLIGHT_MIB * 1024 * 1024),
+            RERANK_MAX_MESSAGE_BYTES=str(16 << 20),
+        ) as (port, proc),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel,
+    ):
         before = rss_mib(proc.pid)
         peak = before
         stub = pb_grpc.RerankerStub(channel)
@@ -71,7 +81,10 @@ async def test_big_requests_at_once_keep_memory_bounded(fake_llama: FakeLlamaSer
     assert 11 < size_mib < 16
     assert codes["OK reranked"] > 0, dict(codes)
     assert sum(codes.values()) == 16 and set(codes) <= {
-        "OK reranked", "OK degraded", "RESOURCE_EXHAUSTED"}, dict(codes)
+        "OK reranked",
+        "OK degraded",
+        "RESOURCE_EXHAUSTED",
+    }, dict(codes)
     # gRPC receives every message (and copies it once into Python) before the server can
     # refuse it; what the server then works on is bounded by the budget. Measured: 2.1 to
     # 2.6 MiB of RSS per MB received. Before the budget: about 50 MiB per such request.
@@ -79,7 +92,8 @@ async def test_big_requests_at_once_keep_memory_bounded(fake_llama: FakeLlamaSer
 
 
 async def test_request_bytes_past_the_budget_are_refused(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.latency_s = 0.5
     server = await start_server(max_inflight_bytes=100_000, concurrency=1)
     docs = ["x" * 20_000 for _ in range(3)]  # about 60 KB: one fits, two do not
@@ -101,22 +115,30 @@ def maximal(kind: str) -> pb.RerankRequest:
     """About 4 MB, the default --max-message-bytes: valid, or refused for one oversized
     metadata value per candidate (INVALID_ARGUMENT)."""
     if kind == "refused":
-        return pb.RerankRequest(query="q", candidates=[
-            pb.Candidate(id=str(i), text="x", metadata={"k": "v" * 120_000}) for i in range(33)])
-    return pb.RerankRequest(query="q", candidates=[
-        pb.Candidate(id=str(i), text="word " * 22_000) for i in range(33)])
+        return pb.RerankRequest(
+            query="q",
+            candidates=[
+                pb.Candidate(id=str(i), text="x", metadata={"k": "v" * 120_000}) for i in range(33)
+            ],
+        )
+    return pb.RerankRequest(
+        query="q", candidates=[pb.Candidate(id=str(i), text="word " * 22_000) for i in range(33)]
+    )
 
 
 def maximal_json(kind: str) -> bytes:
     """The same in the Cohere shape: refused for a query past its cap (422)."""
     if kind == "refused":
-        return json.dumps({"query": "q" * 120_000,
-                           "documents": [{"text": "x" * 120_000} for _ in range(33)]}).encode()
+        return json.dumps(
+            {"query": "q" * 120_000, "documents": [{"text": "x" * 120_000} for _ in range(33)]}
+        ).encode()
     return json.dumps({"query": "q", "documents": ["word " * 22_000] * 33}).encode()
 
 
-async def _flood(send: Callable[[], Awaitable[str]], pid: int,
-                 ) -> tuple[float, float, float, Counter[str]]:
+async def _flood(
+    send: Callable[[], Awaitable[str]],
+    pid: int,
+) -> tuple[float, float, float, Counter[str]]:
     """`FLOOD_CLIENTS` sending back to back for `FLOOD_S`: RSS before, at its peak, and
     the lowest in the 3 s after, and the outcomes."""
     codes: Counter[str] = Counter()
@@ -146,10 +168,13 @@ def _bound_mib() -> float:
 
 @pytest.mark.parametrize("kind", ["refused", "valid"])
 async def test_a_grpc_flood_of_maximal_messages_stays_bounded(
-        fake_llama: FakeLlamaServer, kind: str) -> None:
+    fake_llama: FakeLlamaServer, kind: str
+) -> None:
     request = maximal(kind)
-    async with server_process(fake_llama.url, RERANK_PROBE="0") as (port, proc), \
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with (
+        server_process(fake_llama.url, RERANK_PROBE="0") as (port, proc),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
         stub = pb_grpc.RerankerStub(channel)
 
         async def send() -> str:
@@ -161,28 +186,35 @@ async def test_a_grpc_flood_of_maximal_messages_stays_bounded(
 
         before, peak, after, codes = await _flood(send, proc.pid)
     print(f"gRPC {kind}: {dict(codes)}, RSS {before:.0f} -> {peak:.0f} -> {after:.0f} MiB")
-    assert set(codes) <= ({"INVALID_ARGUMENT"} if kind == "refused"
-                          else {"OK", "RESOURCE_EXHAUSTED"}) and codes, dict(codes)
+    assert (
+        set(codes) <= ({"INVALID_ARGUMENT"} if kind == "refused" else {"OK", "RESOURCE_EXHAUSTED"})
+        and codes
+    ), dict(codes)
     assert peak < _bound_mib(), f"peak {peak:.0f} MiB"
     assert after < before + 100, f"{before:.0f} MiB before, {after:.0f} after"
 
 
 @pytest.mark.parametrize("kind", ["refused", "valid"])
 async def test_a_json_flood_of_maximal_bodies_stays_bounded(
-        fake_llama: FakeLlamaServer, kind: str) -> None:
+    fake_llama: FakeLlamaServer, kind: str
+) -> None:
     body, http_port = maximal_json(kind), free_port()
-    async with server_process(fake_llama.url, RERANK_PROBE="0",
-                              RERANK_HTTP_PORT=str(http_port)) as (_, proc), \
-            httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as http:
+    async with (
+        server_process(fake_llama.url, RERANK_PROBE="0", RERANK_HTTP_PORT=str(http_port)) as (
+            _,
+            proc,
+        ),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as http,
+    ):
 
         async def send() -> str:
-            response = await http.post("/v2/rerank", content=body,
-                                       headers={"content-type": "application/json"})
+            response = await http.post(
+                "/v2/rerank", content=body, headers={"content-type": "application/json"}
+            )
             return str(response.status_code)
 
         before, peak, after, codes = await _flood(send, proc.pid)
     print(f"JSON {kind}: {dict(codes)}, RSS {before:.0f} -> {peak:.0f} -> {after:.0f} MiB")
-    assert set(codes) <= ({"422"} if kind == "refused" else {"200", "429"}) and codes, \
-        dict(codes)
+    assert set(codes) <= ({"422"} if kind == "refused" else {"200", "429"}) and codes, dict(codes)
     assert peak < _bound_mib(), f"peak {peak:.0f} MiB"
     assert after < before + 100, f"{before:.0f} MiB before, {after:.0f} after"

@@ -38,8 +38,7 @@ LOAD_S = 12.0
 DOCS = [f"passage number {i} about rivers and banks" for i in range(10)]
 
 
-async def test_overload_is_answered_fast_never_by_a_deadline(
-        fake_llama: FakeLlamaServer) -> None:
+async def test_overload_is_answered_fast_never_by_a_deadline(fake_llama: FakeLlamaServer) -> None:
     fake_llama.latency_s = 0.2  # with --concurrency 4: 20 pairs/s, 2 requests/s
     outcomes: collections.Counter[str] = collections.Counter()
     late = 0
@@ -81,8 +80,7 @@ async def test_overload_is_answered_fast_never_by_a_deadline(
                     await asyncio.sleep(0.5)
 
         async with AsyncRerankClient(f"127.0.0.1:{port}") as client:
-            await asyncio.gather(health_loop(),
-                                 *(client_loop(client, n) for n in range(CLIENTS)))
+            await asyncio.gather(health_loop(), *(client_loop(client, n) for n in range(CLIENTS)))
     p50 = {k: round(statistics.median(v), 3) for k, v in seconds.items()}
     print(dict(outcomes), "p50 s", p50, "health ms max", round(max(health_ms), 1))
     assert outcomes["DEADLINE_EXCEEDED"] == 0, dict(outcomes)
@@ -94,7 +92,8 @@ async def test_overload_is_answered_fast_never_by_a_deadline(
 
 
 async def test_a_burst_arriving_together_is_answered_overloaded_not_by_timeouts(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     """30 JSON requests at once, each of 5 pairs with a 2 s deadline, against a backend
     that scores 10 pairs/s: a few can be scored in time, the rest must be told
     OVERLOADED at once. Admission read the backend's queue, which a request's pairs
@@ -105,17 +104,22 @@ async def test_a_burst_arriving_together_is_answered_overloaded_not_by_timeouts(
     url = f"http://127.0.0.1:{server.http_port}/v1/rerank"
     async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=40)) as http:
         await http.post(url, json={"query": "warm-up", "documents": DOCS[:5]})
-        replies = await asyncio.gather(*(
-            http.post(url, json={"query": f"q {n}", "documents": DOCS[:5], "timeout_ms": 2000})
-            for n in range(30)))
+        replies = await asyncio.gather(
+            *(
+                http.post(url, json={"query": f"q {n}", "documents": DOCS[:5], "timeout_ms": 2000})
+                for n in range(30)
+            )
+        )
     kinds = collections.Counter(
-        (r.json()["meta"].get("degraded") or {}).get("code", "reranked") for r in replies)
+        (r.json()["meta"].get("degraded") or {}).get("code", "reranked") for r in replies
+    )
     assert kinds["timeout"] == 0 and kinds["partial"] == 0, kinds
     assert kinds["overloaded"] >= 20 and kinds["reranked"] >= 2, kinds
 
 
 async def test_a_burst_taken_up_in_one_turn_of_the_loop_is_not_all_admitted(
-        fake_llama: FakeLlamaServer) -> None:
+    fake_llama: FakeLlamaServer,
+) -> None:
     """Requests taken up together (a burst read in one turn of the event loop, clients
     all retrying after their `Retry-After`) each passed admission before any of their
     pairs had reached the backend's queue, so all saw it empty: against a backend of 10
@@ -126,25 +130,30 @@ async def test_a_burst_taken_up_in_one_turn_of_the_loop_is_not_all_admitted(
     reranker = Reranker(request_rules(Settings(min_candidates=2)), ChatScorer(pool))
 
     def query(n: int) -> RerankQuery:
-        return RerankQuery(request_id=f"r{n}", query=f"q {n}", timeout_s=30.0,
-                           candidates=tuple(Candidate(id=f"d{i}", text=f"doc {n} {i}",
-                                                      index=i, retrieval_rank=i + 1)
-                                            for i in range(5)))
+        return RerankQuery(
+            request_id=f"r{n}",
+            query=f"q {n}",
+            timeout_s=30.0,
+            candidates=tuple(
+                Candidate(id=f"d{i}", text=f"doc {n} {i}", index=i, retrieval_rank=i + 1)
+                for i in range(5)
+            ),
+        )
 
     try:
         await reranker.answer(query(-1), 5.0)  # the latency sample admission reads
         answers = await asyncio.gather(*(reranker.answer(query(n), 2.0) for n in range(30)))
     finally:
         await pool.aclose()
-    codes = collections.Counter(s.degraded.code if s.degraded else "reranked"
-                                for _, s in answers)
+    codes = collections.Counter(s.degraded.code if s.degraded else "reranked" for _, s in answers)
     assert codes[DegradedCode.TIMEOUT] == 0 and codes[DegradedCode.PARTIAL] == 0, codes
     assert codes[DegradedCode.OVERLOADED] >= 20 and codes["reranked"] >= 2, codes
     assert reranker.outstanding_pairs == 0
 
 
 async def test_one_slow_moment_does_not_refuse_requests_for_good(
-        fake_llama: FakeLlamaServer) -> None:
+    fake_llama: FakeLlamaServer,
+) -> None:
     """A slow moment (llama-server paused, a cold model's first call) raised the per-pair
     estimate; with the backend idle again every request of the same size was told
     OVERLOADED, "backend busy", for good: a refused request sends nothing, so no answer
@@ -155,17 +164,24 @@ async def test_one_slow_moment_does_not_refuse_requests_for_good(
     reranker = Reranker(request_rules(Settings(min_candidates=2)), ChatScorer(pool))
 
     def query(n: int, docs: int) -> RerankQuery:
-        return RerankQuery(request_id=f"r{n}", query=f"q {n}", timeout_s=30.0,
-                           candidates=tuple(Candidate(id=f"d{i}", text=f"doc {n} {i}",
-                                                      index=i, retrieval_rank=i + 1)
-                                            for i in range(docs)))
+        return RerankQuery(
+            request_id=f"r{n}",
+            query=f"q {n}",
+            timeout_s=30.0,
+            candidates=tuple(
+                Candidate(id=f"d{i}", text=f"doc {n} {i}", index=i, retrieval_rank=i + 1)
+                for i in range(docs)
+            ),
+        )
 
     try:
         fake_llama.latency_s = 1.0  # the slow moment: about a second a pair
         await reranker.answer(query(-1, 2), 10.0)
         fake_llama.latency_s = 0.01  # and over: the estimate still says 10 pairs take 5 s
-        codes = [s.degraded.code if s.degraded else "reranked"
-                 for _, s in [await reranker.answer(query(n, 10), 2.0) for n in range(3)]]
+        codes = [
+            s.degraded.code if s.degraded else "reranked"
+            for _, s in [await reranker.answer(query(n, 10), 2.0) for n in range(3)]
+        ]
         assert codes == ["reranked"] * 3, codes
         fake_llama.latency_s = 0.2  # 10 pairs on 2 slots take 1 s; the budget is 0.7 s
         _, summary = await reranker.answer(query(9, 10), 0.7)
@@ -177,22 +193,29 @@ async def test_one_slow_moment_does_not_refuse_requests_for_good(
 
 
 async def test_a_stream_its_client_never_reads_gives_its_place_back(
-        start_server: StartServer, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A client that opens a stream of large results and takes none of them: once a
     message has waited SEND_STALL_S to go out, the stream is cancelled and its place
     (here the only one, --max-concurrent-rpcs 1) and request bytes are given back.
     Before, they stayed taken for as long as the client kept the connection."""
     monkeypatch.setattr(interceptors, "SEND_STALL_S", 1.0)
-    server = await start_server(max_concurrent_rpcs=1, max_candidates=100,
-                                max_message_bytes=16 << 20)
+    server = await start_server(
+        max_concurrent_rpcs=1, max_candidates=100, max_message_bytes=16 << 20
+    )
     # 13 MB of results: more than the connection's windows and buffers take unread.
-    request = build_request("q", [f"{i} " + "x" * 130_000 for i in range(100)],
-                            max_chunk_chars=131_072, return_text=True)
-    async with grpc.aio.insecure_channel(
-            f"127.0.0.1:{server.port}",
-            options=[("grpc.max_receive_message_length", 16 << 20)]) as channel, \
-            AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    request = build_request(
+        "q",
+        [f"{i} " + "x" * 130_000 for i in range(100)],
+        max_chunk_chars=131_072,
+        return_text=True,
+    )
+    async with (
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}", options=[("grpc.max_receive_message_length", 16 << 20)]
+        ) as channel,
+        AsyncRerankClient(f"127.0.0.1:{server.port}") as client,
+    ):
         unread = pb_grpc.RerankerStub(channel).RerankStream(request)  # never read
         await asyncio.sleep(0.5)
         with pytest.raises(RerankError):  # its place is taken meanwhile
@@ -209,7 +232,8 @@ async def test_a_stream_its_client_never_reads_gives_its_place_back(
 
 
 async def test_grpc_connections_are_capped_and_a_silent_one_is_closed(
-        start_server: StartServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """gRPC's core held any number of connections, for as long as their clients liked,
     a TCP connection that never sent a byte included. Now one silent past the handshake
     timeout is closed, and past --max-connections a new one is closed at once."""
@@ -236,8 +260,8 @@ async def test_grpc_connections_are_capped_and_a_silent_one_is_closed(
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await health_pb2_grpc.HealthStub(third).Check(request, timeout=2)
     assert 0.8 < silent_for < 5
-    assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE,
-                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
     # Places free again, once the server has seen the closed connections go (not at the
     # same instant: a connection tried at once was refused in one CI run in many).
     async def answered_on_a_new_connection() -> bool:

@@ -37,8 +37,9 @@ def assets_or_fail() -> tuple[Path, Path]:
     cache = loaded.cache_dir
     explicit = os.environ.get("RERANK_LLAMA_SERVER")
     try:
-        binary = assets.resolve_llama_server(Path(explicit) if explicit else None, cache,
-                                             build=False, amx_mode=loaded.llama_amx)
+        binary = assets.resolve_llama_server(
+            Path(explicit) if explicit else None, cache, build=False, amx_mode=loaded.llama_amx
+        )
         model = assets.resolve_model(None, cache, fetch_missing=False)
     except assets.AssetError as exc:
         pytest.fail(f"real-backend assets missing: {exc}", pytrace=False)
@@ -48,8 +49,7 @@ def assets_or_fail() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def real_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     binary, model = assets_or_fail()
-    yield from _serve(binary, model, tmp_path_factory,
-                      ["-np", str(SLOTS), "-c", str(SLOTS * 2048)])
+    yield from _serve(binary, model, tmp_path_factory, ["-np", str(SLOTS), "-c", str(SLOTS * 2048)])
 
 
 @pytest.fixture(scope="session")
@@ -58,23 +58,29 @@ def real_embedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLla
     binary, _ = assets_or_fail()
     model = assets.embedding_model_path(settings.load([]).cache_dir)
     if not model.exists():
-        pytest.fail(f"real-backend assets missing: {model}; run `make assets`",
-                    pytrace=False)
-    yield from _serve(binary, model, tmp_path_factory,
-                      ["--embedding", "--pooling", "mean", "-np", "2", "-c", "1024",
-                       "-b", "512", "-ub", "512"])
+        pytest.fail(f"real-backend assets missing: {model}; run `make assets`", pytrace=False)
+    yield from _serve(
+        binary,
+        model,
+        tmp_path_factory,
+        ["--embedding", "--pooling", "mean", "-np", "2", "-c", "1024", "-b", "512", "-ub", "512"],
+    )
 
 
 @pytest.fixture(scope="session")
-def real_embedding_small_batch(tmp_path_factory: pytest.TempPathFactory,
-                               ) -> Iterator[RealLlama]:
+def real_embedding_small_batch(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RealLlama]:
     """MiniLM-L6 as `real_embedding`, with a physical batch (`-ub 128`) below its 512-token
     slots: llama-server refuses a longer input, naming the batch size."""
     binary, _ = assets_or_fail()
     model = assets.embedding_model_path(settings.load([]).cache_dir)
-    yield from _serve(binary, model, tmp_path_factory,
-                      ["--embedding", "--pooling", "mean", "-np", "2", "-c", "1024",
-                       "-b", "512", "-ub", "128"])
+    yield from _serve(
+        binary,
+        model,
+        tmp_path_factory,
+        ["--embedding", "--pooling", "mean", "-np", "2", "-c", "1024", "-b", "512", "-ub", "128"],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -83,25 +89,45 @@ def real_rank_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLla
     binary, _ = assets_or_fail()
     model = assets.rank_head_model_path(settings.load([]).cache_dir)
     if not model.exists():
-        pytest.fail(f"real-backend assets missing: {model}; run `make test-assets`",
-                    pytrace=False)
-    yield from _serve(binary, model, tmp_path_factory,
-                      ["--rerank", "-np", "2", "-c", "1024", "-b", "512", "-ub", "512"])
+        pytest.fail(f"real-backend assets missing: {model}; run `make test-assets`", pytrace=False)
+    yield from _serve(
+        binary,
+        model,
+        tmp_path_factory,
+        ["--rerank", "-np", "2", "-c", "1024", "-b", "512", "-ub", "512"],
+    )
 
 
-def _serve(binary: Path, model: Path, tmp_path_factory: pytest.TempPathFactory,
-           args: list[str]) -> Iterator[RealLlama]:
+def _serve(
+    binary: Path, model: Path, tmp_path_factory: pytest.TempPathFactory, args: list[str]
+) -> Iterator[RealLlama]:
     port = free_port()
     log = tmp_path_factory.mktemp("llama") / "llama-server.log"
     loaded = settings.load([])
     # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
-    decision = amx.decide(loaded.llama_amx, args=args, environ=os.environ,
-                          amx_free_build=assets.is_amx_free_build(binary, loaded.cache_dir))
+    decision = amx.decide(
+        loaded.llama_amx,
+        args=args,
+        environ=os.environ,
+        amx_free_build=assets.is_amx_free_build(binary, loaded.cache_dir),
+    )
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "--no-webui", *args],
-            stdout=out, stderr=subprocess.STDOUT, env=decision.env(os.environ))
+            [
+                str(binary),
+                "-m",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--no-webui",
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=decision.env(os.environ),
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -44,7 +44,8 @@ def _stand_in(cache: Path, body: str) -> Path:
         "#!/bin/sh\n"
         f'REAL="{binary}"\n'
         'if [ "$1" = --help ]; then exec "$REAL" --help; fi\n'  # not a launch
-        f'echo "${{LLAMA_ARG_REPACK-unset}}" >> "{script.parent}/launches"\n' + body)
+        f'echo "${{LLAMA_ARG_REPACK-unset}}" >> "{script.parent}/launches"\n' + body
+    )
     script.chmod(0o755)
     assert assets.is_amx_free_build(script, cache)
     return script
@@ -61,8 +62,12 @@ def _env(cache: Path, script: Path, *extra: str) -> dict[str, str]:
     _, model = assets_or_fail()
     (cache / "models").mkdir(exist_ok=True)
     (cache / "models" / model.name).symlink_to(model)
-    env = {**os.environ, "RERANK_CACHE_DIR": str(cache), "RERANK_LLAMA_SERVER": str(script),
-           "RERANK_LOG_FORMAT": "json"}
+    env = {
+        **os.environ,
+        "RERANK_CACHE_DIR": str(cache),
+        "RERANK_LLAMA_SERVER": str(script),
+        "RERANK_LOG_FORMAT": "json",
+    }
     env.pop("LLAMA_ARG_REPACK", None)
     env.pop("RERANK_LLAMA_AMX", None)
     env.update(kv.split("=", 1) for kv in extra)
@@ -72,31 +77,54 @@ def _env(cache: Path, script: Path, *extra: str) -> dict[str, str]:
 def _start_fails(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """`rerank-server --managed` that cannot start: exit 1, one line, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rerank_server", "--managed", "--port", str(free_port()),
-         "--http-port", "0", "--metrics-port", "0", "--no-probe"],
-        capture_output=True, text=True, timeout=120, env=env)
+        [
+            sys.executable,
+            "-m",
+            "rerank_server",
+            "--managed",
+            "--port",
+            str(free_port()),
+            "--http-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--no-probe",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     return proc
 
 
 async def test_a_llama_server_killed_while_loading_comes_up_with_repacking_off(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Killed by SIGSEGV at its first launch, it is launched once more with
     LLAMA_ARG_REPACK=0, serves, and the log says why in one line; a later restart keeps
     the setting and says nothing more."""
     script = _stand_in(tmp_path, CRASH_UNLESS_SAFE)
     env = _env(tmp_path, script)
-    async with supervised(None, workers=1, start_timeout_s=180, **{
-            k: v for k, v in env.items() if k.startswith(("RERANK_", "LLAMA_"))}) as server:
+    async with supervised(
+        None,
+        workers=1,
+        start_timeout_s=180,
+        **{k: v for k, v in env.items() if k.startswith(("RERANK_", "LLAMA_"))},
+    ) as server:
         assert _launches(script) == ["unset", "0"]
         [said] = server.logged("llama_server_repack_off")
         assert said["reason"] == "llama-server was killed by SIGSEGV"
         assert said["setting"] == "LLAMA_ARG_REPACK=0"
         async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
-            answer = await client.rerank("what do cats eat?", [
-                "Cats eat meat.", "The stock market fell.", "Kittens need milk."],
-                always_score=True, timeout=60)
+            answer = await client.rerank(
+                "what do cats eat?",
+                ["Cats eat meat.", "The stock market fell.", "Kittens need milk."],
+                always_score=True,
+                timeout=60,
+            )
         assert answer.reranked and answer.summary.scored == 3, answer.summary
 
         [child] = server.children(b"llama-server")
@@ -108,13 +136,16 @@ async def test_a_llama_server_killed_while_loading_comes_up_with_repacking_off(
 
 
 def test_one_that_crashes_with_the_safe_setting_too_is_reported_after_two_launches(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """No loop: the second crash ends the start, and the message names both."""
     script = _stand_in(tmp_path, ALWAYS_CRASH)
     proc = _start_fails(_env(tmp_path, script))
     assert _launches(script) == ["unset", "0"]
-    assert ("llama-server was killed by SIGSEGV while starting, also with "
-            "LLAMA_ARG_REPACK=0; it wrote nothing") in proc.stderr
+    assert (
+        "llama-server was killed by SIGSEGV while starting, also with "
+        "LLAMA_ARG_REPACK=0; it wrote nothing"
+    ) in proc.stderr
 
 
 def test_a_crash_for_another_reason_is_reported_as_before(tmp_path: Path) -> None:
@@ -126,13 +157,17 @@ def test_a_crash_for_another_reason_is_reported_as_before(tmp_path: Path) -> Non
     assert "llama_server_repack_off" not in proc.stdout
 
 
-@pytest.mark.parametrize(("setting", "launch", "said"), [
-    ("RERANK_LLAMA_AMX=on", "unset", ";"),           # the AMX path forced on: no fallback
-    ("LLAMA_ARG_REPACK=1", "1", ";"),                # the operator's own setting wins
-    ("RERANK_LLAMA_AMX=off", "0", " (with LLAMA_ARG_REPACK=0);"),  # safe from the start
-])
+@pytest.mark.parametrize(
+    ("setting", "launch", "said"),
+    [
+        ("RERANK_LLAMA_AMX=on", "unset", ";"),  # the AMX path forced on: no fallback
+        ("LLAMA_ARG_REPACK=1", "1", ";"),  # the operator's own setting wins
+        ("RERANK_LLAMA_AMX=off", "0", " (with LLAMA_ARG_REPACK=0);"),  # safe from the start
+    ],
+)
 def test_the_operator_can_force_the_amx_path_on_or_off(
-        tmp_path: Path, setting: str, launch: str, said: str) -> None:
+    tmp_path: Path, setting: str, launch: str, said: str
+) -> None:
     """One launch each, reported as it ended."""
     script = _stand_in(tmp_path, ALWAYS_CRASH)
     proc = _start_fails(_env(tmp_path, script, setting))
@@ -141,13 +176,20 @@ def test_the_operator_can_force_the_amx_path_on_or_off(
 
 
 async def test_a_running_llama_server_killed_by_a_fault_restarts_with_repacking_off(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """A crash in the kernels at the first real request, not while loading: the restart
     gets the safe setting (and keeps it), the log says so once."""
     script = _stand_in(tmp_path, RUNS)
     _, model = assets_or_fail()
-    managed = ManagedLlamaServer(script, model, slots=1, ctx_per_slot=512,
-                                 log_path=tmp_path / "llama-server.log", amx_free_build=True)
+    managed = ManagedLlamaServer(
+        script,
+        model,
+        slots=1,
+        ctx_per_slot=512,
+        log_path=tmp_path / "llama-server.log",
+        amx_free_build=True,
+    )
     await managed.start()
     try:
         first = managed.pid
@@ -160,4 +202,3 @@ async def test_a_running_llama_server_killed_by_a_fault_restarts_with_repacking_
         assert said["reason"] == "llama-server was killed by SIGSEGV"
     finally:
         await managed.stop()
-

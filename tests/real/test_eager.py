@@ -14,15 +14,20 @@ from rerank_server import settings
 from rerank_server.bench import physical
 from tests.real.conftest import RealLlama
 
-PROMPTS = ["The capital of France is", "One, two, three, four,",
-           "<|im_start|>user\nIs the sky blue? Answer yes or no.<|im_end|>\n"
-           "<|im_start|>assistant\n",
-           "Monday, Tuesday, Wednesday,"]
+PROMPTS = [
+    "The capital of France is",
+    "One, two, three, four,",
+    "<|im_start|>user\nIs the sky blue? Answer yes or no.<|im_end|>\n<|im_start|>assistant\n",
+    "Monday, Tuesday, Wednesday,",
+]
 
 
 def _llama_next(url: str, tokens: list[int]) -> int:
-    answer = httpx.post(url + "/completion", timeout=60, json={
-        "prompt": tokens, "n_predict": 1, "temperature": 0.0, "n_probs": 1}).json()
+    answer = httpx.post(
+        url + "/completion",
+        timeout=60,
+        json={"prompt": tokens, "n_predict": 1, "temperature": 0.0, "n_probs": 1},
+    ).json()
     return int(answer["completion_probabilities"][0]["id"])
 
 
@@ -33,11 +38,17 @@ def test_the_eager_decoder_predicts_what_llama_server_predicts(real_llama: RealL
     async def tokenize() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=30) as http:
             return await physical.prompt_tokens(http, real_llama.url, PROMPTS)
+
     tokens = asyncio.run(tokenize())
     assert tokens[2].count(1) == 2  # `<|im_start|>` parsed as the special token it is
 
-    done = subprocess.run([str(python), str(physical.SCRIPT), str(real_llama.model),
-                           "--argmax"], input=json.dumps(tokens), capture_output=True,
-                          text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [str(python), str(physical.SCRIPT), str(real_llama.model), "--argmax"],
+        input=json.dumps(tokens),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     eager = json.loads(done.stdout.strip().splitlines()[-1])["argmax"]
     assert eager == [_llama_next(real_llama.url, t) for t in tokens]

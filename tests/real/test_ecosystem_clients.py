@@ -45,9 +45,9 @@ DOCS = [
 ON_TOPIC = {7, 8}
 KEY = "unused-on-loopback"
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
-                                        "ignore::PendingDeprecationWarning",
-                                        "ignore::UserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::PendingDeprecationWarning", "ignore::UserWarning"
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -55,9 +55,11 @@ def logging_as_it_was() -> Iterator[None]:
     """The clients change the process's logging for the tests after them (LiteLLM puts a
     filter on uvicorn's loggers that rewrites records): put back what they found."""
     manager = logging.Logger.manager
-    before = {name: (list(lg.filters), list(lg.handlers))
-              for name, lg in [("", logging.getLogger()), *manager.loggerDict.items()]
-              if isinstance(lg, logging.Logger)}
+    before = {
+        name: (list(lg.filters), list(lg.handlers))
+        for name, lg in [("", logging.getLogger()), *manager.loggerDict.items()]
+        if isinstance(lg, logging.Logger)
+    }
     yield
     for name, lg in [("", logging.getLogger()), *manager.loggerDict.items()]:
         if isinstance(lg, logging.Logger):
@@ -66,8 +68,9 @@ def logging_as_it_was() -> Iterator[None]:
 
 @pytest.fixture
 async def server(start_server: StartServer, real_embedding: RealLlama) -> RunningServer:
-    running = await start_server(backend="embedding", backend_url=real_embedding.url,
-                                 http_port=free_port())
+    running = await start_server(
+        backend="embedding", backend_url=real_embedding.url, http_port=free_port()
+    )
     await asyncio.wait_for(running.monitor.ready.wait(), 30)  # the model's name is known
     return running
 
@@ -78,21 +81,26 @@ def url(server: RunningServer) -> str:
 
 def cohere_v1(base: str) -> int:
     import cohere
+
     answer = cohere.Client(api_key=KEY, base_url=base).rerank(
-        model="rerank-english-v3.0", query=QUERY, documents=DOCS)
+        model="rerank-english-v3.0", query=QUERY, documents=DOCS
+    )
     return int(answer.results[0].index)
 
 
 def cohere_v2(base: str) -> int:
     import cohere
+
     answer = cohere.ClientV2(api_key=KEY, base_url=base).rerank(
-        model="rerank-v3.5", query=QUERY, documents=DOCS)
+        model="rerank-v3.5", query=QUERY, documents=DOCS
+    )
     return int(answer.results[0].index)
 
 
 def langchain(base: str) -> int:
     from langchain_cohere import CohereRerank
     from langchain_core.documents import Document
+
     reranker = CohereRerank(cohere_api_key=KEY, base_url=base, model="rerank-v3.5")
     top = reranker.compress_documents([Document(page_content=d) for d in DOCS], QUERY)
     return DOCS.index(top[0].page_content)
@@ -101,6 +109,7 @@ def langchain(base: str) -> int:
 def llama_index(base: str) -> int:
     from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
     from llama_index.postprocessor.cohere_rerank import CohereRerank
+
     reranker = CohereRerank(api_key=KEY, base_url=base, model="rerank-v3.5")
     nodes = [NodeWithScore(node=TextNode(text=d)) for d in DOCS]
     top = reranker.postprocess_nodes(nodes, QueryBundle(QUERY))
@@ -110,23 +119,30 @@ def llama_index(base: str) -> int:
 def litellm_provider(model: str) -> Callable[[str], int]:
     def call(base: str) -> int:
         import litellm
-        answer = litellm.rerank(model=model, query=QUERY, documents=DOCS, api_base=base,
-                                api_key=KEY)
+
+        answer = litellm.rerank(
+            model=model, query=QUERY, documents=DOCS, api_base=base, api_key=KEY
+        )
         return int(answer.results[0]["index"])
+
     return call
 
 
 def haystack(base: str) -> int:
     from haystack import Document
     from haystack_integrations.components.rankers.huggingface_api import HuggingFaceTEIRanker
+
     ranker = HuggingFaceTEIRanker(url=base, top_k=3)
     top = ranker.run(query=QUERY, documents=[Document(content=d) for d in DOCS])["documents"]
     return DOCS.index(top[0].content)
 
 
 CLIENTS: dict[str, Callable[[str], int]] = {
-    "cohere-v1": cohere_v1, "cohere-v2": cohere_v2, "langchain": langchain,
-    "llama-index": llama_index, "litellm-cohere": litellm_provider("cohere/rerank-v3.5"),
+    "cohere-v1": cohere_v1,
+    "cohere-v2": cohere_v2,
+    "langchain": langchain,
+    "llama-index": llama_index,
+    "litellm-cohere": litellm_provider("cohere/rerank-v3.5"),
     "litellm-infinity": litellm_provider("infinity/rerank"),
     "litellm-hosted-vllm": litellm_provider("hosted_vllm/reranker"),
     "litellm-huggingface": litellm_provider("huggingface/BAAI/bge-reranker-base"),
@@ -136,6 +152,7 @@ CLIENTS: dict[str, Callable[[str], int]] = {
 
 @pytest.mark.parametrize("client", list(CLIENTS))
 async def test_each_client_gets_the_on_topic_document_first(
-        server: RunningServer, client: str) -> None:
+    server: RunningServer, client: str
+) -> None:
     first: Any = await asyncio.to_thread(CLIENTS[client], url(server))
     assert first in ON_TOPIC, f"{client} put document {first} first: {DOCS[first]!r}"

@@ -35,11 +35,21 @@ async def _score(url: str, pairs: int, tag: str) -> None:
     limit = asyncio.Semaphore(SLOTS)
 
     async def one(http: httpx.AsyncClient, i: int) -> None:
-        message = prompt.user_message(DEFAULT_INSTRUCTION, f"{tag} query {i // 4}",
-                                      f"passage {i} about the river and its bank")
-        body = {"messages": [{"role": "system", "content": prompt.SYSTEM_PROMPT},
-                             {"role": "user", "content": message}],
-                "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
+        message = prompt.user_message(
+            DEFAULT_INSTRUCTION,
+            f"{tag} query {i // 4}",
+            f"passage {i} about the river and its bank",
+        )
+        body = {
+            "messages": [
+                {"role": "system", "content": prompt.SYSTEM_PROMPT},
+                {"role": "user", "content": message},
+            ],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
         async with limit:
             answer = await http.post(url + "/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.text
@@ -50,8 +60,9 @@ async def _score(url: str, pairs: int, tag: str) -> None:
 
 async def test_scoring_does_not_grow_llama_servers_memory(tmp_path: Path) -> None:
     binary, model = assets_or_fail()
-    managed = ManagedLlamaServer(binary, model, slots=SLOTS, ctx_per_slot=1024,
-                                 log_path=tmp_path / "llama-server.log")
+    managed = ManagedLlamaServer(
+        binary, model, slots=SLOTS, ctx_per_slot=1024, log_path=tmp_path / "llama-server.log"
+    )
     await managed.start()
     try:
         assert managed.pid is not None
@@ -69,8 +80,14 @@ async def test_scoring_does_not_grow_llama_servers_memory(tmp_path: Path) -> Non
 async def _command_run(tmp_path: Path, extra_args: list[str]) -> list[str]:
     """The command line managed mode started a (real) llama-server with."""
     binary, model = assets_or_fail()
-    managed = ManagedLlamaServer(binary, model, slots=1, ctx_per_slot=512,
-                                 extra_args=extra_args, log_path=tmp_path / "llama-server.log")
+    managed = ManagedLlamaServer(
+        binary,
+        model,
+        slots=1,
+        ctx_per_slot=512,
+        extra_args=extra_args,
+        log_path=tmp_path / "llama-server.log",
+    )
     await managed.start()
     try:
         return managed.command()
@@ -84,15 +101,17 @@ async def test_the_operators_own_cache_setting_is_kept(tmp_path: Path) -> None:
     assert command[command.index("--cache-ram") + 1] == "64"
 
 
-async def test_the_operators_variable_is_kept(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_operators_variable_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """llama-server reads `LLAMA_ARG_CACHE_RAM` too, and an argument would override it."""
     monkeypatch.setenv("LLAMA_ARG_CACHE_RAM", "64")
     assert "--cache-ram" not in await _command_run(tmp_path, [])
 
 
 async def test_a_help_that_never_ends_is_given_up_with_what_it_started(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A wrapper whose `--help` hangs, with a child holding its output open: the flag is
     not passed, and neither the wrapper nor its child outlives the question."""
     monkeypatch.setattr(llama_server, "HELP_TIMEOUT_S", 0.5)
@@ -121,8 +140,10 @@ async def test_a_build_without_the_flag_is_not_given_it(tmp_path: Path) -> None:
     assert await knows_flag(binary, "-cram")
     assert not await knows_flag(binary, "--cache-ra")
     old = tmp_path / "llama-server"
-    old.write_text("#!/bin/sh\necho '-np, --parallel N    number of slots'\n"
-                   "echo '--cache-reuse N    min chunk size (see --cache-ram elsewhere)'\n")
+    old.write_text(
+        "#!/bin/sh\necho '-np, --parallel N    number of slots'\n"
+        "echo '--cache-reuse N    min chunk size (see --cache-ram elsewhere)'\n"
+    )
     old.chmod(old.stat().st_mode | stat.S_IXUSR)
     assert await knows_flag(old, "-np")
     assert not await knows_flag(old, "--cache-ram")

@@ -30,11 +30,13 @@ def _gone(pid: int) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def _started(binary: Path, tmp_path: Path,
-                   **options: float) -> AsyncIterator[ManagedLlamaServer]:
+async def _started(
+    binary: Path, tmp_path: Path, **options: float
+) -> AsyncIterator[ManagedLlamaServer]:
     _, model = assets_or_fail()
-    managed = ManagedLlamaServer(binary, model, slots=1, ctx_per_slot=512,
-                                 log_path=tmp_path / "llama-server.log", **options)
+    managed = ManagedLlamaServer(
+        binary, model, slots=1, ctx_per_slot=512, log_path=tmp_path / "llama-server.log", **options
+    )
     await managed.start()
     try:
         yield managed
@@ -47,8 +49,7 @@ async def test_a_wedged_llama_server_is_killed_and_restarted(tmp_path: Path) -> 
     lives on: after `unresponsive_after_s` without a healthy /health it is killed and a
     new one serves on the same URL."""
     binary, _ = assets_or_fail()
-    async with _started(binary, tmp_path, liveness_every_s=0.5,
-                        unresponsive_after_s=2) as managed:
+    async with _started(binary, tmp_path, liveness_every_s=0.5, unresponsive_after_s=2) as managed:
         wedged = managed.pid
         assert wedged is not None
         with structlog.testing.capture_logs() as logged:
@@ -60,8 +61,7 @@ async def test_a_wedged_llama_server_is_killed_and_restarted(tmp_path: Path) -> 
         assert event["pid"] == wedged and event["silent_s"] >= 2
 
 
-async def test_a_restart_that_never_gets_ready_is_killed_and_tried_again(
-        tmp_path: Path) -> None:
+async def test_a_restart_that_never_gets_ready_is_killed_and_tried_again(tmp_path: Path) -> None:
     """The first restart hangs before it listens (here: a wrapper that sleeps instead of
     starting llama-server on its second launch): killed after the ready timeout, then
     the next restart serves."""
@@ -73,7 +73,8 @@ async def test_a_restart_that_never_gets_ready_is_killed_and_tried_again(
         f'n=$(cat "{tmp_path}/launches" 2>/dev/null || echo 0)\n'
         f'echo $((n + 1)) > "{tmp_path}/launches"\n'
         'if [ "$n" = 1 ]; then exec sleep 600; fi\n'
-        f'exec "{binary}" "$@"\n')
+        f'exec "{binary}" "$@"\n'
+    )
     wrapper.chmod(0o755)
     async with _started(wrapper, tmp_path, ready_timeout_s=5) as managed:
         first = managed.pid
@@ -91,8 +92,7 @@ def _wrapper(tmp_path: Path, binary: Path, body: str) -> Path:
     """A `llama-server` script in `tmp_path` that answers `--help` from `binary` and
     launches with `body`."""
     wrapper = tmp_path / "llama-server"
-    wrapper.write_text("#!/bin/sh\n"
-                       f'if [ "$1" = --help ]; then exec "{binary}" --help; fi\n' + body)
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = --help ]; then exec "{binary}" --help; fi\n' + body)
     wrapper.chmod(0o755)
     return wrapper
 
@@ -111,7 +111,8 @@ async def test_a_restart_that_cannot_be_launched_is_tried_again(tmp_path: Path) 
             wrapper.rename(tmp_path / "away")
             os.kill(first, signal.SIGKILL)
             assert await eventually(
-                lambda: any(e["event"] == "llama_server_launch_failed" for e in logged), 30)
+                lambda: any(e["event"] == "llama_server_launch_failed" for e in logged), 30
+            )
             (tmp_path / "away").rename(wrapper)
             assert await eventually(lambda: healthy(managed, first), 60, poll_s=0.2)
         failed = next(e for e in logged if e["event"] == "llama_server_launch_failed")
@@ -133,8 +134,7 @@ async def test_stopping_stops_what_a_wrapper_script_started(tmp_path: Path) -> N
             raise AssertionError("llama-server still answers after stop()")
 
 
-async def test_a_port_taken_while_llama_server_was_down_is_waited_for(
-        tmp_path: Path) -> None:
+async def test_a_port_taken_while_llama_server_was_down_is_waited_for(tmp_path: Path) -> None:
     """Another program listens on the port while llama-server is down: no launch (it
     could not bind, and the other program's /health would pass for its readiness); once
     the port is free again, a restart serves there."""
@@ -151,12 +151,12 @@ async def test_a_port_taken_while_llama_server_was_down_is_waited_for(
                 squatter.bind(("127.0.0.1", managed.port))
                 squatter.listen()
                 assert await eventually(
-                    lambda: any(e["event"] == "llama_server_port_taken" for e in logged), 30)
+                    lambda: any(e["event"] == "llama_server_port_taken" for e in logged), 30
+                )
             assert await eventually(lambda: healthy(managed, first), 60, poll_s=0.2)
 
 
-async def test_a_llama_server_that_exits_at_start_is_one_line_with_its_code(
-        tmp_path: Path) -> None:
+async def test_a_llama_server_that_exits_at_start_is_one_line_with_its_code(tmp_path: Path) -> None:
     """A child that exits straight away is reported as such, with its exit code, at
     once: not as "did not become ready within 120 s"."""
     binary, _ = assets_or_fail()
@@ -167,7 +167,8 @@ async def test_a_llama_server_that_exits_at_start_is_one_line_with_its_code(
 
 
 async def test_a_proxy_in_the_environment_does_not_hide_the_child(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """HTTP_PROXY (set for the downloads, say) sent the readiness polls of the child on
     127.0.0.1 to the proxy: a healthy llama-server "did not become ready"."""
     with socket.socket() as dead:
@@ -186,8 +187,7 @@ async def test_llama_server_output_is_kept_within_its_cap(tmp_path: Path) -> Non
     every pair llama-server scores)."""
     binary, _ = assets_or_fail()
     line = "x" * 99
-    wrapper = _wrapper(tmp_path, binary,
-                       f'yes {line} | head -n 30000\nexec "{binary}" "$@"\n')
+    wrapper = _wrapper(tmp_path, binary, f'yes {line} | head -n 30000\nexec "{binary}" "$@"\n')
     cap = 1024 * 1024
     async with _started(wrapper, tmp_path, log_max_bytes=cap) as managed:
         async with httpx.AsyncClient(timeout=5) as http:
@@ -200,7 +200,9 @@ def _assert_capped(tmp_path: Path, cap: int, line: str, port: int) -> None:
     current = tmp_path / "llama-server.log"
     previous = tmp_path / "llama-server.log.1"
     assert sorted(p.name for p in tmp_path.glob("llama-server.log*")) == [
-        current.name, previous.name]
+        current.name,
+        previous.name,
+    ]
     most = cap + len(line) + 1  # a file ends after the line it reached the cap in
     assert 0 < current.stat().st_size <= most and 0 < previous.stat().st_size <= most
     text = current.read_text(errors="replace")

@@ -25,26 +25,34 @@ DOCS = ["Cats eat meat.", "The stock market fell.", "Kittens need milk.", "Rain 
 async def _rerank_on_new_connections(port: int, count: int) -> list[Any]:
     """`count` requests at once, each on its own channel (so both workers get some); every
     pair is sent (`always_score`: the stand-in's blend profile gives it no weight)."""
+
     async def one(i: int) -> Any:
         async with AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True) as client:
-            return await client.rerank(f"what do cats eat {i}?", DOCS, always_score=True,
-                                       bypass_cache=True, timeout=60)
+            return await client.rerank(
+                f"what do cats eat {i}?", DOCS, always_score=True, bypass_cache=True, timeout=60
+            )
+
     return await asyncio.gather(*(one(i) for i in range(count)))
 
 
 async def _llama_restarts(server: Supervised) -> list[float]:
     async with httpx.AsyncClient() as http:
         text = (await http.get(f"http://127.0.0.1:{server.metrics_port}/metrics")).text
-    return [s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == "rerank_llama_server_restarts_total" and "worker" not in s.labels]
+    return [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "rerank_llama_server_restarts_total" and "worker" not in s.labels
+    ]
 
 
 async def test_managed_workers_share_one_llama_server_that_restarts_and_stops() -> None:
     assets_or_fail()
     # A scoring budget far above what the stand-in needs on a slow 2-core machine: this
     # test is about processes, not speed.
-    async with supervised(None, workers=2, start_timeout_s=180,
-                          RERANK_TIMEOUT_MS="60000") as server:
+    async with supervised(
+        None, workers=2, start_timeout_s=180, RERANK_TIMEOUT_MS="60000"
+    ) as server:
         llamas = server.children(b"llama-server")
         assert len(llamas) == 1, "one llama-server for every worker, run by the supervisor"
         answers = await _rerank_on_new_connections(server.port, 16)
@@ -55,8 +63,13 @@ async def test_managed_workers_share_one_llama_server_that_restarts_and_stops() 
         assert await _llama_restarts(server) == [0.0]
 
         os.kill(llamas[0], signal.SIGKILL)
-        assert await eventually(lambda: len(server.children(b"llama-server")) == 1
-                                and llamas[0] not in server.children(b"llama-server"), 30)
+        assert await eventually(
+            lambda: (
+                len(server.children(b"llama-server")) == 1
+                and llamas[0] not in server.children(b"llama-server")
+            ),
+            30,
+        )
         assert await eventually(lambda: bool(server.logged("llama_server_ready")), 120)
         again = await _rerank_on_new_connections(server.port, 4)
         assert all(a.reranked for a in again)

@@ -17,8 +17,12 @@ from rerank_server.managed import assets
 from tests.conftest import StartServer
 from tests.real.conftest import RealLlama, _serve, assets_or_fail
 
-DOCS = ["Rivers turn turbines in a dam.", "A cat sat on the mat.",
-        "Tides can drive generators.", "The stock market fell."]
+DOCS = [
+    "Rivers turn turbines in a dam.",
+    "A cat sat on the mat.",
+    "Tides can drive generators.",
+    "The stock market fell.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +32,27 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     assert python.exists(), "no converter environment: run `make test-assets`"
     out = tmp_path_factory.mktemp("twin") / "twin-lm.q8_0.gguf"
     script = Path(assets.__file__).with_name("speed_twin.py")
-    subprocess.run([str(python), str(script), str(stand_in), str(out), "q8_0", "lm"],
-                   check=True, timeout=600, capture_output=True)
+    subprocess.run(
+        [str(python), str(script), str(stand_in), str(out), "q8_0", "lm"],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     yield from _serve(binary, out, tmp_path_factory, ["-np", "2", "-c", "4096"])
     out.unlink()  # half a gigabyte
 
 
 @pytest.mark.parametrize("backend", [BackendKind.COMPLETION, BackendKind.CHAT])
-async def test_every_pair_of_the_twin_is_scored(twin: RealLlama, start_server: StartServer,
-                                                backend: BackendKind) -> None:
-    server = await start_server(backend_url=twin.url, backend=backend, concurrency=2,
-                                assistant_prefill=False, timeout_ms=120_000)
+async def test_every_pair_of_the_twin_is_scored(
+    twin: RealLlama, start_server: StartServer, backend: BackendKind
+) -> None:
+    server = await start_server(
+        backend_url=twin.url,
+        backend=backend,
+        concurrency=2,
+        assistant_prefill=False,
+        timeout_ms=120_000,
+    )
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         answer = await client.rerank("river energy", DOCS, timeout=120)
     assert answer.reranked, answer.summary

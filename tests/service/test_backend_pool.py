@@ -17,8 +17,9 @@ from tests.fakes.llama import FakeLlamaServer
 POOL = {"eject_after": 2, "eject_base_s": 0.3, "health_interval_s": 0.2}
 
 
-async def two_instance_server(start_server: StartServer, fakes: list[FakeLlamaServer],
-                              **settings: object) -> RunningServer:
+async def two_instance_server(
+    start_server: StartServer, fakes: list[FakeLlamaServer], **settings: object
+) -> RunningServer:
     return await start_server(backend_url=",".join(f.url for f in fakes), **POOL, **settings)
 
 
@@ -52,7 +53,8 @@ async def test_load_spreads_over_instances(start_server: StartServer) -> None:
 
 
 async def test_losing_an_instance_mid_run_fails_no_request_and_it_comes_back(
-        start_server: StartServer) -> None:
+    start_server: StartServer,
+) -> None:
     _, b = fakes = [FakeLlamaServer(latency_s=0.01).start() for _ in range(2)]
     try:
         server = await two_instance_server(start_server, fakes)
@@ -65,8 +67,7 @@ async def test_losing_an_instance_mid_run_fails_no_request_and_it_comes_back(
             for i in range(10):
                 answers.append(await client.rerank(f"during {i}", ["x", "y", "z", "w"]))
             assert all(ans.reranked and ans.summary.failed == 0 for ans in answers)
-            assert server.pool.endpoints[1].ejections >= 1 or \
-                not server.pool.endpoints[1].healthy
+            assert server.pool.endpoints[1].ejections >= 1 or not server.pool.endpoints[1].healthy
             down = health_pb2.HealthCheckResponse.NOT_SERVING
             assert await eventually_status(server, f"http://127.0.0.1:{port}", down) == down
 
@@ -83,8 +84,7 @@ async def test_losing_an_instance_mid_run_fails_no_request_and_it_comes_back(
             f.stop()
 
 
-async def test_with_every_instance_out_requests_degrade_at_once(
-        start_server: StartServer) -> None:
+async def test_with_every_instance_out_requests_degrade_at_once(start_server: StartServer) -> None:
     fakes = [FakeLlamaServer().start() for _ in range(2)]
     try:
         server = await two_instance_server(start_server, fakes, backend_timeout_ms=20_000)

@@ -41,8 +41,7 @@ class ResettingProxy:
         self._server = await asyncio.start_server(self._forward, "127.0.0.1", 0)
         return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
-    async def _forward(self, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
         self._open |= {writer, up_writer}
@@ -61,7 +60,8 @@ class ResettingProxy:
         for writer in list(self._open):
             with contextlib.suppress(OSError):
                 writer.get_extra_info("socket").setsockopt(
-                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
             writer.transport.abort()
         self._open.clear()
 
@@ -79,8 +79,9 @@ async def proxy(start_server: StartServer) -> AsyncIterator[ResettingProxy]:
     await proxy.close()
 
 
-async def _reset_while_scoring(proxy: ResettingProxy, fake: FakeLlamaServer,
-                               client: AsyncRerankClient) -> asyncio.Task[object]:
+async def _reset_while_scoring(
+    proxy: ResettingProxy, fake: FakeLlamaServer, client: AsyncRerankClient
+) -> asyncio.Task[object]:
     """Starts a call, and resets its connection once the backend is scoring it."""
     fake.latency_s = 0.3
     fake.received.clear()
@@ -91,7 +92,8 @@ async def _reset_while_scoring(proxy: ResettingProxy, fake: FakeLlamaServer,
 
 
 async def test_a_call_whose_connection_resets_is_sent_again(
-        proxy: ResettingProxy, fake_llama: FakeLlamaServer) -> None:
+    proxy: ResettingProxy, fake_llama: FakeLlamaServer
+) -> None:
     async with AsyncRerankClient(await proxy.start()) as client:
         call = await _reset_while_scoring(proxy, fake_llama, client)
         answer = await call
@@ -100,7 +102,8 @@ async def test_a_call_whose_connection_resets_is_sent_again(
 
 
 async def test_with_one_attempt_the_reset_reaches_the_caller(
-        proxy: ResettingProxy, fake_llama: FakeLlamaServer) -> None:
+    proxy: ResettingProxy, fake_llama: FakeLlamaServer
+) -> None:
     async with AsyncRerankClient(await proxy.start(), retry_attempts=1) as client:
         call = await _reset_while_scoring(proxy, fake_llama, client)
         with pytest.raises(UnavailableError):
@@ -108,7 +111,8 @@ async def test_with_one_attempt_the_reset_reaches_the_caller(
 
 
 async def test_a_stream_reset_before_its_first_result_is_sent_again(
-        proxy: ResettingProxy, fake_llama: FakeLlamaServer) -> None:
+    proxy: ResettingProxy, fake_llama: FakeLlamaServer
+) -> None:
     async with AsyncRerankClient(await proxy.start()) as client:
         fake_llama.latency_s = 0.3
         fake_llama.received.clear()
@@ -139,7 +143,8 @@ async def silent_port() -> AsyncIterator[int]:
 
 
 async def test_the_default_deadline_ends_a_call_to_a_server_that_never_answers(
-        silent_port: int) -> None:
+    silent_port: int,
+) -> None:
     async with AsyncRerankClient(f"127.0.0.1:{silent_port}", default_timeout=0.5) as client:
         started = time.monotonic()
         with pytest.raises(DeadlineExceededError):
@@ -170,13 +175,25 @@ def test_a_token_for_a_remote_host_without_tls_warns() -> None:
         RerankClient("10.0.0.7:50051").close()  # no token to leak
 
 
-@pytest.mark.parametrize(("target", "local"), [
-    ("127.0.0.1:50051", True), ("localhost:50051", True), ("[::1]:50051", True),
-    ("ipv4:127.0.0.1:1,127.0.0.1:2", True), ("ipv4:127.0.0.1:1,10.0.0.5:2", False),
-    ("ipv6:[::1]:1,[2001:db8::1]:2", False), ("dns:///localhost:50051", True),
-    ("unix:/run/rerank.sock", True), ("localhost", True), ("::1", True),
-    ("10.0.0.7:50051", False), ("dns:///reranker:50051", False), ("[2001:db8::1]:1", False),
-    ("example.com", False)])
+@pytest.mark.parametrize(
+    ("target", "local"),
+    [
+        ("127.0.0.1:50051", True),
+        ("localhost:50051", True),
+        ("[::1]:50051", True),
+        ("ipv4:127.0.0.1:1,127.0.0.1:2", True),
+        ("ipv4:127.0.0.1:1,10.0.0.5:2", False),
+        ("ipv6:[::1]:1,[2001:db8::1]:2", False),
+        ("dns:///localhost:50051", True),
+        ("unix:/run/rerank.sock", True),
+        ("localhost", True),
+        ("::1", True),
+        ("10.0.0.7:50051", False),
+        ("dns:///reranker:50051", False),
+        ("[2001:db8::1]:1", False),
+        ("example.com", False),
+    ],
+)
 def test_which_targets_are_local(target: str, local: bool) -> None:
     assert is_local(target) is local
 
@@ -189,19 +206,22 @@ def test_retry_attempts_and_default_timeout_are_checked() -> None:
 
 
 async def test_leaving_rerank_many_early_cancels_the_rest_on_the_server(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     """The promise in docs/api.md: closed early (aclosing), the batch stream's call is
     cancelled, and the server stops working on requests nobody will read."""
     server = await start_server()
     fake_llama.latency_for = lambda doc: 0.0 if "fast" in doc else 5.0
-    queries = {"first": ("q", ["fast a", "fast b", "fast c"]),
-               **{f"slow {n}": ("q", [f"slow {n} a", f"slow {n} b", f"slow {n} c"])
-                  for n in range(3)}}
+    queries = {
+        "first": ("q", ["fast a", "fast b", "fast c"]),
+        **{f"slow {n}": ("q", [f"slow {n} a", f"slow {n} b", f"slow {n} c"]) for n in range(3)},
+    }
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         async with contextlib.aclosing(client.rerank_many(queries)) as answers:
             async for request_id, _answer in answers:
                 assert request_id == "first"
                 assert server.reranker.active == 3  # the slow ones are being scored
                 break
-        assert await eventually(lambda: server.reranker.active == 0, 3), \
+        assert await eventually(lambda: server.reranker.active == 0, 3), (
             "the slow requests ran on after the close"
+        )

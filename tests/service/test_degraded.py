@@ -41,21 +41,26 @@ async def test_stopped_backend_answers_in_retrieval_order(start_server: StartSer
     assert answer.summary.failed == 5  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("mode", "code"), [
-    (llama.HTTP_500, "backend_error"),
-    (llama.NOT_JSON, "malformed_response"),
-    (llama.NO_LOGPROBS, "malformed_response"),
-    (llama.NO_YES_NO, "malformed_response"),
-    (llama.DROP_CONNECTION, "backend_unavailable"),
-])
+@pytest.mark.parametrize(
+    ("mode", "code"),
+    [
+        (llama.HTTP_500, "backend_error"),
+        (llama.NOT_JSON, "malformed_response"),
+        (llama.NO_LOGPROBS, "malformed_response"),
+        (llama.NO_YES_NO, "malformed_response"),
+        (llama.DROP_CONNECTION, "backend_unavailable"),
+    ],
+)
 async def test_every_pair_failing_degrades_with_reason(
-        start_server: StartServer, fake_llama: FakeLlamaServer, mode: str, code: str) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer, mode: str, code: str
+) -> None:
     fake_llama.mode = mode
     _assert_retrieval_order(await _rerank(start_server), code)
 
 
 async def test_timeout_degrades_with_timeout_reason(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.latency_s = 1.0
     answer = await _rerank(start_server, timeout_ms=200)
     _assert_retrieval_order(answer, "timeout")
@@ -63,7 +68,8 @@ async def test_timeout_degrades_with_timeout_reason(
 
 
 async def test_some_pairs_failing_ranks_the_scored_ones(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.scores = {"document c": 0.9, "document e": 0.8, "document a": 0.1}
     fake_llama.failing_markers = ("document b", "document d")
     answer = await _rerank(start_server)
@@ -77,7 +83,8 @@ async def test_some_pairs_failing_ranks_the_scored_ones(
 
 
 async def test_only_yes_token_uses_floor_for_no(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.mode = llama.ONLY_YES
     fake_llama.default_score = 0.5
     answer = await _rerank(start_server)
@@ -87,7 +94,8 @@ async def test_only_yes_token_uses_floor_for_no(
 
 
 async def test_too_few_candidates_skips_scoring(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     server = await start_server(min_candidates=3)
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         answer = await client.rerank("q", ["x", "y"])
@@ -97,14 +105,16 @@ async def test_too_few_candidates_skips_scoring(
 
 
 async def test_disabled_server_skips_scoring(
-        start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     answer = await _rerank(start_server, disabled=True)
     _assert_retrieval_order(answer, "disabled")
     assert fake_llama.requests == []
 
 
 async def test_grpc_deadline_shortens_budget_and_still_answers(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     """A caller deadline shorter than scoring gets a degraded answer in time, not an error."""
     fake_llama.latency_s = 2.0
     answer = await client.rerank("q", DOCS, timeout=0.5)
@@ -113,20 +123,24 @@ async def test_grpc_deadline_shortens_budget_and_still_answers(
 
 
 async def test_request_timeout_option_applies(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.latency_s = 1.0
     answer = await client.rerank("q", DOCS, timeout_ms=150)
     assert answer.summary.degraded_code == "timeout"
     assert answer.summary.total_ms < 900
 
 
-@pytest.mark.parametrize(("mode", "answered"), [
-    (llama.NOT_JSON, False),  # not an answer: the streak stands
-    (llama.NO_LOGPROBS, True),  # JSON of the wrong shape: answered, if uselessly
-])
+@pytest.mark.parametrize(
+    ("mode", "answered"),
+    [
+        (llama.NOT_JSON, False),  # not an answer: the streak stands
+        (llama.NO_LOGPROBS, True),  # JSON of the wrong shape: answered, if uselessly
+    ],
+)
 async def test_an_answer_that_is_not_json_does_not_count_as_answered(
-        start_server: StartServer, fake_llama: FakeLlamaServer, mode: str,
-        answered: bool) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer, mode: str, answered: bool
+) -> None:
     """`chat` decodes its answers itself (typed, only the fields it reads) and keeps the
     instance's health as the HTTP client's decoding kept it: bytes that are not JSON leave
     its failure streak as it was, JSON of the wrong shape clears it (`completion`: in

@@ -37,44 +37,62 @@ def as_base64(values: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
 
 
-def openai_embeddings(refuse_base64: bool = False, reverse: bool = False,
-                      nan_for: str = "") -> Handler:
+def openai_embeddings(
+    refuse_base64: bool = False, reverse: bool = False, nan_for: str = ""
+) -> Handler:
     """`/v1/embeddings` answering in base64 when asked (or refusing it, as vLLM did until
     mid-2024), its entries reversed if `reverse`, a NaN in the vectors of texts holding
     `nan_for` (only base64 can carry one)."""
-    def handler(method: str, path: str, body: Any, headers: Mapping[str, str],
-                ) -> tuple[int, Any]:
+
+    def handler(
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+    ) -> tuple[int, Any]:
         if method == "GET":
             return (200, {"status": "ok"}) if path == "/health" else (404, {})
         wants_base64 = body.get("encoding_format") == "base64"
         if wants_base64 and refuse_base64:
-            return 400, {"object": "error", "type": "BadRequestError", "code": 400,
-                         "message": "base64 encoding is not currently supported"}
+            return 400, {
+                "object": "error",
+                "type": "BadRequestError",
+                "code": 400,
+                "message": "base64 encoding is not currently supported",
+            }
         data = []
         for i, text in enumerate(body["input"]):
             values = vector(text)
             if nan_for and nan_for in text:
                 values[0] = math.nan
-            data.append({"object": "embedding", "index": i,
-                         "embedding": as_base64(values) if wants_base64 else values})
+            data.append(
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": as_base64(values) if wants_base64 else values,
+                }
+            )
         if reverse:
             data.reverse()
         return 200, {"object": "list", "data": data, "model": "minilm"}
+
     return handler
 
 
 @pytest.fixture
-async def embedding_backend(start_server: StartServer,
-                            ) -> AsyncIterator[Any]:
+async def embedding_backend(
+    start_server: StartServer,
+) -> AsyncIterator[Any]:
     fakes: list[JsonServer] = []
     clients: list[AsyncRerankClient] = []
 
-    async def start(handler: Handler, max_batch: int = 32,
-                    ) -> tuple[JsonServer, AsyncRerankClient]:
+    async def start(
+        handler: Handler,
+        max_batch: int = 32,
+    ) -> tuple[JsonServer, AsyncRerankClient]:
         fake = JsonServer(handler).start()
         fakes.append(fake)
-        server = await start_server(backend="embedding", backend_url=fake.url,
-                                    max_batch=max_batch)
+        server = await start_server(backend="embedding", backend_url=fake.url, max_batch=max_batch)
         clients.append(AsyncRerankClient(f"127.0.0.1:{server.port}"))
         return fake, clients[-1]
 
@@ -85,12 +103,16 @@ async def embedding_backend(start_server: StartServer,
         fake.stop()
 
 
-@pytest.mark.parametrize(("max_batch", "inputs"), [
-    (32, [[QUERY, *DOCS]]),  # the query with the documents: one call
-    (2, [[QUERY], DOCS[:2], DOCS[2:]]),  # the query on its own, then slices of two
-])
+@pytest.mark.parametrize(
+    ("max_batch", "inputs"),
+    [
+        (32, [[QUERY, *DOCS]]),  # the query with the documents: one call
+        (2, [[QUERY], DOCS[:2], DOCS[2:]]),  # the query on its own, then slices of two
+    ],
+)
 async def test_embeddings_come_as_base64_and_score_their_documents(
-        embedding_backend: Any, max_batch: int, inputs: list[list[str]]) -> None:
+    embedding_backend: Any, max_batch: int, inputs: list[list[str]]
+) -> None:
     fake, client = await embedding_backend(openai_embeddings(), max_batch=max_batch)
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.scored == len(DOCS)
@@ -98,13 +120,13 @@ async def test_embeddings_come_as_base64_and_score_their_documents(
     assert sorted(c.body["input"] for c in calls) == sorted(inputs)
     assert all(c.body["encoding_format"] == "base64" for c in calls)
     for result in answer.results:  # float32 on the wire: equal to about 1e-7
-        assert result.reranker_score == pytest.approx(expected_score(DOCS[result.index]),
-                                                      abs=1e-6)
+        assert result.reranker_score == pytest.approx(expected_score(DOCS[result.index]), abs=1e-6)
     assert [r.index for r in answer.results][:2] == [0, 2]
 
 
 async def test_a_backend_that_refuses_base64_gets_floats_from_then_on(
-        embedding_backend: Any) -> None:
+    embedding_backend: Any,
+) -> None:
     fake, client = await embedding_backend(openai_embeddings(refuse_base64=True))
     for i in range(2):  # two queries: the second is not answered from the score cache
         answer = await client.rerank(f"{QUERY} {i}", DOCS, blend_strategy="rerank_only")
@@ -114,19 +136,18 @@ async def test_a_backend_that_refuses_base64_gets_floats_from_then_on(
     assert formats == ["base64", None, None], formats
 
 
-async def test_entries_out_of_order_score_their_own_documents(
-        embedding_backend: Any) -> None:
+async def test_entries_out_of_order_score_their_own_documents(embedding_backend: Any) -> None:
     """The answer's `index` says which text an embedding belongs to, not its position."""
     _, client = await embedding_backend(openai_embeddings(reverse=True))
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.summary.scored == len(DOCS)
     for result in answer.results:
-        assert result.reranker_score == pytest.approx(expected_score(DOCS[result.index]),
-                                                      abs=1e-6)
+        assert result.reranker_score == pytest.approx(expected_score(DOCS[result.index]), abs=1e-6)
 
 
 async def test_an_embedding_that_is_not_a_number_fails_its_pair_only(
-        embedding_backend: Any) -> None:
+    embedding_backend: Any,
+) -> None:
     _, client = await embedding_backend(openai_embeddings(nan_for="noise"))
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.degraded_code == "partial"
@@ -137,26 +158,37 @@ async def test_an_embedding_that_is_not_a_number_fails_its_pair_only(
 
 @pytest.mark.parametrize("embedding", ["AAAAAAA=", "not base64!", ""])
 async def test_an_embedding_that_is_not_whole_float32s_fails_the_call(
-        embedding_backend: Any, embedding: str) -> None:
+    embedding_backend: Any, embedding: str
+) -> None:
     """Five bytes, characters outside base64, nothing: malformed, never a crash."""
-    def broken(method: str, path: str, body: Any, headers: Mapping[str, str],
-               ) -> tuple[int, Any]:
+
+    def broken(
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+    ) -> tuple[int, Any]:
         if method == "GET":
             return (200, {"status": "ok"}) if path == "/health" else (404, {})
-        return 200, {"data": [{"index": i, "embedding": embedding}
-                              for i in range(len(body["input"]))]}
+        return 200, {
+            "data": [{"index": i, "embedding": embedding} for i in range(len(body["input"]))]
+        }
 
     _, client = await embedding_backend(broken)
     answer = await client.rerank(QUERY, DOCS)
     assert not answer.reranked and answer.summary.degraded_code == "malformed_response"
 
 
-async def test_a_refusal_that_was_not_about_base64_keeps_base64(
-        embedding_backend: Any) -> None:
+async def test_a_refusal_that_was_not_about_base64_keeps_base64(embedding_backend: Any) -> None:
     """A 422 for an input the backend refuses in any format (vLLM's over-long input, say)
     is tried once with floats, fails again, and base64 stays on for the next request."""
-    def refuses_poison(method: str, path: str, body: Any, headers: Mapping[str, str],
-                       ) -> tuple[int, Any]:
+
+    def refuses_poison(
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+    ) -> tuple[int, Any]:
         if any("poison" in text for text in body.get("input", ())):
             return 422, {"object": "error", "message": "input rejected"}
         return openai_embeddings()(method, path, body, headers)
@@ -174,8 +206,13 @@ async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any)
     """Two entries naming the same text: neither is taken (which is its own is unknown;
     the last used to be), the text none names fails too, and no score lands on another
     document."""
-    def repeats(method: str, path: str, body: Any, headers: Mapping[str, str],
-                ) -> tuple[int, Any]:
+
+    def repeats(
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+    ) -> tuple[int, Any]:
         status, answer = openai_embeddings()(method, path, body, headers)
         if method == "POST":
             answer["data"][2]["index"] = 1  # entry 2 claims text 1 (DOCS[0]); none has 2
@@ -193,21 +230,33 @@ async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any)
 def refusing_over(limit: int, named: bool) -> Handler:
     """OpenAI embeddings refusing, as llama-server does, an input over its physical batch
     (here `limit` bytes stand for tokens), naming that batch where `named`."""
-    def handle(method: str, path: str, body: Any, headers: Mapping[str, str],
-               ) -> tuple[int, Any]:
+
+    def handle(
+        method: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+    ) -> tuple[int, Any]:
         if method == "POST" and path != "/v1/embeddings":
             return 404, {"error": "not found"}  # no /tokenize: cut by bytes
         if method == "POST" and any(len(text.encode()) > limit for text in body["input"]):
             where = f" (current batch size: {limit})" if named else ""
-            return 500, {"error": {"code": 500, "type": "server_error", "message":
-                                   "input (400 tokens) is too large to process. increase "
-                                   f"the physical batch size{where}"}}
+            return 500, {
+                "error": {
+                    "code": 500,
+                    "type": "server_error",
+                    "message": "input (400 tokens) is too large to process. increase "
+                    f"the physical batch size{where}",
+                }
+            }
         return openai_embeddings()(method, path, body, headers)
+
     return handle
 
 
 async def test_an_input_too_large_to_process_fails_its_request_not_the_instance(
-        embedding_backend: Any) -> None:
+    embedding_backend: Any,
+) -> None:
     """llama-server refuses an embedding input longer than its physical batch with a
     500: that is the input's fault. It was retried as a server error and counted against
     the instance, which three such requests ejected, for everyone."""
@@ -221,7 +270,8 @@ async def test_an_input_too_large_to_process_fails_its_request_not_the_instance(
 
 
 async def test_an_input_over_the_physical_batch_it_names_is_cut_to_it(
-        embedding_backend: Any) -> None:
+    embedding_backend: Any,
+) -> None:
     """The refusal names llama-server's physical batch (`-ub`, which `/props` does not
     report): the texts are cut to it and sent again, and later requests are cut before
     they are sent. Every request with a long text used to fail all of its pairs."""

@@ -42,7 +42,8 @@ async def test_health_backend_probe_and_draining(fake_llama: FakeLlamaServer) ->
 
 
 async def test_indistinct_model_is_flagged_but_main_service_serves(
-        fake_llama: FakeLlamaServer) -> None:
+    fake_llama: FakeLlamaServer,
+) -> None:
     fake_llama.default_score = 0.5  # same score for every document
     settings = Settings(port=0, http_port=0, backend_url=fake_llama.url, health_interval_s=0.1)
     server = await build_server(settings)
@@ -54,15 +55,15 @@ async def test_indistinct_model_is_flagged_but_main_service_serves(
     await server.stop(grace=0)
 
 
-async def test_reflection_lists_services_and_can_be_turned_off(
-        fake_llama: FakeLlamaServer) -> None:
+async def test_reflection_lists_services_and_can_be_turned_off(fake_llama: FakeLlamaServer) -> None:
     base = Settings(port=0, http_port=0, backend_url=fake_llama.url, probe=False)
     for enabled in (True, False):
         server = await build_server(dataclasses.replace(base, reflection=enabled))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            call = stub.ServerReflectionInfo(iter([
-                reflection_pb2.ServerReflectionRequest(list_services="")]))
+            call = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
             try:
                 names = [s.name async for r in call for s in r.list_services_response.service]
             except grpc.aio.AioRpcError as exc:
@@ -73,7 +74,8 @@ async def test_reflection_lists_services_and_can_be_turned_off(
 
 
 async def test_a_probe_that_failed_once_is_tried_again(
-        fake_llama: FakeLlamaServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_llama: FakeLlamaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The probe as the backend comes up failing once (a hiccup) left `backend`
     NOT_SERVING for as long as the pool stayed up, while requests reranked: dashboards
     and alerts saw a dead backend. It is tried again until it scores."""
@@ -86,6 +88,7 @@ async def test_a_probe_that_failed_once_is_tried_again(
         await server.monitor.probed.wait()
         assert await _status(channel, "rerank.v1.Reranker/backend") == NOT_SERVING
         fake_llama.failing_markers = ()
+
         async def backend_serving() -> bool:
             return await _status(channel, "rerank.v1.Reranker/backend") == SERVING
 
@@ -100,14 +103,18 @@ async def test_watch_streams_the_status_and_its_changes(fake_llama: FakeLlamaSer
     grpc_health's Watch is a coroutine that writes: every call ended UNKNOWN. Open
     without a token, as `Check` is."""
     fake_llama.scores = {"Paris": 0.95, "Photosynthesis": 0.02}
-    settings = Settings(port=0, http_port=0, backend_url=fake_llama.url,
-                        health_interval_s=0.1, auth_tokens="a-long-enough-s3cret-token")
+    settings = Settings(
+        port=0,
+        http_port=0,
+        backend_url=fake_llama.url,
+        health_interval_s=0.1,
+        auth_tokens="a-long-enough-s3cret-token",
+    )
     server = await build_server(settings)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         await server.monitor.probed.wait()
         stub = health_pb2_grpc.HealthStub(channel)
-        call = stub.Watch(health_pb2.HealthCheckRequest(service="rerank.v1.Reranker"),
-                          timeout=10)
+        call = stub.Watch(health_pb2.HealthCheckRequest(service="rerank.v1.Reranker"), timeout=10)
         unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nothing"), timeout=10)
         first = await call.read()
         assert first.status == SERVING

@@ -16,14 +16,20 @@ from tests.conftest import StartServer
 from tests.fakes.llama import HTTP_500, FakeLlamaServer
 
 # Retrieval puts the two off-topic documents first; the model scores them low.
-DOCS = ["The stock market fell sharply today.", "Weather: rain expected in Spain.",
-        "Cats are obligate carnivores that eat meat.", "Kittens need their mother's milk."]
+DOCS = [
+    "The stock market fell sharply today.",
+    "Weather: rain expected in Spain.",
+    "Cats are obligate carnivores that eat meat.",
+    "Kittens need their mother's milk.",
+]
 SCORES = {"stock": 0.02, "Weather": 0.05, "Cats": 0.92, "Kittens": 0.81}
 
 
 @pytest.fixture
-async def http_server(start_server: StartServer, fake_llama: FakeLlamaServer,
-                      ) -> RunningServer:
+async def http_server(
+    start_server: StartServer,
+    fake_llama: FakeLlamaServer,
+) -> RunningServer:
     fake_llama.scores = dict(SCORES)
     return await start_server(http_port=free_port())
 
@@ -35,7 +41,8 @@ async def _post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx
 
 @pytest.mark.parametrize("blend", [None, "position_aware", "linear", "adaptive"])
 async def test_an_irrelevant_document_never_scores_high_for_its_rank(
-        http_server: RunningServer, blend: str | None) -> None:
+    http_server: RunningServer, blend: str | None
+) -> None:
     """Whatever the blend puts first, no document's relevance passes the model's own
     score of it, and the results are sorted by relevance, in the server's order."""
     body: dict[str, Any] = {"query": "what do cats eat?", "documents": DOCS}
@@ -53,7 +60,8 @@ async def test_an_irrelevant_document_never_scores_high_for_its_rank(
 
 
 async def test_an_answer_the_model_did_not_score_says_so_in_every_shape(
-        http_server: RunningServer, fake_llama: FakeLlamaServer) -> None:
+    http_server: RunningServer, fake_llama: FakeLlamaServer
+) -> None:
     """A failing backend: relevance 0 everywhere (a threshold drops them all, rather than
     keeping the retrieval order's first), and the degraded reason in a header that TEI's
     bare list has no other place for; the order is the retrieval order."""
@@ -66,8 +74,9 @@ async def test_an_answer_the_model_did_not_score_says_so_in_every_shape(
     assert cohere.headers[DEGRADED_HEADER] == "backend_error"
     assert tei.headers[DEGRADED_HEADER] == "backend_unavailable"
     assert cohere.json()["meta"]["reranked"] is False
-    assert [(r["index"], r["relevance_score"]) for r in cohere.json()["results"]] == \
-        [(i, 0.0) for i in range(len(DOCS))]
+    assert [(r["index"], r["relevance_score"]) for r in cohere.json()["results"]] == [
+        (i, 0.0) for i in range(len(DOCS))
+    ]
     assert [(r["index"], r["score"]) for r in tei.json()] == [(i, 0.0) for i in range(len(DOCS))]
 
 
@@ -76,13 +85,16 @@ async def test_a_reranked_answer_carries_no_degraded_header(http_server: Running
     assert DEGRADED_HEADER not in response.headers
 
 
-async def test_tei_scores_are_sorted_with_or_without_raw_scores(
-        http_server: RunningServer) -> None:
+async def test_tei_scores_are_sorted_with_or_without_raw_scores(http_server: RunningServer) -> None:
     """Haystack's TEI ranker keeps the first results by score: they must be sorted."""
     for raw in (False, True):
-        answer = (await _post(http_server, "/rerank",
-                              {"query": "what do cats eat?", "texts": DOCS,
-                               "raw_scores": raw})).json()
+        answer = (
+            await _post(
+                http_server,
+                "/rerank",
+                {"query": "what do cats eat?", "texts": DOCS, "raw_scores": raw},
+            )
+        ).json()
         scores = [r["score"] for r in answer]
         assert scores == sorted(scores, reverse=True)
         assert answer[0]["index"] == 2 and answer[0]["score"] == pytest.approx(0.92)
@@ -90,13 +102,22 @@ async def test_tei_scores_are_sorted_with_or_without_raw_scores(
 
 @pytest.mark.parametrize("return_documents", [True, None, False])
 async def test_rerank_at_the_root_takes_infinity_and_vllm_bodies(
-        http_server: RunningServer, return_documents: bool | None) -> None:
+    http_server: RunningServer, return_documents: bool | None
+) -> None:
     """LiteLLM's `infinity/` and `hosted_vllm/` post this very body to `/rerank` and parse
     `document` differently (a string, `{text}`): the answer leaves it out, which both
     read. vLLM's clients send nulls for options they leave alone."""
-    response = await _post(http_server, "/rerank", {
-        "model": "rerank", "query": "what do cats eat?", "documents": DOCS,
-        "return_documents": return_documents, "top_n": None})
+    response = await _post(
+        http_server,
+        "/rerank",
+        {
+            "model": "rerank",
+            "query": "what do cats eat?",
+            "documents": DOCS,
+            "return_documents": return_documents,
+            "top_n": None,
+        },
+    )
     assert response.status_code == 200, response.text
     answer = response.json()
     assert [r["index"] for r in answer["results"]][:2] == [2, 3]
@@ -105,17 +126,20 @@ async def test_rerank_at_the_root_takes_infinity_and_vllm_bodies(
 
 async def test_one_or_two_documents_are_scored(http_server: RunningServer) -> None:
     for docs in (DOCS[2:3], DOCS[:2]):
-        answer = (await _post(http_server, "/v2/rerank",
-                              {"query": "cats", "documents": docs})).json()
+        answer = (
+            await _post(http_server, "/v2/rerank", {"query": "cats", "documents": docs})
+        ).json()
         assert answer["meta"]["reranked"] is True and answer["meta"]["scored"] == len(docs)
         assert all("reranker_score" in r for r in answer["results"])
 
 
 async def test_documents_past_max_candidates_are_said_to_be_unscored(
-        http_server: RunningServer) -> None:
+    http_server: RunningServer,
+) -> None:
     docs = [f"Document {i} about cats." for i in range(60)]
-    response = await _post(http_server, "/v2/rerank",
-                           {"query": "cats", "documents": docs, "max_candidates": 40})
+    response = await _post(
+        http_server, "/v2/rerank", {"query": "cats", "documents": docs, "max_candidates": 40}
+    )
     answer = response.json()
     assert response.headers[DEGRADED_HEADER] == "capped"
     assert answer["meta"]["degraded"]["code"] == "capped"
@@ -132,14 +156,16 @@ async def test_every_document_is_scored_by_default(http_server: RunningServer) -
     assert answer["meta"]["scored"] == 100 and "degraded" not in answer["meta"]
 
 
-async def test_the_model_has_one_name_everywhere(http_server: RunningServer,
-                                                 fake_llama: FakeLlamaServer) -> None:
+async def test_the_model_has_one_name_everywhere(
+    http_server: RunningServer, fake_llama: FakeLlamaServer
+) -> None:
     await _post(http_server, "/v2/rerank", {"query": "q", "documents": DOCS})
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_server.http_port}") as http:
         models = (await http.get("/v1/models")).json()
         health = (await http.get("/health")).json()
-    meta = (await _post(http_server, "/v2/rerank",
-                        {"query": "q", "documents": DOCS})).json()["meta"]
+    meta = (await _post(http_server, "/v2/rerank", {"query": "q", "documents": DOCS})).json()[
+        "meta"
+    ]
     assert models["data"][0]["id"] == meta["model"] == health["model"] == fake_llama.model
 
 

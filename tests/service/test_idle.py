@@ -10,9 +10,11 @@ from rerank_client import AsyncRerankClient, Candidate
 
 from tests.conftest import StartServer
 
-DOCS = [Candidate(id="a", text="alpha document about cats"),
-        Candidate(id="b", text="bravo document about dogs"),
-        Candidate(id="c", text="charlie document about cats and dogs")]
+DOCS = [
+    Candidate(id="a", text="alpha document about cats"),
+    Candidate(id="b", text="bravo document about dogs"),
+    Candidate(id="c", text="charlie document about cats and dogs"),
+]
 
 
 class _CountingSelector:

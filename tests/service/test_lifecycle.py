@@ -38,16 +38,22 @@ def _open_files_under(folder: Path) -> list[str]:
     return [t for t in targets if t.startswith(str(folder))]
 
 
-async def test_failed_bind_closes_everything_it_opened(tmp_path: Path,
-                                                       fake_llama: FakeLlamaServer) -> None:
+async def test_failed_bind_closes_everything_it_opened(
+    tmp_path: Path, fake_llama: FakeLlamaServer
+) -> None:
     metrics_port = free_port()
     scorer = FunctionScorer()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        settings = Settings(port=taken.getsockname()[1], metrics_port=metrics_port, http_port=0,
-                            backend_url=fake_llama.url, probe=False,
-                            cache_path=str(tmp_path / "scores.sqlite"))
+        settings = Settings(
+            port=taken.getsockname()[1],
+            metrics_port=metrics_port,
+            http_port=0,
+            backend_url=fake_llama.url,
+            probe=False,
+            cache_path=str(tmp_path / "scores.sqlite"),
+        )
         with pytest.raises(BindError, match="--port / RERANK_PORT"):
             await build_server(settings, scorer=scorer)
     assert scorer.closed == 1
@@ -57,8 +63,9 @@ async def test_failed_bind_closes_everything_it_opened(tmp_path: Path,
 
 async def test_stop_closes_once_even_when_called_twice(fake_llama: FakeLlamaServer) -> None:
     scorer = FunctionScorer()
-    settings = Settings(port=0, http_port=0, metrics_port=0, backend_url=fake_llama.url,
-                        probe=False)
+    settings = Settings(
+        port=0, http_port=0, metrics_port=0, backend_url=fake_llama.url, probe=False
+    )
     running = await build_server(settings, scorer=scorer)
     metrics_port = running.telemetry.metrics_port
     assert metrics_port is not None

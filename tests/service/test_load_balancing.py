@@ -32,7 +32,8 @@ async def test_round_robin_spreads_calls_over_servers(start_server: StartServer)
 
 
 async def test_without_round_robin_one_channel_sticks_to_one_server(
-        start_server: StartServer) -> None:
+    start_server: StartServer,
+) -> None:
     fakes = [FakeLlamaServer().start() for _ in range(2)]
     try:
         servers = [await start_server(backend_url=f.url) for f in fakes]

@@ -20,11 +20,12 @@ def _events(out: str) -> list[dict[str, object]]:
 
 
 async def test_canonical_line_has_counts_and_no_text(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     docs = [f"{CANARY} document {i}" for i in range(4)]
-    await client.rerank(f"{CANARY} query", docs, request_id="rid-1",
-                        instruction=f"{CANARY} instruction")
+    await client.rerank(
+        f"{CANARY} query", docs, request_id="rid-1", instruction=f"{CANARY} instruction"
+    )
     fake_llama.mode = HTTP_500
     await client.rerank(f"{CANARY} query", docs, request_id="rid-2")
     with pytest.raises(InvalidRequestError):
@@ -41,7 +42,8 @@ async def test_canonical_line_has_counts_and_no_text(
 
 
 async def test_a_request_id_over_its_limit_is_neither_logged_nor_echoed(
-        client: AsyncRerankClient, capsys: pytest.CaptureFixture[str]) -> None:
+    client: AsyncRerankClient, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Refused, as any field over its limit; before, the whole id went into the log line
     (10 MB of log for a 10 MB id) and back in a batch's error answer."""
     long_id = "R" * 100_000
@@ -58,8 +60,8 @@ async def test_a_request_id_over_its_limit_is_neither_logged_nor_echoed(
 
 
 async def test_calls_that_end_without_an_answer_have_their_line_too(
-        start_server: StartServer, fake_llama: FakeLlamaServer,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A call its client cancels (unary or stream) and one shed by --max-concurrent-rpcs:
     each had no `rpc` line before (cancellation is not an Exception; shedding happens in
     the interceptor)."""
@@ -87,4 +89,5 @@ async def test_calls_that_end_without_an_answer_have_their_line_too(
     assert statuses["cancelled-1"] == "CANCELLED"
     assert statuses["cancelled-2"] == "CANCELLED"
     assert [e["rpc"] for e in lines if e["status"] == "RESOURCE_EXHAUSTED"] == [
-        "rerank.v1.Reranker/Rerank"]
+        "rerank.v1.Reranker/Rerank"
+    ]

@@ -33,8 +33,9 @@ async def test_the_client_readmes_first_example_reranks(server: RunningServer) -
     """It sent two documents, under the server's `--min-candidates` of three: what it
     printed was retrieval order and `too_few_candidates`, never a reranker score."""
     script = CLIENT_FIRST.replace(GRPC_ADDRESS, f"127.0.0.1:{server.port}")
-    proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script],
-                                   capture_output=True, text=True, timeout=60)
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     result, summary = proc.stdout.splitlines()
     assert result.startswith("1 ") and not result.endswith(" None")  # a reranker score
@@ -47,10 +48,12 @@ def test_readme_has_python_for_both_apis() -> None:
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 async def test_readme_python_block_runs(both_apis: RunningServer, code: str) -> None:
-    script = (code.replace(GRPC_ADDRESS, f"127.0.0.1:{both_apis.port}")
-                  .replace(HTTP_ADDRESS, f"127.0.0.1:{both_apis.http_port}"))
-    proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script],
-                                   capture_output=True, text=True, timeout=60)
+    script = code.replace(GRPC_ADDRESS, f"127.0.0.1:{both_apis.port}").replace(
+        HTTP_ADDRESS, f"127.0.0.1:{both_apis.http_port}"
+    )
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     if GRPC_ADDRESS in code:

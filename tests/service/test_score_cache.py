@@ -39,7 +39,8 @@ DOCS = ["apples are red", "bananas are yellow", "cherries are dark"]
 
 
 async def test_identical_request_scores_nothing_and_answers_the_same(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.scores = {"bananas": 0.9, "cherries": 0.6}
     first = await client.rerank("fruit", DOCS)
     second = await client.rerank("fruit", DOCS)
@@ -50,7 +51,8 @@ async def test_identical_request_scores_nothing_and_answers_the_same(
 
 
 async def test_overlapping_request_scores_only_new_pairs(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     await client.rerank("fruit", DOCS)
     answer = await client.rerank("fruit", [*DOCS[1:], "dates are sweet", "figs are soft"])
     assert sorted(fake_llama.documents()[3:]) == ["dates are sweet", "figs are soft"]
@@ -59,7 +61,8 @@ async def test_overlapping_request_scores_only_new_pairs(
 
 
 async def test_key_covers_query_instruction_and_text(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     await client.rerank("fruit", DOCS)
     await client.rerank("other query", DOCS)
     await client.rerank("fruit", DOCS, instruction="Find recipes")
@@ -67,7 +70,8 @@ async def test_key_covers_query_instruction_and_text(
 
 
 async def test_bypass_reads_nothing_but_refreshes(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     await client.rerank("fruit", DOCS)
     bypassed = await client.rerank("fruit", DOCS, bypass_cache=True)
     assert len(fake_llama.requests) == 6 and bypassed.summary.cached == 0
@@ -84,8 +88,9 @@ async def test_entries_expire(start_server: StartServer, fake_llama: FakeLlamaSe
     assert len(fake_llama.requests) == 6
 
 
-async def test_cache_off_scores_every_time(start_server: StartServer,
-                                           fake_llama: FakeLlamaServer) -> None:
+async def test_cache_off_scores_every_time(
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
     server = await start_server(cache_entries=0)
     async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
         await client.rerank("fruit", DOCS)
@@ -93,8 +98,9 @@ async def test_cache_off_scores_every_time(start_server: StartServer,
     assert len(fake_llama.requests) == 6
 
 
-async def test_failed_pairs_are_not_cached(client: AsyncRerankClient,
-                                           fake_llama: FakeLlamaServer) -> None:
+async def test_failed_pairs_are_not_cached(
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.failing_markers = ("bananas",)
     await client.rerank("fruit", DOCS)
     fake_llama.failing_markers = ()
@@ -103,9 +109,9 @@ async def test_failed_pairs_are_not_cached(client: AsyncRerankClient,
     assert fake_llama.documents()[-1] == "bananas are yellow"
 
 
-async def test_sqlite_cache_survives_a_restart(start_server: StartServer,
-                                               fake_llama: FakeLlamaServer,
-                                               tmp_path: Path) -> None:
+async def test_sqlite_cache_survives_a_restart(
+    start_server: StartServer, fake_llama: FakeLlamaServer, tmp_path: Path
+) -> None:
     path = tmp_path / "scores.sqlite"
     first = await start_server(cache_path=str(path))
     async with AsyncRerankClient(f"127.0.0.1:{first.port}") as client:
@@ -139,8 +145,9 @@ def test_a_requests_keys_are_each_documents_own_key() -> None:
     cache on disk written before keeps its hits."""
     scope = Scope("chat", "model", "instruction", "query")
     documents = ["", "a", "ab", "naïve café ☕", "x" * 5000]
-    assert scope.keys(documents) == [cache_key("chat", "model", "instruction", "query", d)
-                                     for d in documents]
+    assert scope.keys(documents) == [
+        cache_key("chat", "model", "instruction", "query", d) for d in documents
+    ]
     assert scope.keys(["ab"]) != Scope("chat", "model", "instruction", "querya").keys(["b"])
 
 
@@ -185,8 +192,9 @@ async def test_a_disk_only_cache_stores_and_finds(tmp_path: Path) -> None:
     await cache.aclose()
 
 
-async def test_key_covers_the_token_limit(client: AsyncRerankClient,
-                                          fake_llama: FakeLlamaServer) -> None:
+async def test_key_covers_the_token_limit(
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     """A request that lets the model read only 16 tokens of each document gets scores of
     16-token stubs: they must not answer a request without the limit."""
     await client.rerank("fruit", DOCS, max_tokens_per_doc=16)
@@ -196,7 +204,8 @@ async def test_key_covers_the_token_limit(client: AsyncRerankClient,
 
 
 async def test_a_scorer_with_another_prompt_does_not_answer_from_the_cache(
-        start_server: StartServer, fake_llama: FakeLlamaServer, tmp_path: Path) -> None:
+    start_server: StartServer, fake_llama: FakeLlamaServer, tmp_path: Path
+) -> None:
     """Scores earned with the think-block prefill are not the scores without it: a server
     restarted with `--no-assistant-prefill` on the same `--cache-path` scores afresh."""
     path = tmp_path / "scores.sqlite"
@@ -209,12 +218,14 @@ async def test_a_scorer_with_another_prompt_does_not_answer_from_the_cache(
     assert len(fake_llama.requests) == 6
 
 
-def test_the_prompts_text_and_its_settings_are_in_the_key(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_prompts_text_and_its_settings_are_in_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """A release that rewords a prompt keys its scores apart from the old wording's."""
     pool = BackendPool(["http://127.0.0.1:1"], concurrency=1, timeout_s=1, kind="chat")
-    variants = {ChatScorer(pool).variant, ChatScorer(pool, assistant_prefill=False).variant,
-                CompletionScorer(pool).variant}
+    variants = {
+        ChatScorer(pool).variant,
+        ChatScorer(pool, assistant_prefill=False).variant,
+        CompletionScorer(pool).variant,
+    }
     assert len(variants) == 2 and "" not in variants  # completion speaks chat's prompt
     monkeypatch.setattr(prompt, "SYSTEM_PROMPT", prompt.SYSTEM_PROMPT + " Be brief.")
     assert ChatScorer(pool).variant not in variants
@@ -226,7 +237,8 @@ def test_the_prompts_text_and_its_settings_are_in_the_key(
 
 
 async def test_a_write_that_finds_the_disk_locked_does_not_stop_later_writes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Another process holding the write lock past the busy timeout fails one write; the
     transaction it left open would fail every later one (and pin this connection to an
     old snapshot) unless it is rolled back."""
@@ -255,6 +267,7 @@ async def test_an_unreadable_disk_is_a_miss(tmp_path: Path) -> None:
     cache.put_many({key: 0.5})
     await cache.flush()
     assert await cache.get_many([key]) == {key: 0.5}
+
     def overwrite() -> None:
         for file in tmp_path.iterdir():
             file.write_bytes(b"\xff" * file.stat().st_size)
@@ -304,11 +317,13 @@ async def test_expired_rows_leave_the_disk_while_the_server_runs(tmp_path: Path)
     def rows() -> list[bytes]:
         with contextlib.closing(sqlite3.connect(path)) as db:
             return [key for (key,) in db.execute("SELECT key FROM scores")]
+
     assert await asyncio.to_thread(rows) == [new]
 
 
 async def test_a_cache_file_that_is_not_a_database_leaves_the_cache_in_memory(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """A corrupt --cache-path file does not keep the server from starting (every worker
     exited 1): the cache runs in memory and says so."""
     path = tmp_path / "scores.db"
@@ -322,7 +337,8 @@ async def test_a_cache_file_that_is_not_a_database_leaves_the_cache_in_memory(
 
 
 async def test_a_cache_directory_that_cannot_be_made_leaves_the_cache_in_memory(
-        start_server: StartServer, tmp_path: Path) -> None:
+    start_server: StartServer, tmp_path: Path
+) -> None:
     """A --cache-path whose directory cannot be made (here a file is in its way; as
     often: no permission, a read-only file system) does not keep the server from
     starting with a traceback: it serves, and caches in memory."""
@@ -359,8 +375,7 @@ def test_processes_opening_a_new_cache_file_together_all_keep_it(tmp_path: Path)
     assert failed == []
 
 
-async def test_writes_a_busy_disk_cannot_take_are_left_out_not_queued(
-        tmp_path: Path) -> None:
+async def test_writes_a_busy_disk_cannot_take_are_left_out_not_queued(tmp_path: Path) -> None:
     """Another process holding the file's lock: requests' writes wait for the disk at
     most MAX_PENDING_WRITES deep; the scores after that stay in memory only (they were
     queued without end, as was the memory holding them)."""
@@ -387,24 +402,31 @@ async def test_writes_a_busy_disk_cannot_take_are_left_out_not_queued(
     await cache.aclose()
 
 
-async def test_scores_of_a_request_that_spanned_a_change_of_variant_are_not_stored(
-        ) -> None:
+async def test_scores_of_a_request_that_spanned_a_change_of_variant_are_not_stored() -> None:
     """A `rerank` backend's switch to logits in the middle of a request: the answers it
     read before the switch are on the probability scale, and stored under the new
     variant's keys they would meet logits in later rankings."""
+
     class Switching(FunctionScorer):
         async def score(self, request: ScoreRequest, emit: Emit) -> None:
             await super().score(request, emit)
             self.variant = "logits"  # the third logit answer arrived meanwhile
 
     def query(n: int) -> RerankQuery:
-        return RerankQuery(request_id=f"r{n}", query="q", timeout_s=10.0, candidates=tuple(
-            Candidate(id=str(i), text=d, index=i, retrieval_rank=i + 1)
-            for i, d in enumerate(DOCS)))
+        return RerankQuery(
+            request_id=f"r{n}",
+            query="q",
+            timeout_s=10.0,
+            candidates=tuple(
+                Candidate(id=str(i), text=d, index=i, retrieval_rank=i + 1)
+                for i, d in enumerate(DOCS)
+            ),
+        )
 
     for scorer, stored in ((FunctionScorer(), True), (Switching(), False)):
-        reranker = Reranker(request_rules(Settings(min_candidates=2)), scorer,
-                            cache=ScoreCache(100, 3600))
+        reranker = Reranker(
+            request_rules(Settings(min_candidates=2)), scorer, cache=ScoreCache(100, 3600)
+        )
         await reranker.answer(query(1))
         _, summary = await reranker.answer(query(2))
         assert (summary.cached == len(DOCS)) is stored

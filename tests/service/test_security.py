@@ -33,8 +33,7 @@ TOKEN = "grpc-token-0123456789abcdef"
 DOCS = ["alpha", "beta", "gamma"]
 
 
-async def test_grpc_needs_a_valid_token_but_health_stays_open(
-        start_server: StartServer) -> None:
+async def test_grpc_needs_a_valid_token_but_health_stays_open(start_server: StartServer) -> None:
     server = await start_server(auth_tokens=f"other-token-0123456789,{TOKEN}")
     target = f"127.0.0.1:{server.port}"
     for token in (None, "wrong-token-0123456789abc", f"{TOKEN}x"):
@@ -46,10 +45,12 @@ async def test_grpc_needs_a_valid_token_but_health_stays_open(
         assert (await client.rerank("q", DOCS)).reranked
     async with grpc.aio.insecure_channel(target) as channel:
         health = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""))
+            health_pb2.HealthCheckRequest(service="")
+        )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async for _ in reflect:
                 pass
@@ -73,19 +74,28 @@ def _files(tmp: Path, ca: trustme.CA, name: str) -> tuple[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def tls_server(start_server: StartServer, tmp: Path, *, mutual: bool = False,
-                     ) -> AsyncIterator[tuple[RunningServer, trustme.CA, Path]]:
+async def tls_server(
+    start_server: StartServer,
+    tmp: Path,
+    *,
+    mutual: bool = False,
+) -> AsyncIterator[tuple[RunningServer, trustme.CA, Path]]:
     ca = trustme.CA()
     cert, key = _files(tmp, ca, "server")
     ca_file = tmp / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
-    server = await start_server(tls_cert=cert, tls_key=key, http_port=free_port(),
-                                tls_client_ca=str(ca_file) if mutual else "")
+    server = await start_server(
+        tls_cert=cert,
+        tls_key=key,
+        http_port=free_port(),
+        tls_client_ca=str(ca_file) if mutual else "",
+    )
     yield server, ca, ca_file
 
 
 async def test_tls_on_both_ports_and_plaintext_is_refused(
-        start_server: StartServer, tmp_path: Path) -> None:
+    start_server: StartServer, tmp_path: Path
+) -> None:
     async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
         target = f"127.0.0.1:{server.port}"
         async with AsyncRerankClient(target, tls_ca=str(ca_file)) as client:
@@ -96,17 +106,16 @@ async def test_tls_on_both_ports_and_plaintext_is_refused(
             assert info.value.code == "UNAVAILABLE"
         body = {"query": "q", "documents": DOCS}
         async with httpx.AsyncClient(verify=trusting(ca_file)) as https:
-            answer = await https.post(f"https://127.0.0.1:{server.http_port}/v1/rerank",
-                                      json=body)
+            answer = await https.post(f"https://127.0.0.1:{server.http_port}/v1/rerank", json=body)
         assert answer.status_code == 200 and answer.json()["meta"]["reranked"]
         async with httpx.AsyncClient() as plain:
             with pytest.raises(httpx.HTTPError):
-                await plain.post(f"http://127.0.0.1:{server.http_port}/v1/rerank",
-                                 json=body)
+                await plain.post(f"http://127.0.0.1:{server.http_port}/v1/rerank", json=body)
 
 
 async def test_a_tls_handshake_that_never_comes_closes_the_connection(
-        start_server: StartServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    start_server: StartServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On the HTTP port with TLS, a client that connects and sends nothing is held to the
     head deadline too (asyncio's own handshake limit is 60 s, and such a connection is not
     yet counted against --max-connections); ordinary https is unaffected."""
@@ -120,29 +129,31 @@ async def test_a_tls_handshake_that_never_comes_closes_the_connection(
         assert answer.status_code == 200
 
 
-async def test_mutual_tls_needs_a_client_certificate(start_server: StartServer,
-                                                     tmp_path: Path) -> None:
+async def test_mutual_tls_needs_a_client_certificate(
+    start_server: StartServer, tmp_path: Path
+) -> None:
     async with tls_server(start_server, tmp_path, mutual=True) as (server, ca, ca_file):
         client_cert, client_key = _files(tmp_path, ca, "client")
         target = f"127.0.0.1:{server.port}"
         async with AsyncRerankClient(target, tls_ca=str(ca_file)) as anonymous:
             with pytest.raises(RerankError):
                 await anonymous.rerank("q", DOCS, timeout=3)
-        async with AsyncRerankClient(target, tls_ca=str(ca_file), tls_cert=client_cert,
-                                     tls_key=client_key) as client:
+        async with AsyncRerankClient(
+            target, tls_ca=str(ca_file), tls_cert=client_cert, tls_key=client_key
+        ) as client:
             assert (await client.rerank("q", DOCS)).reranked
         url = f"https://127.0.0.1:{server.http_port}/v1/rerank"
         body = {"query": "q", "documents": DOCS}
         async with httpx.AsyncClient(verify=trusting(ca_file)) as anonymous_http:
             with pytest.raises(httpx.HTTPError):
                 await anonymous_http.post(url, json=body)
-        async with httpx.AsyncClient(
-                verify=trusting(ca_file, (client_cert, client_key))) as https:
+        async with httpx.AsyncClient(verify=trusting(ca_file, (client_cert, client_key))) as https:
             assert (await https.post(url, json=body)).status_code == 200
 
 
 async def test_grpc_certificate_is_replaced_without_a_restart(
-        start_server: StartServer, tmp_path: Path) -> None:
+    start_server: StartServer, tmp_path: Path
+) -> None:
     async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
         target = f"127.0.0.1:{server.port}"
         new_ca = trustme.CA()
@@ -157,8 +168,9 @@ async def test_grpc_certificate_is_replaced_without_a_restart(
                 await old.rerank("q", DOCS, timeout=3)
 
 
-async def test_metrics_port_answers_only_metrics(server: RunningServer,
-                                                 client: AsyncRerankClient) -> None:
+async def test_metrics_port_answers_only_metrics(
+    server: RunningServer, client: AsyncRerankClient
+) -> None:
     assert (await client.rerank("q", DOCS)).reranked  # something to report
     port = server.telemetry.metrics_port
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
@@ -168,12 +180,13 @@ async def test_metrics_port_answers_only_metrics(server: RunningServer,
     assert [r.status_code for r in elsewhere] == [404, 404, 404]
 
 
-async def test_healthcheck_command_speaks_tls(start_server: StartServer,
-                                              tmp_path: Path) -> None:
+async def test_healthcheck_command_speaks_tls(start_server: StartServer, tmp_path: Path) -> None:
     async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
         port = str(server.port)
-        secure = await asyncio.to_thread(healthcheck.main, [
-            "--port", port, "--tls-ca", str(ca_file), "--server-name", "localhost"])
+        secure = await asyncio.to_thread(
+            healthcheck.main,
+            ["--port", port, "--tls-ca", str(ca_file), "--server-name", "localhost"],
+        )
         plaintext = await asyncio.to_thread(healthcheck.main, ["--port", port])
     assert (secure, plaintext) == (0, 1)
 
@@ -184,7 +197,8 @@ def test_backend_api_key_replaces_the_old_name() -> None:
 
 
 async def test_http_certificate_is_replaced_without_a_restart(
-        start_server: StartServer, tmp_path: Path) -> None:
+    start_server: StartServer, tmp_path: Path
+) -> None:
     async with tls_server(start_server, tmp_path) as (server, _ca, _ca_file):
         new_ca = trustme.CA()
         _files(Path(server.settings.tls_cert).parent, new_ca, "server")
@@ -204,28 +218,38 @@ async def test_http_certificate_is_replaced_without_a_restart(
 
 
 async def test_a_broken_certificate_file_keeps_the_old_one_in_use(
-        start_server: StartServer, tmp_path: Path) -> None:
+    start_server: StartServer, tmp_path: Path
+) -> None:
     async with tls_server(start_server, tmp_path) as (server, _ca, ca_file):
         cert = Path(server.settings.tls_cert)
         await asyncio.to_thread(cert.write_text, "-----BEGIN CERTIFICATE-----\nbroken\n")
         await asyncio.sleep(6)  # past the HTTP reload check (every 5 s)
         async with httpx.AsyncClient(verify=trusting(ca_file)) as https:
             health = await https.get(f"https://127.0.0.1:{server.http_port}/health")
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}",
-                                     tls_ca=str(ca_file)) as client:
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}", tls_ca=str(ca_file)) as client:
             answer = await client.rerank("q", DOCS)
     assert health.status_code in (200, 503) and answer.reranked
 
 
 async def test_rerank_client_cli_sends_its_token_over_tls(
-        start_server: StartServer, tmp_path: Path) -> None:
+    start_server: StartServer, tmp_path: Path
+) -> None:
     ca = trustme.CA()
     cert, key = _files(tmp_path, ca, "server")
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
     server = await start_server(tls_cert=cert, tls_key=key, auth_tokens=TOKEN)
-    argv = ["--target", f"127.0.0.1:{server.port}", "--tls-ca", str(ca_file), "--json",
-            "q", "alpha", "beta", "gamma"]
+    argv = [
+        "--target",
+        f"127.0.0.1:{server.port}",
+        "--tls-ca",
+        str(ca_file),
+        "--json",
+        "q",
+        "alpha",
+        "beta",
+        "gamma",
+    ]
     assert await asyncio.to_thread(client_main, ["--token", TOKEN, *argv]) == 0
     assert await asyncio.to_thread(client_main, argv) != 0  # no token: refused
 

@@ -18,14 +18,19 @@ DOCS = [Candidate(id=f"d{i}", text=f"document {i}") for i in range(8)]
 
 
 def _three_candidates(request_id: str) -> pb.RerankRequest:
-    return pb.RerankRequest(request_id=request_id, query="q", candidates=[
-        pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)])
+    return pb.RerankRequest(
+        request_id=request_id,
+        query="q",
+        candidates=[pb.Candidate(id=str(j), text=f"t{j}") for j in range(3)],
+    )
 
 
 async def test_stream_matches_unary_order(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
-    fake_llama.scores = {f"document {i}": s for i, s in
-                         enumerate([0.2, 0.9, 0.4, 0.95, 0.1, 0.6, 0.3, 0.7])}
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
+    fake_llama.scores = {
+        f"document {i}": s for i, s in enumerate([0.2, 0.9, 0.4, 0.95, 0.1, 0.6, 0.3, 0.7])
+    }
     unary = await client.rerank("q", DOCS)
     items = [x async for x in client.stream("q", DOCS)]
     results = [x for x in items if isinstance(x, Result)]
@@ -35,7 +40,8 @@ async def test_stream_matches_unary_order(
 
 
 async def test_stream_sends_first_result_before_scoring_ends(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     """Rank 1's position is certain as soon as it beats every unscored bound (with a
     per-candidate blend; the request-wide ones wait for every score)."""
     fake_llama.scores = {"document 0": 0.99}
@@ -71,7 +77,8 @@ async def test_stream_invalid_request_is_invalid_argument(client: AsyncRerankCli
 
 
 async def test_batch_answers_each_request_matched_by_id(
-        client: AsyncRerankClient, fake_llama: FakeLlamaServer) -> None:
+    client: AsyncRerankClient, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.latency_for = lambda doc: 0.4 if "slow" in doc else 0.0
     queries = {
         "slow": ("q1", ["slow a", "slow b", "slow c"]),
@@ -123,7 +130,8 @@ async def test_a_batch_error_without_an_id_names_its_position(server: RunningSer
 
 
 async def test_a_batch_stream_left_open_ends_when_the_server_stops(
-        server: RunningServer, fake_llama: FakeLlamaServer) -> None:
+    server: RunningServer, fake_llama: FakeLlamaServer
+) -> None:
     """A client that keeps its RerankBatch stream open (more requests may come): on
     shutdown the server stops reading, answers the requests it has in full, and ends the
     stream UNAVAILABLE naming the first request it did not read. Before, the stream
@@ -158,15 +166,15 @@ async def test_a_batch_stream_left_open_ends_when_the_server_stops(
         else:
             raise AssertionError("the stream ended OK, with requests maybe unread")
     assert sorted(a.request_id for a in answers) == ["r0", "r1"]
-    assert all(a.reranked and a.counts.scored == 3 and not a.HasField("degraded")
-               for a in answers)
+    assert all(a.reranked and a.counts.scored == 3 and not a.HasField("degraded") for a in answers)
     assert code is grpc.StatusCode.UNAVAILABLE
     assert details.startswith("the server is shutting down: requests[2] and any after it")
     assert stopped_in < 3  # not the grace period's 10 s
 
 
 async def test_a_batch_stream_opened_as_the_drain_begins_ends_unavailable(
-        server: RunningServer) -> None:
+    server: RunningServer,
+) -> None:
     """A stream whose handler starts as shutdown begins is cut before it has read a
     thing: it must still end UNAVAILABLE naming `requests[0]` (the cut came before the
     feeder's first step, so it never took the cut in, and the call ended CANCELLED)."""

@@ -32,9 +32,11 @@ DOCS = ["alpha one", "beta two", "gamma three", "delta four"]
 async def _rerank_on_new_connections(port: int, count: int) -> list[Any]:
     """`count` requests at once, each on its own channel (the kernel spreads connections,
     not requests, across workers)."""
+
     async def one(i: int) -> Any:
         async with AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True) as client:
             return await client.rerank(f"query {i}", DOCS, timeout=30)
+
     return await asyncio.gather(*(one(i) for i in range(count)))
 
 
@@ -49,14 +51,17 @@ def _metric_sum(text: str, family: str, by: str) -> dict[str, float]:
 
 
 async def test_two_workers_answer_on_one_port_and_metrics_merge(
-        fake_llama: FakeLlamaServer) -> None:
+    fake_llama: FakeLlamaServer,
+) -> None:
     async with supervised(fake_llama.url) as server:
         assert len(server.workers()) == 2
         answers = await _rerank_on_new_connections(server.port, 16)
         assert all(a.reranked and len(a.results) == 4 for a in answers)
         async with httpx.AsyncClient() as http:
-            cohere = await http.post(f"http://127.0.0.1:{server.http_port}/v1/rerank",
-                                     json={"query": "q", "documents": DOCS})
+            cohere = await http.post(
+                f"http://127.0.0.1:{server.http_port}/v1/rerank",
+                json={"query": "q", "documents": DOCS},
+            )
             metrics = (await http.get(f"http://127.0.0.1:{server.metrics_port}/metrics")).text
         assert cohere.status_code == 200 and len(cohere.json()["results"]) == 4
         served_by = {e["worker"] for e in server.logged("rpc")}
@@ -67,22 +72,23 @@ async def test_two_workers_answer_on_one_port_and_metrics_merge(
     assert 'rerank_worker_up{worker="0"} 1.0' in metrics
 
 
-async def test_workers_share_the_score_cache_on_disk(fake_llama: FakeLlamaServer,
-                                                     tmp_path: Path) -> None:
+async def test_workers_share_the_score_cache_on_disk(
+    fake_llama: FakeLlamaServer, tmp_path: Path
+) -> None:
     """With --cache-path, a pair scored by one worker is a hit for the other: after the
     first request, the same request on new connections (served by both workers) sends
     nothing to the backend."""
-    async with supervised(fake_llama.url, RERANK_CACHE_PATH=str(tmp_path / "scores.db"),
-                          RERANK_CACHE_ENTRIES="0") as server:
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}",
-                                     own_connection=True) as client:
+    async with supervised(
+        fake_llama.url, RERANK_CACHE_PATH=str(tmp_path / "scores.db"), RERANK_CACHE_ENTRIES="0"
+    ) as server:
+        async with AsyncRerankClient(f"127.0.0.1:{server.port}", own_connection=True) as client:
             first = await client.rerank("shared query", DOCS, timeout=30)
         scored = len(fake_llama.requests)
 
         async def again() -> Any:
-            async with AsyncRerankClient(f"127.0.0.1:{server.port}",
-                                         own_connection=True) as client:
+            async with AsyncRerankClient(f"127.0.0.1:{server.port}", own_connection=True) as client:
                 return await client.rerank("shared query", DOCS, timeout=30)
+
         answers = await asyncio.gather(*(again() for _ in range(12)))
         served_by = {e["worker"] for e in server.logged("rpc")}
     assert first.summary.cached == 0 and scored == len(DOCS)
@@ -120,15 +126,16 @@ def _systemd(proc: subprocess.Popen[str], workers: list[int]) -> None:
 
 @pytest.mark.parametrize("stop", [_sigterm_to_supervisor, _ctrl_c, _systemd])
 async def test_a_stop_signal_drains_every_worker_and_exits_zero(
-        fake_llama: FakeLlamaServer,
-        stop: Callable[[subprocess.Popen[str], list[int]], None]) -> None:
+    fake_llama: FakeLlamaServer, stop: Callable[[subprocess.Popen[str], list[int]], None]
+) -> None:
     fake_llama.latency_s = 1.0
     # 16 slots a worker: even all 12 requests on one worker score in 3 rounds, within the
     # grace period, so every answer must be complete. 12 connections, not 8: the kernel
     # spreads them at random, and all 8 on one worker (1 run in 128) left the other with
     # nothing to drain.
-    async with supervised(fake_llama.url, RERANK_CONCURRENCY="32",
-                          RERANK_GRACE_PERIOD_S="5") as server:
+    async with supervised(
+        fake_llama.url, RERANK_CONCURRENCY="32", RERANK_GRACE_PERIOD_S="5"
+    ) as server:
         workers = server.workers()
         calls = asyncio.ensure_future(_rerank_on_new_connections(server.port, 12))
         assert await eventually(lambda: fake_llama.in_flight >= 8, 5)
@@ -139,8 +146,9 @@ async def test_a_stop_signal_drains_every_worker_and_exits_zero(
         exited = time.monotonic() - signalled
         served_by = {e["worker"] for e in server.logged("rpc")}
     assert code == 0
-    assert all(a.reranked and not a.summary.degraded_code for a in answers), \
+    assert all(a.reranked and not a.summary.degraded_code for a in answers), (
         f"in-flight calls were cut short: {[a.summary for a in answers if a.summary.degraded_code]}"
+    )
     assert served_by == {0, 1}
     assert exited < 5 + 1
     assert sorted(e["worker"] for e in server.logged("stopped") if "worker" in e) == [0, 1]
@@ -150,7 +158,8 @@ async def test_a_stop_signal_drains_every_worker_and_exits_zero(
 
 
 async def test_a_second_stop_signal_ends_the_workers_with_the_supervisor(
-        fake_llama: FakeLlamaServer) -> None:
+    fake_llama: FakeLlamaServer,
+) -> None:
     """A second SIGTERM during the drain found the default action back: the supervisor
     died (and a managed llama-server with it) while the workers drained on, orphans,
     for the rest of the grace period. Now it ends them, as it ends a single server."""
@@ -188,11 +197,14 @@ async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> No
         first = server.workers()
         os.kill(first[0], signal.SIGKILL)
         assert await eventually(lambda: len(server.logged("worker_exited")) == 1, 5)
-        assert await eventually(lambda: len(server.workers()) == 2
-                                and first[0] not in server.workers(), 10)
+        assert await eventually(
+            lambda: len(server.workers()) == 2 and first[0] not in server.workers(), 10
+        )
         # The replacement listens: with it, connections reach both workers again.
-        assert await eventually(lambda: sum(e.get("event") == "serving" and "worker" in e
-                                            for e in server.events) == 3, 30)
+        assert await eventually(
+            lambda: sum(e.get("event") == "serving" and "worker" in e for e in server.events) == 3,
+            30,
+        )
         answers = await _rerank_on_new_connections(server.port, 16)
         async with httpx.AsyncClient() as http:
             metrics = (await http.get(f"http://127.0.0.1:{server.metrics_port}/metrics")).text
@@ -202,7 +214,8 @@ async def test_a_worker_that_dies_is_replaced(fake_llama: FakeLlamaServer) -> No
 
 
 async def test_a_crash_loop_backs_off_and_a_stuck_replacement_is_killed(
-        fake_llama: FakeLlamaServer) -> None:
+    fake_llama: FakeLlamaServer,
+) -> None:
     """Replacements that keep failing wait longer each time (1, 2, 4 s), so a worker
     that cannot run does not spin; one that never listens (stopped here with SIGSTOP,
     as a hung import would leave it) is killed after --worker-start-timeout-s instead
@@ -212,8 +225,10 @@ async def test_a_crash_loop_backs_off_and_a_stuck_replacement_is_killed(
 
         async def replacement() -> int:
             """The PID of the next new worker, as soon as it exists."""
+
             def new() -> list[int]:
                 return [p for p in server.workers() if p not in seen]
+
             assert await eventually(lambda: bool(new()), 40, poll_s=0.02)
             pid = new()[0]
             seen.add(pid)
@@ -248,14 +263,21 @@ def _serving_workers(server: Supervised) -> int:
 
 def supervisor_samples(text: str, name: str) -> list[float]:
     """The values of the samples called `name` that carry no `worker` label."""
-    return [s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == name and "worker" not in s.labels]
+    return [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and "worker" not in s.labels
+    ]
 
 
-@pytest.mark.parametrize(("flag", "shared"), [("--port", False), ("--metrics-port", False),
-                                             ("--port", True), ("--http-port", True)])
-def test_a_port_in_use_is_one_line_naming_the_flag(fake_llama: FakeLlamaServer,
-                                                   flag: str, shared: bool) -> None:
+@pytest.mark.parametrize(
+    ("flag", "shared"),
+    [("--port", False), ("--metrics-port", False), ("--port", True), ("--http-port", True)],
+)
+def test_a_port_in_use_is_one_line_naming_the_flag(
+    fake_llama: FakeLlamaServer, flag: str, shared: bool
+) -> None:
     """`shared`: the port's holder set SO_REUSEPORT (a gRPC server on default options,
     another rerank-server's workers), which the workers' own reservation would have
     joined, splitting the port's connections between the two programs."""
@@ -263,9 +285,20 @@ def test_a_port_in_use_is_one_line_naming_the_flag(fake_llama: FakeLlamaServer,
     with _listening(shared) as taken:
         ports[flag] = str(taken)
         done = subprocess.run(
-            [sys.executable, "-m", "rerank_server", "--workers", "2", "--backend-url",
-             fake_llama.url, *(x for kv in ports.items() for x in kv)],
-            capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "rerank_server",
+                "--workers",
+                "2",
+                "--backend-url",
+                fake_llama.url,
+                *(x for kv in ports.items() for x in kv),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 2
     assert f"{flag} / RERANK_" in done.stderr and "Traceback" not in done.stderr
 
@@ -273,6 +306,7 @@ def test_a_port_in_use_is_one_line_naming_the_flag(fake_llama: FakeLlamaServer,
 @contextlib.contextmanager
 def _listening(shared: bool = False) -> Iterator[int]:
     import socket
+
     with socket.socket() as sock:
         if shared:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

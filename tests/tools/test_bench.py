@@ -24,17 +24,38 @@ def test_passages_are_deterministic_and_sized() -> None:
 
 
 def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
-    code = main(["--requests", "2", "--seconds", "0.3", "--rounds", "1", "--passages", "3",
-                 "--stream-latency-ms", "30", "--stream-sizes", "6", "--workers", "1,2",
-                 "--out", str(tmp_path)])
+    code = main(
+        [
+            "--requests",
+            "2",
+            "--seconds",
+            "0.3",
+            "--rounds",
+            "1",
+            "--passages",
+            "3",
+            "--stream-latency-ms",
+            "30",
+            "--stream-sizes",
+            "6",
+            "--workers",
+            "1,2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["overhead"]) == set(KINDS)
     for kind, sizes in report["overhead"].items():
         assert set(sizes) == {"10", "40", "100"}
-        assert all(r["p50_ms"] > 0 and r["cpu_us_per_pair"] >= 0
-                   and r["busy_cpu_us_per_pair"] >= 0 and r["bare_grpc_cpu_us_per_pair"] >= 0
-                   for r in sizes.values())
+        assert all(
+            r["p50_ms"] > 0
+            and r["cpu_us_per_pair"] >= 0
+            and r["busy_cpu_us_per_pair"] >= 0
+            and r["bare_grpc_cpu_us_per_pair"] >= 0
+            for r in sizes.values()
+        )
         for size, r in sizes.items():
             # The request's own backend calls, replayed straight to the fake: one per
             # pair for the per-pair kinds, fewer for the batching ones.
@@ -50,9 +71,16 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     for kind, telemetry in report["telemetry"].items():
         assert telemetry["backend"] == kind
         assert telemetry["requests"] == 20 and telemetry["off"]["cpu_ratio"] == 1.0
-        assert all(telemetry[s]["cpu_ms_per_request"] > 0
-                   for s in ("off", "metrics", "metrics+traces", "metrics+traces+steps",
-                             "metrics+traces+calls"))
+        assert all(
+            telemetry[s]["cpu_ms_per_request"] > 0
+            for s in (
+                "off",
+                "metrics",
+                "metrics+traces",
+                "metrics+traces+steps",
+                "metrics+traces+calls",
+            )
+        )
     model = report["model"]
     assert model["through_over_direct"] > 0
     # The physical limit beside it: the stand-in's weights and the same 3 prompts' tokens
@@ -61,12 +89,12 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert (eager["pairs"], eager["rounds"], eager["dtype"]) == (3, 1, "float32"), eager
     assert eager["tokens"] > 3 * 100 and eager["pairs_per_s"] > 0
     assert eager["through_over_eager"] == pytest.approx(
-        model["through_pairs_per_s"] / eager["pairs_per_s"], rel=0.05)
+        model["through_pairs_per_s"] / eager["pairs_per_s"], rel=0.05
+    )
     streaming = report["streaming"]
     assert set(streaming) == {"fixed 30 ms x2, 12", "fixed 5 ms x4, 6", "llama-server x4, 6"}
     for label, blends in streaming.items():
-        assert set(blends) == {"default", "position_aware", "linear", "rerank_only",
-                               "adaptive"}
+        assert set(blends) == {"default", "position_aware", "linear", "rerank_only", "adaptive"}
         for r in blends.values():
             if "no_reranker_weight" in r["blended_by"]:
                 # Answered at once, no pair sent: a millisecond or two either way, so
@@ -81,8 +109,10 @@ def test_every_scenario_writes_json_markdown_and_plots(tmp_path: Path) -> None:
             else:
                 assert 0 < r["first_over_whole"] <= 1.5
     # The stand-in's shipped profile gives the reranker no weight: nothing is scored.
-    assert streaming["llama-server x4, 6"]["default"]["blended_by"] == \
-        "profile smollm2-135m-standin (no_reranker_weight)"
+    assert (
+        streaming["llama-server x4, 6"]["default"]["blended_by"]
+        == "profile smollm2-135m-standin (no_reranker_weight)"
+    )
     assert streaming["fixed 30 ms x2, 12"]["default"]["blended_by"] == "adaptive"
     assert report["backends"]["completion_over_chat"] > 0
     assert report["plots"] == ["bench-latency.png", "bench-throughput.png"]
@@ -98,10 +128,28 @@ def test_model_and_streaming_against_any_backend(tmp_path: Path, kind: str) -> N
     """`--backend-url` measures a running backend of any kind (here the bench's fake)
     directly and through rerank-server, instead of the cached llama-server."""
     with fake_backend(latency_ms=5) as url:
-        code = main(["--scenarios", "model,streaming,backends", "--rounds", "1",
-                     "--passages", "5", "--stream-latency-ms", "12", "--stream-sizes", "4",
-                     "--backend-url", url, "--backend", kind, "--slots", "2",
-                     "--out", str(tmp_path)])
+        code = main(
+            [
+                "--scenarios",
+                "model,streaming,backends",
+                "--rounds",
+                "1",
+                "--passages",
+                "5",
+                "--stream-latency-ms",
+                "12",
+                "--stream-sizes",
+                "4",
+                "--backend-url",
+                url,
+                "--backend",
+                kind,
+                "--slots",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     model = report["model"]
@@ -112,15 +160,26 @@ def test_model_and_streaming_against_any_backend(tmp_path: Path, kind: str) -> N
     assert "external x2, 4" in report["streaming"]
     assert "backends" not in report  # chat against completion is for llama-server
     # No GGUF known for a backend bench did not start: no physical limit, and why.
-    assert model["eager"] == {"skipped": "--eager-model names the GGUF that --backend-url "
-                                         "serves"}
+    assert model["eager"] == {"skipped": "--eager-model names the GGUF that --backend-url serves"}
     markdown = (tmp_path / "bench.md").read_text()
     assert url in markdown and "Physical limit not measured: --eager-model" in markdown
 
 
 def test_the_settings_grid_runs_llama_server_per_cell(tmp_path: Path) -> None:
-    code = main(["--scenarios", "settings", "--grid", "1:512", "--rounds", "1",
-                 "--passages", "3", "--out", str(tmp_path)])
+    code = main(
+        [
+            "--scenarios",
+            "settings",
+            "--grid",
+            "1:512",
+            "--rounds",
+            "1",
+            "--passages",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     cell = json.loads((tmp_path / "bench.json").read_text())["settings"]["-np 1 -ub 512"]
     assert cell["chat"]["pairs_per_s"] > 0 and cell["completion"]["pairs_per_s"] > 0
@@ -130,20 +189,33 @@ def test_the_settings_grid_runs_llama_server_per_cell(tmp_path: Path) -> None:
 
 
 def test_completion_options_call_llama_server_directly(tmp_path: Path) -> None:
-    code = main(["--scenarios", "completion-options", "--rounds", "1", "--passages", "2",
-                 "--out", str(tmp_path)])
+    code = main(
+        [
+            "--scenarios",
+            "completion-options",
+            "--rounds",
+            "1",
+            "--passages",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     options = json.loads((tmp_path / "bench.json").read_text())["completion_options"]
-    assert set(options) == {"n_probs 20, cache_prompt on", "n_probs 5, cache_prompt on",
-                            "n_probs 1, cache_prompt on", "n_probs 20, cache_prompt off"}
+    assert set(options) == {
+        "n_probs 20, cache_prompt on",
+        "n_probs 5, cache_prompt on",
+        "n_probs 1, cache_prompt on",
+        "n_probs 20, cache_prompt off",
+    }
     assert all(r["ms"] > 0 and 0.0 <= r["yes_or_no_in_top"] <= 1.0 for r in options.values())
     # What the completion backend asks for finds an answer token for every prompt.
     assert options["n_probs 20, cache_prompt on"]["yes_or_no_in_top"] == 1.0
     assert "#### `/completion` options" in (tmp_path / "bench.md").read_text()
 
 
-async def test_the_fake_records_scoring_calls_and_replay_sends_them_at_the_concurrency(
-        ) -> None:
+async def test_the_fake_records_scoring_calls_and_replay_sends_them_at_the_concurrency() -> None:
     """The overhead scenario's direct time: the fake records a request's scoring calls
     (not its metadata calls), and `Replay` sends exactly those, `connections` at a time."""
     body = b'{"query": "q", "documents": ["a", "b"]}'
@@ -172,9 +244,28 @@ def test_model_load_compares_pairs_per_second_under_one_limit(tmp_path: Path) ->
     requests share `--concurrency` (three direct clients with a limit each would reach
     three times that)."""
     with fake_backend(latency_ms=20) as url:
-        code = main(["--scenarios", "model", "--rounds", "1", "--passages", "6",
-                     "--backend-url", url, "--backend", "chat", "--slots", "2",
-                     "--clients", "1,3", "--seconds", "1.5", "--out", str(tmp_path)])
+        code = main(
+            [
+                "--scenarios",
+                "model",
+                "--rounds",
+                "1",
+                "--passages",
+                "6",
+                "--backend-url",
+                url,
+                "--backend",
+                "chat",
+                "--slots",
+                "2",
+                "--clients",
+                "1,3",
+                "--seconds",
+                "1.5",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     assert code == 0
     load = json.loads((tmp_path / "bench.json").read_text())["model"]["load"]
     assert set(load) == {"1", "3"}
@@ -185,8 +276,7 @@ def test_model_load_compares_pairs_per_second_under_one_limit(tmp_path: Path) ->
         # Halves in the order direct, through, through, direct, so that a backend slowing
         # down over the run (llama-server's /v1/rerank with its prompt cache) weighs on
         # both sides alike.
-        assert [h.split()[0] for h in cell["halves"]] == [
-            "direct", "through", "through", "direct"]
+        assert [h.split()[0] for h in cell["halves"]] == ["direct", "through", "through", "direct"]
         assert all(20 < float(h.split()[1]) <= 110 for h in cell["halves"])
     assert "| 3 |" in (tmp_path / "bench.md").read_text()
 
@@ -199,9 +289,28 @@ def test_pairs_not_scored_are_counted_not_timed_as_answers(tmp_path: Path) -> No
     report says the figures are not comparable."""
     fake = FakeLlamaServer(failing_markers=("Winter",)).start()  # in passage 4 alone
     try:
-        code = main(["--scenarios", "model", "--rounds", "2", "--passages", "6",
-                     "--backend-url", fake.url, "--backend", "chat", "--slots", "2",
-                     "--clients", "1", "--seconds", "1", "--out", str(tmp_path)])
+        code = main(
+            [
+                "--scenarios",
+                "model",
+                "--rounds",
+                "2",
+                "--passages",
+                "6",
+                "--backend-url",
+                fake.url,
+                "--backend",
+                "chat",
+                "--slots",
+                "2",
+                "--clients",
+                "1",
+                "--seconds",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     finally:
         fake.stop()
     assert code == 0
@@ -211,7 +320,9 @@ def test_pairs_not_scored_are_counted_not_timed_as_answers(tmp_path: Path) -> No
     assert load["direct_failed_pairs"] >= 1 and load["through_unscored_pairs"] >= 1
     # Each request lost one pair, so it scored five: over a run of at least 1 s the rate
     # is at most five pairs a second per request made (six if lost pairs counted).
-    for rate, lost in ((load["direct_pairs_per_s"], load["direct_failed_pairs"]),
-                       (load["through_pairs_per_s"], load["through_unscored_pairs"])):
+    for rate, lost in (
+        (load["direct_pairs_per_s"], load["direct_failed_pairs"]),
+        (load["through_pairs_per_s"], load["through_unscored_pairs"]),
+    ):
         assert 0 < rate <= 5 * lost + 0.1
     assert "**Not comparable:**" in (tmp_path / "bench.md").read_text()

@@ -23,8 +23,9 @@ TOPICS = {
 }
 
 
-def write_beir(root: Path, corpus: list[dict[str, str]], queries: list[dict[str, str]],
-               qrels: list[str]) -> Path:
+def write_beir(
+    root: Path, corpus: list[dict[str, str]], queries: list[dict[str, str]], qrels: list[str]
+) -> Path:
     """A data set in BEIR layout under `root`."""
     root.mkdir()
     (root / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in corpus) + "\n")
@@ -38,12 +39,22 @@ def write_dataset(root: Path, header: bool) -> Path:
     for qid, (query, keyword_stuffed) in TOPICS.items():
         queries.append({"_id": qid, "text": query})
         corpus.append({"_id": f"{qid}-stuffed", "title": "", "text": keyword_stuffed})
-        corpus.append({"_id": f"{qid}-good", "title": "Guide",
-                       "text": f"GOOD answer: a short {query.split()[0]} guide"})
+        corpus.append(
+            {
+                "_id": f"{qid}-good",
+                "title": "Guide",
+                "text": f"GOOD answer: a short {query.split()[0]} guide",
+            }
+        )
         qrels.append(f"{qid}\t{qid}-good\t2")
         for i in range(4):
-            corpus.append({"_id": f"{qid}-noise{i}", "title": "",
-                           "text": f"{query.split()[1]} filler text number {i}"})
+            corpus.append(
+                {
+                    "_id": f"{qid}-noise{i}",
+                    "title": "",
+                    "text": f"{query.split()[1]} filler text number {i}",
+                }
+            )
     queries.append({"_id": "unjudged", "text": "no judgements for this one"})
     return write_beir(root, corpus, queries, qrels)
 
@@ -56,15 +67,26 @@ def test_loader_reads_beir_with_or_without_header(tmp_path: Path, header: bool) 
     assert len(data.corpus) == 18
 
 
-def test_eval_measures_bm25_and_each_strategy(tmp_path: Path,
-                                              fake_llama: FakeLlamaServer) -> None:
+def test_eval_measures_bm25_and_each_strategy(tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
     fake_llama.scores = {"GOOD": 0.95}
     fake_llama.default_score = 0.05
     data = write_dataset(tmp_path / "tiny", header=True)
     out = tmp_path / "out"
-    code = main([str(data), "--server", f"--backend-url {fake_llama.url} --no-probe "
-                 "--metrics-port 0", "--depth", "6", "--rerank-depth", "6",
-                 "--blend", "rerank_only,position_aware", "--out", str(out)])
+    code = main(
+        [
+            str(data),
+            "--server",
+            f"--backend-url {fake_llama.url} --no-probe --metrics-port 0",
+            "--depth",
+            "6",
+            "--rerank-depth",
+            "6",
+            "--blend",
+            "rerank_only,position_aware",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     result = json.loads((out / "eval-tiny.json").read_text())
     means = result["means"]
@@ -74,8 +96,12 @@ def test_eval_measures_bm25_and_each_strategy(tmp_path: Path,
     assert means["rerank_only"]["mrr@10"] == 1.0
     assert means["rerank_only"]["ndcg@10"] > means["bm25"]["ndcg@10"]
     assert set(result["per_query"]["rerank_only"]["ndcg@10"]) == {"q1", "q2", "q3"}
-    assert result["requests"]["rerank_only"] == {"reranked": 3, "degraded": 0,
-                                                 "no_reranker_weight": 0, "failed_pairs": 0}
+    assert result["requests"]["rerank_only"] == {
+        "reranked": 3,
+        "degraded": 0,
+        "no_reranker_weight": 0,
+        "failed_pairs": 0,
+    }
     assert result["backend"] == "chat"
     q1 = result["scored"]["q1"]  # the raw scores, for fits across data sets
     assert q1["scores"][q1["ids"].index("q1-good")] == pytest.approx(0.95)
@@ -92,9 +118,25 @@ def test_fit_profile_then_evaluate_with_it(tmp_path: Path, fake_llama: FakeLlama
     profiles, out = tmp_path / "profiles.json", tmp_path / "out"
     server = f"--backend-url {fake_llama.url} --no-probe --metrics-port 0"
     common = ["--depth", "6", "--rerank-depth", "6", "--out", str(out)]
-    assert main([str(data), "--server", server, "--blend", "rerank_only", *common,
-                 "--fit-profile", str(profiles), "--profile-name", "fake",
-                 "--profile-model", "fake-*"]) == 0
+    assert (
+        main(
+            [
+                str(data),
+                "--server",
+                server,
+                "--blend",
+                "rerank_only",
+                *common,
+                "--fit-profile",
+                str(profiles),
+                "--profile-name",
+                "fake",
+                "--profile-model",
+                "fake-*",
+            ]
+        )
+        == 0
+    )
     fitted = json.loads((out / "eval-tiny.json").read_text())
     written = json.loads(profiles.read_text())["profiles"]
     assert [(p["name"], p["backend"], p["model"]) for p in written] == [("fake", "chat", "fake-*")]
@@ -103,8 +145,21 @@ def test_fit_profile_then_evaluate_with_it(tmp_path: Path, fake_llama: FakeLlama
     assert "profile_cv" in fitted["means"]
     in_sample = written[0]["fitted"]["ndcg@10"]["in_sample"]
 
-    assert main([str(data), "--server", f"{server} --blend-profile {profiles}",
-                 "--blend", "profile,adaptive", "--name", "again", *common]) == 0
+    assert (
+        main(
+            [
+                str(data),
+                "--server",
+                f"{server} --blend-profile {profiles}",
+                "--blend",
+                "profile,adaptive",
+                "--name",
+                "again",
+                *common,
+            ]
+        )
+        == 0
+    )
     again = json.loads((out / "eval-again.json").read_text())
     assert again["blended_by"] == {"profile": "profile fake", "adaptive": "adaptive"}
     assert again["means"]["profile"]["ndcg@10"] == pytest.approx(in_sample, abs=1e-4)
@@ -117,32 +172,72 @@ def test_fit_profile_then_evaluate_with_it(tmp_path: Path, fake_llama: FakeLlama
 
 
 def test_a_run_with_no_pair_scored_fails_with_one_line(
-        tmp_path: Path, fake_llama: FakeLlamaServer, capsys: pytest.CaptureFixture[str],
-        ) -> None:
+    tmp_path: Path,
+    fake_llama: FakeLlamaServer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     port = fake_llama.kill()  # nothing listens there: every pair fails
     data = write_dataset(tmp_path / "tiny", header=True)
-    code = main([str(data), "--server", f"--backend-url http://127.0.0.1:{port} --no-probe "
-                 "--metrics-port 0", "--depth", "6", "--rerank-depth", "6",
-                 "--blend", "rerank_only", "--out", str(tmp_path / "out")])
+    code = main(
+        [
+            str(data),
+            "--server",
+            f"--backend-url http://127.0.0.1:{port} --no-probe --metrics-port 0",
+            "--depth",
+            "6",
+            "--rerank-depth",
+            "6",
+            "--blend",
+            "rerank_only",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert [line for line in err.splitlines() if "error:" in line] == [
-        next(line for line in err.splitlines() if "no pair was scored" in line)]
+        next(line for line in err.splitlines() if "no pair was scored" in line)
+    ]
     assert not (tmp_path / "out" / "eval-tiny.md").exists()
 
 
 def test_a_profile_that_needs_no_scores_is_a_result_not_a_failure(
-        tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    tmp_path: Path, fake_llama: FakeLlamaServer
+) -> None:
     """A profile that gives the model no weight answers in BM25 order without scoring: the
     evaluation reports that, instead of calling the run one in which nothing worked."""
     profiles = tmp_path / "profiles.json"
-    profiles.write_text(json.dumps({"profiles": [{
-        "name": "ignore-fake", "backend": "chat", "model": "fake-*", "max_weight": 0.0}]}))
+    profiles.write_text(
+        json.dumps(
+            {
+                "profiles": [
+                    {"name": "ignore-fake", "backend": "chat", "model": "fake-*", "max_weight": 0.0}
+                ]
+            }
+        )
+    )
     data = write_dataset(tmp_path / "tiny", header=True)
     out = tmp_path / "out"
-    assert main([str(data), "--server", f"--backend-url {fake_llama.url} --metrics-port 0 "
-                 f"--blend-profile {profiles}", "--depth", "6", "--rerank-depth", "6",
-                 "--blend", "profile", "--concurrency", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                str(data),
+                "--server",
+                f"--backend-url {fake_llama.url} --metrics-port 0 --blend-profile {profiles}",
+                "--depth",
+                "6",
+                "--rerank-depth",
+                "6",
+                "--blend",
+                "profile",
+                "--concurrency",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "eval-tiny.json").read_text())
     counts = result["requests"]["profile"]
     # Requests sent before the backend named its model are scored (the profile is matched
@@ -153,17 +248,19 @@ def test_a_profile_that_needs_no_scores_is_a_result_not_a_failure(
 
 
 def test_unknown_blend_is_an_argument_error_before_any_work(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "missing"), "--blend", "rerank_only,magic"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown strategy magic; choose from position_aware, linear, rerank_only, " \
-           "adaptive, profile" in err
+    assert (
+        "unknown strategy magic; choose from position_aware, linear, rerank_only, "
+        "adaptive, profile" in err
+    )
 
 
-def test_defaults_include_profile_and_help_shows_them(
-        capsys: pytest.CaptureFixture[str]) -> None:
+def test_defaults_include_profile_and_help_shows_them(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # as wrapped for the terminal
@@ -172,15 +269,31 @@ def test_defaults_include_profile_and_help_shows_them(
 
 
 def test_json_has_no_bare_nan_and_time_is_the_whole_run(
-        tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    tmp_path: Path, fake_llama: FakeLlamaServer
+) -> None:
     """A blend that keeps BM25's order gives identical runs, whose p-value ranx reports as
     NaN: the file must still be valid JSON."""
     fake_llama.default_score = 0.5  # no signal: position_aware keeps BM25's ranking
     data = write_dataset(tmp_path / "tiny", header=True)
     out = tmp_path / "out"
-    assert main([str(data), "--server", f"--backend-url {fake_llama.url} --no-probe "
-                 "--metrics-port 0", "--depth", "6", "--rerank-depth", "6",
-                 "--blend", "position_aware", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                str(data),
+                "--server",
+                f"--backend-url {fake_llama.url} --no-probe --metrics-port 0",
+                "--depth",
+                "6",
+                "--rerank-depth",
+                "6",
+                "--blend",
+                "position_aware",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = (out / "eval-tiny.json").read_text()
     result = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
     assert result["p_values"]["bm25"]["position_aware"]["ndcg@10"] is None
@@ -204,7 +317,8 @@ def needle_dataset(root: Path, graded: bool) -> Path:
 
 @pytest.mark.parametrize("graded", [True, False])
 def test_needle_requests_hide_a_relevant_document_in_the_second_half(
-        tmp_path: Path, graded: bool) -> None:
+    tmp_path: Path, graded: bool
+) -> None:
     data = beir.load(needle_dataset(tmp_path / "n", graded))
     cases = needles(data, bm25_top(data, 30))
     assert [c.qid for c in cases] == ["q1", "q2"]
@@ -212,20 +326,33 @@ def test_needle_requests_hide_a_relevant_document_in_the_second_half(
         assert len(case.documents) == SIZE and 11 <= case.position <= 20
         others = [d.id for d in case.documents if d.id != case.needle]
         assert case.needle.endswith("-good") and all("-n" in d for d in others)
-        assert others == sorted(others, key=lambda d: [h.document.id for h in
-                                                        bm25_top(data, 30)[case.qid]].index(d))
+        assert others == sorted(
+            others, key=lambda d: [h.document.id for h in bm25_top(data, 30)[case.qid]].index(d)
+        )
     assert needles(data, bm25_top(data, 30)) == cases  # the same positions every run
 
 
 def test_eval_needle_reports_each_strategy_against_rerank_only(
-        tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    tmp_path: Path, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.scores = {"GOOD": 0.95}
     fake_llama.default_score = 0.3
     data = needle_dataset(tmp_path / "n", graded=True)
     out = tmp_path / "out"
-    code = main([str(data), "--server", f"--backend-url {fake_llama.url} --no-probe "
-                 "--metrics-port 0", "--depth", "30", "--blend",
-                 "rerank_only,position_aware,adaptive", "--needle", "--out", str(out)])
+    code = main(
+        [
+            str(data),
+            "--server",
+            f"--backend-url {fake_llama.url} --no-probe --metrics-port 0",
+            "--depth",
+            "30",
+            "--blend",
+            "rerank_only,position_aware,adaptive",
+            "--needle",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     needle = json.loads((out / "eval-n.json").read_text())["needle"]
     assert needle["queries"] == 2

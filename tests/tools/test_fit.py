@@ -16,7 +16,8 @@ from tests.tools.test_eval import write_dataset
 
 
 def test_fit_across_data_sets_then_serve_with_the_profile(
-        tmp_path: Path, fake_llama: FakeLlamaServer) -> None:
+    tmp_path: Path, fake_llama: FakeLlamaServer
+) -> None:
     fake_llama.scores = {"GOOD": 0.95}
     fake_llama.default_score = 0.05
     server = f"--backend-url {fake_llama.url} --no-probe --metrics-port 0"
@@ -24,12 +25,25 @@ def test_fit_across_data_sets_then_serve_with_the_profile(
     common = ["--depth", "6", "--rerank-depth", "6", "--out", str(out)]
     for name in ("tiny", "small"):
         data = write_dataset(tmp_path / name, header=True)
-        assert eval_main([str(data), "--server", server, "--blend", "rerank_only",
-                          *common]) == 0
+        assert eval_main([str(data), "--server", server, "--blend", "rerank_only", *common]) == 0
 
     evals = [str(out / "eval-tiny.json"), str(out / "eval-small.json")]
-    assert fit_command.main([*evals, "--out", str(out), "--fit-profile", str(profiles),
-                             "--profile-name", "fake", "--profile-model", "fake-*"]) == 0
+    assert (
+        fit_command.main(
+            [
+                *evals,
+                "--out",
+                str(out),
+                "--fit-profile",
+                str(profiles),
+                "--profile-name",
+                "fake",
+                "--profile-model",
+                "fake-*",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "fit-fake.json").read_text())
     assert set(report["collections"]) == {"tiny", "small"}
     tiny = report["collections"]["tiny"]
@@ -42,22 +56,42 @@ def test_fit_across_data_sets_then_serve_with_the_profile(
     assert set(written[0]["fitted"]["collections"]) == {"tiny", "small"}
 
     for name in ("tiny", "small"):
-        assert eval_main([str(tmp_path / name), "--server",
-                          f"{server} --blend-profile {profiles}", "--blend", "profile",
-                          "--name", f"{name}-again", *common]) == 0
+        assert (
+            eval_main(
+                [
+                    str(tmp_path / name),
+                    "--server",
+                    f"{server} --blend-profile {profiles}",
+                    "--blend",
+                    "profile",
+                    "--name",
+                    f"{name}-again",
+                    *common,
+                ]
+            )
+            == 0
+        )
         again = json.loads((out / f"eval-{name}-again.json").read_text())
         assert again["blended_by"] == {"profile": "profile fake"}
         assert again["means"]["profile"]["ndcg@10"] == pytest.approx(
-            report["collections"][name]["fitted_on_all"]["ndcg@10"], abs=1e-4)
+            report["collections"][name]["fitted_on_all"]["ndcg@10"], abs=1e-4
+        )
 
 
 def test_fit_refuses_inputs_it_cannot_use_with_one_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     scored = {"q1": {"ids": ["a", "b"], "ranks": [1, 2], "scores": [0.2, 0.9], "rest": []}}
 
     def write(name: str, **fields: object) -> str:
-        body = {"dataset": name, "backend": "chat", "model": "m", "scored": scored,
-                "qrels": {"q1": {"b": 1}}, **fields}
+        body = {
+            "dataset": name,
+            "backend": "chat",
+            "model": "m",
+            "scored": scored,
+            "qrels": {"q1": {"b": 1}},
+            **fields,
+        }
         (tmp_path / f"{name}.json").write_text(json.dumps(body))
         return str(tmp_path / f"{name}.json")
 

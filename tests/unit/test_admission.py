@@ -54,9 +54,14 @@ def test_a_batched_request_waits_for_its_own_call_whatever_the_free_slots() -> N
 def answer(queued_s: float) -> tuple[list[RankedCandidate], RerankSummary, FunctionScorer]:
     scorer = FunctionScorer(queued_s=queued_s)
     reranker = Reranker(request_rules(Settings(min_candidates=2)), scorer)
-    query = RerankQuery(request_id="r", query="q", timeout_s=1.0, candidates=tuple(
-        Candidate(id=f"d{i}", text=f"doc {i}", index=i, retrieval_rank=i + 1)
-        for i in range(5)))
+    query = RerankQuery(
+        request_id="r",
+        query="q",
+        timeout_s=1.0,
+        candidates=tuple(
+            Candidate(id=f"d{i}", text=f"doc {i}", index=i, retrieval_rank=i + 1) for i in range(5)
+        ),
+    )
     results, summary = asyncio.run(reranker.answer(query))
     return results, summary, scorer
 
@@ -72,8 +77,9 @@ def test_a_queue_in_the_headroom_is_answered_overloaded_at_once() -> None:
     results, summary, scorer = answer(queued_s=(1 - ADMISSION_HEADROOM) * 1.01)
     assert not summary.reranked
     assert summary.degraded is not None and summary.degraded.code is DegradedCode.OVERLOADED
-    assert re.search(r"behind the pairs ahead, past 90% of the (\d+ ms|1.0 s) budget$",
-                     summary.degraded.message), summary.degraded.message
+    assert re.search(
+        r"behind the pairs ahead, past 90% of the (\d+ ms|1.0 s) budget$", summary.degraded.message
+    ), summary.degraded.message
     assert scorer.seen == []  # nothing was sent
     # ... so nothing counts as submitted (it used to: 5 submitted, 0 scored, 0 failed)
     assert (summary.submitted, summary.scored, summary.failed) == (0, 0, 0)

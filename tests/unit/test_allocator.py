@@ -19,8 +19,7 @@ def counting() -> tuple[MemoryReturn, list[int]]:
         calls.append(pad)
         return 1
 
-    return MemoryReturn(every_bytes=16 * MiB, tail_bytes=MiB, min_interval_s=0.2,
-                        trim=trim), calls
+    return MemoryReturn(every_bytes=16 * MiB, tail_bytes=MiB, min_interval_s=0.2, trim=trim), calls
 
 
 async def test_a_burst_is_trimmed_at_once_then_at_most_once_an_interval() -> None:

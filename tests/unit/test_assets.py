@@ -21,7 +21,8 @@ def _executable(path: Path) -> Path:
 
 
 def test_a_relative_llama_server_is_the_file_it_names_not_one_on_path(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--llama-server ./x` (a Path drops the `./`) used to reach exec as "x", which exec
     looks up on PATH: a FileNotFoundError, or silently some other llama-server."""
     ours = _executable(tmp_path / "llama-server")
@@ -35,7 +36,8 @@ def test_a_relative_llama_server_is_the_file_it_names_not_one_on_path(
 
 
 def test_a_bare_name_not_in_the_working_directory_is_looked_up_on_path(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     on_path = _executable(tmp_path / "my-llama")
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -45,7 +47,8 @@ def test_a_bare_name_not_in_the_working_directory_is_looked_up_on_path(
 
 
 def test_a_portable_build_is_kept_apart_from_a_native_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A native (-march=native) binary found where a portable one was asked for can die
     of SIGILL on another CPU: the two never share a path."""
     monkeypatch.delenv("RERANK_LLAMA_NATIVE", raising=False)
@@ -93,12 +96,14 @@ async def test_flags_are_found_however_their_short_names_are_padded(tmp_path: Pa
     """llama-server pads short names to line up (`-c,    --ctx-size N`): only flags whose
     short name happened to fill the column were found."""
     fake = tmp_path / "llama-server"
-    fake.write_text("#!/bin/sh\ncat <<'EOF'\n"
-                    "-c,    --ctx-size N                     size of the prompt context\n"
-                    "-cram, --cache-ram N                    set the maximum cache size\n"
-                    "--ui,  --webui, --no-ui, --no-webui     whether to enable the Web UI\n"
-                    "                                        when set without -np, ...\n"
-                    "EOF\n")
+    fake.write_text(
+        "#!/bin/sh\ncat <<'EOF'\n"
+        "-c,    --ctx-size N                     size of the prompt context\n"
+        "-cram, --cache-ram N                    set the maximum cache size\n"
+        "--ui,  --webui, --no-ui, --no-webui     whether to enable the Web UI\n"
+        "                                        when set without -np, ...\n"
+        "EOF\n"
+    )
     fake.chmod(0o755)
     for flag in ("--ctx-size", "-c", "--cache-ram", "--no-webui"):
         assert await knows_flag(fake, flag), flag
@@ -107,7 +112,8 @@ async def test_flags_are_found_however_their_short_names_are_padded(tmp_path: Pa
 
 
 def test_progress_goes_to_stderr_not_among_the_log_lines(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`serve --managed` prepares its assets as it starts, with JSON log lines on stdout:
     a `[prepare]` line there was one a log shipper could not parse."""
     assets.say("building llama-server")
@@ -115,8 +121,7 @@ def test_progress_goes_to_stderr_not_among_the_log_lines(
     assert out == "" and err == "[prepare] building llama-server\n"
 
 
-def test_prepare_mends_a_damaged_model_and_names_a_binary_that_does_not_run(
-        tmp_path: Path) -> None:
+def test_prepare_mends_a_damaged_model_and_names_a_binary_that_does_not_run(tmp_path: Path) -> None:
     """`prepare` checked the cached model by size only and ran the binary's `--version`
     without looking at how it ended: a truncated binary and a model of the right size
     with a zeroed header were both "ready", and the server then failed to start."""
@@ -134,6 +139,5 @@ def test_prepare_mends_a_damaged_model_and_names_a_binary_that_does_not_run(
     truncated = tmp_path / "llama-server"
     truncated.write_text("#!/bin/sh\nkill -SEGV $$\n")
     truncated.chmod(0o755)
-    with pytest.raises(assets.AssetError, match="does not run: `--version` was killed "
-                                                "by SIGSEGV"):
+    with pytest.raises(assets.AssetError, match="does not run: `--version` was killed by SIGSEGV"):
         assets.prepare(tmp_path, llama_server=truncated)

@@ -65,8 +65,7 @@ async def test_a_crashing_pair_raises_and_the_rest_are_let_go() -> None:
 
 async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
     cancelled: list[int] = []
-    scorer = asyncio.create_task(
-        map_pairs(4, lambda i: _waits_long(i, cancelled), lambda _o: None))
+    scorer = asyncio.create_task(map_pairs(4, lambda i: _waits_long(i, cancelled), lambda _o: None))
     await asyncio.sleep(0.01)
     scorer.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -77,15 +76,22 @@ async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
 
 
 async def test_a_pair_let_go_on_the_wire_stops_when_its_call_returns(
-        fake_llama: FakeLlamaServer) -> None:
+    fake_llama: FakeLlamaServer,
+) -> None:
     """A pair still running after its request stopped waiting (its call was on the wire,
     so it was abandoned) stops when the call comes back within the leash: it emits
     nothing to a request that is gone, so nothing of it can crash unheard either."""
     fake_llama.latency_s = 0.3
     backend = http.HttpBackend(fake_llama.url, 2, 5.0)
-    body = {"messages": [{"role": "system", "content": prompt.SYSTEM_PROMPT},
-                         {"role": "user", "content": prompt.user_message("i", "q", "d")}],
-            "max_tokens": 1, "logprobs": True, "top_logprobs": 20}
+    body = {
+        "messages": [
+            {"role": "system", "content": prompt.SYSTEM_PROMPT},
+            {"role": "user", "content": prompt.user_message("i", "q", "d")},
+        ],
+        "max_tokens": 1,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
     answered: list[int] = []
 
     async def one(i: int) -> PairOutcome:
@@ -110,6 +116,7 @@ async def test_a_pair_let_go_on_the_wire_stops_when_its_call_returns(
 async def test_a_crash_after_another_pair_crashed_is_logged() -> None:
     """Two pairs crash in the same turn of the loop: the first is raised to the scorer,
     the second has nobody left to raise to and is logged, not lost."""
+
     async def one(i: int) -> PairOutcome:
         return PairOutcome(i, 0.5)
 
@@ -118,6 +125,5 @@ async def test_a_crash_after_another_pair_crashed_is_logged() -> None:
 
     with structlog.testing.capture_logs() as logged, pytest.raises(ValueError):
         await map_pairs(2, one, emit)
-    assert [e["error"] for e in logged if e["event"] == "pair_crashed_unheard"] == \
-        ["ValueError"]
+    assert [e["error"] for e in logged if e["event"] == "pair_crashed_unheard"] == ["ValueError"]
     assert not _tracked()

@@ -29,13 +29,16 @@ FIXED_BLENDS = [s for s in BlendStrategy if s not in REQUEST_WIDE]  # per candid
 PA, LIN, RR = BlendStrategy.POSITION_AWARE, BlendStrategy.LINEAR, BlendStrategy.RERANK_ONLY
 
 
-@pytest.mark.parametrize(("rank", "p", "expected"), [
-    (1, 0.2, 0.75 * 1.0 + 0.25 * 0.2),
-    (3, 0.2, 0.75 / 3 + 0.25 * 0.2),
-    (4, 0.2, 0.60 / 4 + 0.40 * 0.2),
-    (10, 0.9, 0.60 / 10 + 0.40 * 0.9),
-    (11, 0.9, 0.40 / 11 + 0.60 * 0.9),
-])
+@pytest.mark.parametrize(
+    ("rank", "p", "expected"),
+    [
+        (1, 0.2, 0.75 * 1.0 + 0.25 * 0.2),
+        (3, 0.2, 0.75 / 3 + 0.25 * 0.2),
+        (4, 0.2, 0.60 / 4 + 0.40 * 0.2),
+        (10, 0.9, 0.60 / 10 + 0.40 * 0.9),
+        (11, 0.9, 0.40 / 11 + 0.60 * 0.9),
+    ],
+)
 def test_position_aware_bands(rank: int, p: float, expected: float) -> None:
     assert blend(PA, rank, p) == pytest.approx(expected)
 
@@ -73,8 +76,10 @@ def test_under_rerank_only_a_failed_pair_follows_every_scored_one() -> None:
     """The reranker's order alone: a failed retrieval rank 1 has no score to stand on."""
     assert blend(RR, 1, None) == 0.0 < blend(RR, 30, 0.01)
     # Failed pairs among themselves, and ties with a score of 0, go by retrieval rank.
-    ranked = sorted([(1, None), (2, 0.3), (3, None), (4, 0.0), (5, 0.9)],
-                    key=lambda rp: (-blend(RR, rp[0], rp[1]), rp[0]))
+    ranked = sorted(
+        [(1, None), (2, 0.3), (3, None), (4, 0.0), (5, 0.9)],
+        key=lambda rp: (-blend(RR, rp[0], rp[1]), rp[0]),
+    )
     assert [r for r, _ in ranked] == [5, 2, 1, 3, 4]
 
 
@@ -88,8 +93,10 @@ def test_upper_bound_is_the_maximum() -> None:
 
 # --- the adaptive blend (docs/blending.md)
 
-def _order(ranks: list[int], scores: list[float | None],
-           params: AdaptiveParams = ADAPTIVE) -> list[int]:
+
+def _order(
+    ranks: list[int], scores: list[float | None], params: AdaptiveParams = ADAPTIVE
+) -> list[int]:
     finals = adaptive_scores(ranks, scores, params)
     return sorted(ranks, key=lambda r: (-finals[ranks.index(r)], r))
 
@@ -124,7 +131,8 @@ def test_adaptive_weight_is_monotone_in_the_spread(scores: list[float], stretch:
 
 @given(st.lists(st.floats(0.0, 0.5), min_size=2, max_size=20), st.floats(0.0, 0.5))
 def test_adaptive_order_does_not_depend_on_the_scores_offset(
-        scores: list[float], shift: float) -> None:
+    scores: list[float], shift: float
+) -> None:
     ranks = list(range(1, len(scores) + 1))
     base: list[float | None] = list(scores)
     shifted: list[float | None] = [s + shift for s in scores]
@@ -145,33 +153,43 @@ def test_request_wide_blends_have_no_per_candidate_blend() -> None:
 
 
 params = st.builds(
-    lambda noise, width, low, extra: AdaptiveParams(noise, noise + width, low,
-                                                     min(1.0, low + extra)),
-    st.floats(0, 0.3), st.floats(0, 0.3), st.floats(0, 1), st.floats(0, 1))
+    lambda noise, width, low, extra: AdaptiveParams(
+        noise, noise + width, low, min(1.0, low + extra)
+    ),
+    st.floats(0, 0.3),
+    st.floats(0, 0.3),
+    st.floats(0, 1),
+    st.floats(0, 1),
+)
 
 
 @given(params, st.floats(0, 1), st.floats(0, 1))
 def test_profile_weight_is_monotone_and_within_its_bounds(
-        p: AdaptiveParams, a: float, b: float) -> None:
+    p: AdaptiveParams, a: float, b: float
+) -> None:
     low, high = sorted((a, b))
     assert p.min_weight <= p.weight(low) <= p.weight(high) <= p.max_weight
-    assert p.weight(p.spread_noise if p.spread_noise < p.spread_decisive else -1) \
-        == p.min_weight
+    assert p.weight(p.spread_noise if p.spread_noise < p.spread_decisive else -1) == p.min_weight
     assert p.weight(p.spread_decisive) == p.max_weight
 
 
-@given(params, st.floats(0, 0.5), st.floats(0, 0.5), st.floats(0, 1), st.floats(0, 1),
-       st.floats(0, 1))
+@given(
+    params, st.floats(0, 0.5), st.floats(0, 0.5), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)
+)
 def test_the_best_score_gate_only_ever_lowers_the_weight_and_is_monotone(
-        p: AdaptiveParams, floor: float, width: float, a: float, b: float,
-        spread_: float) -> None:
-    gated = AdaptiveParams(p.spread_noise, p.spread_decisive, p.min_weight, p.max_weight,
-                           floor, min(1.0, floor + width))
+    p: AdaptiveParams, floor: float, width: float, a: float, b: float, spread_: float
+) -> None:
+    gated = AdaptiveParams(
+        p.spread_noise,
+        p.spread_decisive,
+        p.min_weight,
+        p.max_weight,
+        floor,
+        min(1.0, floor + width),
+    )
     low, high = sorted((a, b))
-    assert 0.0 <= gated.weight(spread_, low) <= gated.weight(spread_, high) \
-        <= p.weight(spread_)
-    assert gated.weight(spread_, floor) == (p.weight(spread_) if gated.top_full == floor
-                                            else 0.0)
+    assert 0.0 <= gated.weight(spread_, low) <= gated.weight(spread_, high) <= p.weight(spread_)
+    assert gated.weight(spread_, floor) == (p.weight(spread_) if gated.top_full == floor else 0.0)
     assert gated.weight(spread_, gated.top_full) == p.weight(spread_)
 
 
@@ -187,8 +205,9 @@ def test_a_request_whose_best_score_is_low_keeps_the_retrieval_order() -> None:
 
 def test_the_built_in_adaptive_blend_is_the_default_profile() -> None:
     scores: list[float | None] = [0.9, 0.2, 0.6, 0.1]
-    assert adaptive_scores([1, 2, 3, 4], scores) == \
-        adaptive_scores([1, 2, 3, 4], scores, AdaptiveParams(0.06, 0.10, 0.0, 1.0))
+    assert adaptive_scores([1, 2, 3, 4], scores) == adaptive_scores(
+        [1, 2, 3, 4], scores, AdaptiveParams(0.06, 0.10, 0.0, 1.0)
+    )
 
 
 def test_a_constant_weight_profile_ignores_the_spread() -> None:
@@ -199,11 +218,14 @@ def test_a_constant_weight_profile_ignores_the_spread() -> None:
     assert _order([1, 2, 3], [0.0, 0.5, 1.0], never) == [1, 2, 3]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"min_weight": 0.6, "max_weight": 0.5}, "min_weight <= max_weight"),
-    ({"max_weight": 1.5}, "max_weight <= 1"),
-    ({"spread_noise": 0.2, "spread_decisive": 0.1}, "spread_noise <= spread_decisive"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_weight": 0.6, "max_weight": 0.5}, "min_weight <= max_weight"),
+        ({"max_weight": 1.5}, "max_weight <= 1"),
+        ({"spread_noise": 0.2, "spread_decisive": 0.1}, "spread_noise <= spread_decisive"),
+    ],
+)
 def test_profile_parameters_are_checked(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AdaptiveParams(**kwargs)
@@ -237,8 +259,28 @@ def test_a_document_the_model_clearly_prefers_comes_up_from_anywhere() -> None:
     """Retrieval ranks 1-10 hold nothing the model likes, rank 15 the one it does: the
     request-wide blends weigh and normalize on every score, so it comes first (a blend
     settled on the best-ranked half saw flat scores and kept the retrieval order)."""
-    scores = [0.30, 0.32, 0.28, 0.31, 0.29, 0.30, 0.33, 0.27, 0.31, 0.30,
-              0.29, 0.32, 0.30, 0.28, 0.85, 0.31, 0.30, 0.29, 0.33, 0.28]
+    scores = [
+        0.30,
+        0.32,
+        0.28,
+        0.31,
+        0.29,
+        0.30,
+        0.33,
+        0.27,
+        0.31,
+        0.30,
+        0.29,
+        0.32,
+        0.30,
+        0.28,
+        0.85,
+        0.31,
+        0.30,
+        0.29,
+        0.33,
+        0.28,
+    ]
     ranks = list(range(1, 21))
     finals = adaptive_scores(ranks, scores)
     assert max(range(20), key=finals.__getitem__) == 14
@@ -253,14 +295,23 @@ def test_no_score_is_clipped_for_where_retrieval_put_it() -> None:
     assert finals[7] > finals[6] > finals[3]
 
 
-@given(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
-       st.lists(st.tuples(st.integers(1, 200), st.none() | st.floats(-5.0, 5.0)),
-                max_size=30))
+@given(
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 1.0),
+    st.lists(st.tuples(st.integers(1, 200), st.none() | st.floats(-5.0, 5.0)), max_size=30),
+)
 def test_a_settled_blend_scores_a_request_at_once_as_one_by_one(
-        weight: float, a: float, b: float, ranked: list[tuple[int, float | None]]) -> None:
+    weight: float, a: float, b: float, ranked: list[tuple[int, float | None]]
+) -> None:
     """`finals`, the loop over a whole request, is `final` of each, and `final` is the
     weighted sum of `normalized` (which the profile fit reads) and the retrieval input."""
     settled = Settled(weight, min(a, b), max(a, b))
-    assert settled.finals(ranked) == [settled.final(r, p) for r, p in ranked] == [
-        weight * settled.normalized(r, p) + (1.0 - weight) * retrieval_input(r)
-        for r, p in ranked]
+    assert (
+        settled.finals(ranked)
+        == [settled.final(r, p) for r, p in ranked]
+        == [
+            weight * settled.normalized(r, p) + (1.0 - weight) * retrieval_input(r)
+            for r, p in ranked
+        ]
+    )

@@ -25,10 +25,12 @@ class Silent(FunctionScorer):
         await asyncio.sleep(3600)
 
 
-async def _groups(scorer: Any, budget_s: float,
-                  stop: budget.StopSignal | None = None) -> list[list[PairOutcome]]:
-    return [group async for group in budget.score_within(scorer, REQUEST, budget_s,
-                                                         NoOpTracer(), stop)]
+async def _groups(
+    scorer: Any, budget_s: float, stop: budget.StopSignal | None = None
+) -> list[list[PairOutcome]]:
+    return [
+        group async for group in budget.score_within(scorer, REQUEST, budget_s, NoOpTracer(), stop)
+    ]
 
 
 def _on_uvloop(main: Callable[[], Awaitable[Any]]) -> Any:
@@ -41,8 +43,7 @@ def test_a_batch_that_lands_whole_arrives_as_one_group() -> None:
     assert all(o.failure is None for o in groups[0])
 
 
-def test_running_out_of_budget_wakes_the_request_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_running_out_of_budget_wakes_the_request_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """uvloop rounds timers to the millisecond, so the budget's timer may fire a little
     early; the request must time out then, not wait again in zero-length timers."""
     waits = 0
@@ -79,8 +80,7 @@ def test_a_score_off_0_to_1_fails_its_pair_alone() -> None:
     """Whatever a scorer's decoder lets through, the blend sees scores on 0..1: a NaN
     (which fails every comparison and would sort anywhere), a raw logit, or no score
     without a failure fail their own pairs as malformed; the others stand."""
-    scores = {"doc 0": float("nan"), "doc 1": 1.5, "doc 2": 0.25, "doc 3": -0.1,
-              "doc 4": 1.0}
+    scores = {"doc 0": float("nan"), "doc 1": 1.5, "doc 2": 0.25, "doc 3": -0.1, "doc 4": 1.0}
     groups = _on_uvloop(lambda: _groups(FunctionScorer(score_of=scores.__getitem__), 5.0))
     outcomes = {o.pair: o for g in groups for o in g}
     assert sorted(outcomes) == list(range(5))

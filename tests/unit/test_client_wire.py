@@ -12,13 +12,30 @@ from rerank_client.types import RerankAnswer, Result, build_request
 
 
 def test_request_carries_every_given_field_and_leaves_the_rest_unset() -> None:
-    request = build_request("q", [
-        "plain text",
-        {"id": 7, "text": "from a mapping", "retrieval_score": 3.5},
-        Candidate(id="c", text="full", title="T", retrieval_score=0.0, retrieval_rank=4,
-                  metadata={"lang": "en"}),
-    ], lists=[RankedList("dense", ["d0", {"text": "d1", "retrieval_rank": 1}], weight=1.5,
-                         expansion=True, score_kind="similarity")])
+    request = build_request(
+        "q",
+        [
+            "plain text",
+            {"id": 7, "text": "from a mapping", "retrieval_score": 3.5},
+            Candidate(
+                id="c",
+                text="full",
+                title="T",
+                retrieval_score=0.0,
+                retrieval_rank=4,
+                metadata={"lang": "en"},
+            ),
+        ],
+        lists=[
+            RankedList(
+                "dense",
+                ["d0", {"text": "d1", "retrieval_rank": 1}],
+                weight=1.5,
+                expansion=True,
+                score_kind="similarity",
+            )
+        ],
+    )
     plain, mapped, full = request.candidates
     assert (plain.id, plain.text) == ("0", "plain text")
     for name in ("title", "retrieval_score", "retrieval_rank"):
@@ -37,16 +54,29 @@ def test_request_carries_every_given_field_and_leaves_the_rest_unset() -> None:
 
 
 def test_answer_reads_every_result_field() -> None:
-    response = pb.RerankResponse(request_id="r", results=[
-        pb.RankedResult(id="a", index=2, rank=1, score=0.9, reranker_score=0.0,
-                        retrieval_score=5.0, retrieval_rank=3, scored_text="chunk",
-                        metadata={"k": "v"}, normalized_retrieval_score=0.5,
-                        found_in=["bm25"], cached=True),
-        pb.RankedResult(id="b", index=0, rank=2, score=0.1, retrieval_rank=1)])
+    response = pb.RerankResponse(
+        request_id="r",
+        results=[
+            pb.RankedResult(
+                id="a",
+                index=2,
+                rank=1,
+                score=0.9,
+                reranker_score=0.0,
+                retrieval_score=5.0,
+                retrieval_rank=3,
+                scored_text="chunk",
+                metadata={"k": "v"},
+                normalized_retrieval_score=0.5,
+                found_in=["bm25"],
+                cached=True,
+            ),
+            pb.RankedResult(id="b", index=0, rank=2, score=0.1, retrieval_rank=1),
+        ],
+    )
     full, bare = RerankAnswer.from_pb(response).results
     # Every field by name: `Result.from_pb` passes them by position.
-    assert (full.id, full.index, full.rank, full.score, full.retrieval_rank) == \
-        ("a", 2, 1, 0.9, 3)
+    assert (full.id, full.index, full.rank, full.score, full.retrieval_rank) == ("a", 2, 1, 0.9, 3)
     assert (full.reranker_score, full.retrieval_score, full.scored_text) == (0.0, 5.0, "chunk")
     assert full.metadata == {"k": "v"} and full.found_in == ("bm25",) and full.cached
     assert full.normalized_retrieval_score == 0.5
@@ -69,9 +99,15 @@ def test_a_result_subclass_is_built_as_itself() -> None:
     assert type(built) is Mine and built.id == "a"
 
 
-@pytest.mark.parametrize(("options", "named"), [
-    ({"top_k": -1}, "top_k"), ({"top_k": 2**40}, "top_k"),
-    ({"timeout_ms": -5}, "timeout_ms"), ({"max_candidates": 2**32}, "max_candidates")])
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"timeout_ms": -5}, "timeout_ms"),
+        ({"max_candidates": 2**32}, "max_candidates"),
+    ],
+)
 def test_a_number_out_of_range_is_named(options: dict[str, int], named: str) -> None:
     """protobuf's own error said only "Value out of range: -1"."""
     with pytest.raises(ValueError, match=f"^{named} must be a whole number from 0 to"):
@@ -88,20 +124,33 @@ def test_a_candidate_of_another_type_is_named() -> None:
         build_request("q", lists=[RankedList("bm25", [None])])  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize(("candidate", "error", "message"), [
-    ({"text": "x", "retrieval_rank": -1}, ValueError,
-     r"candidates\[1\]\.retrieval_rank must be a whole number from 0 to 4294967295, not -1"),
-    ({"text": 5}, TypeError, r"candidates\[1\]\.text: expected a str, not int"),
-    ({"text": "x", "title": 3}, TypeError, r"candidates\[1\]\.title: expected a str, not int"),
-    ({"text": "x", "retrieval_score": "0.5"}, TypeError,
-     r"candidates\[1\]\.retrieval_score: expected a number, not str"),
-    ({"text": "x", "metadata": {"a": 1}}, TypeError,
-     r"candidates\[1\]\.metadata: expected a mapping of str to str, not a mapping with "
-     r"int values"),
-    ({"text": "\ud800"}, ValueError, r"candidates\[1\]\.text: not valid Unicode \(.*\)"),
-])
-def test_a_candidates_bad_field_is_named(candidate: dict[str, object], error: type,
-                                        message: str) -> None:
+@pytest.mark.parametrize(
+    ("candidate", "error", "message"),
+    [
+        (
+            {"text": "x", "retrieval_rank": -1},
+            ValueError,
+            r"candidates\[1\]\.retrieval_rank must be a whole number from 0 to 4294967295, not -1",
+        ),
+        ({"text": 5}, TypeError, r"candidates\[1\]\.text: expected a str, not int"),
+        ({"text": "x", "title": 3}, TypeError, r"candidates\[1\]\.title: expected a str, not int"),
+        (
+            {"text": "x", "retrieval_score": "0.5"},
+            TypeError,
+            r"candidates\[1\]\.retrieval_score: expected a number, not str",
+        ),
+        (
+            {"text": "x", "metadata": {"a": 1}},
+            TypeError,
+            r"candidates\[1\]\.metadata: expected a mapping of str to str, not a mapping with "
+            r"int values",
+        ),
+        ({"text": "\ud800"}, ValueError, r"candidates\[1\]\.text: not valid Unicode \(.*\)"),
+    ],
+)
+def test_a_candidates_bad_field_is_named(
+    candidate: dict[str, object], error: type, message: str
+) -> None:
     """protobuf said "Value out of range: -1" or "bad argument type for built-in
     operation", naming neither the candidate nor the field (`rerank-client --file`
     printed just that for a bad line)."""
@@ -112,11 +161,15 @@ def test_a_candidates_bad_field_is_named(candidate: dict[str, object], error: ty
 def test_codes_this_client_does_not_know_are_read_not_raised() -> None:
     """The proto only ever adds values: a newer server's degraded code or blend strategy
     failed the whole answer with a ValueError (not a RerankError) in this client."""
-    response = pb.RerankResponse(request_id="r", blend_strategy=99,  # type: ignore[arg-type]
-                                 degraded=pb.DegradedReason(code=99, message="new"))  # type: ignore[arg-type]
+    response = pb.RerankResponse(
+        request_id="r",
+        blend_strategy=99,  # type: ignore[arg-type]
+        degraded=pb.DegradedReason(code=99, message="new"),
+    )  # type: ignore[arg-type]
     summary = RerankAnswer.from_pb(response).summary
     assert summary.degraded_code == "unknown_99" and summary.degraded_message == "new"
     assert summary.blend_strategy == "unknown_99"
-    known = pb.RerankResponse(degraded=pb.DegradedReason(
-        code=pb.DEGRADED_REASON_CODE_TOO_FEW_CANDIDATES))
+    known = pb.RerankResponse(
+        degraded=pb.DegradedReason(code=pb.DEGRADED_REASON_CODE_TOO_FEW_CANDIDATES)
+    )
     assert RerankAnswer.from_pb(known).summary.degraded_code == "too_few_candidates"

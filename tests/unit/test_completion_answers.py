@@ -19,14 +19,19 @@ IDS = {1: "yes", 2: "no"}
 
 
 def _result(top: Any) -> dict[str, Any]:
-    return {"completion_probabilities": [{"id": 1, "token": "yes", "bytes": [121],
-                                          "logprob": -0.1, "top_logprobs": top}],
-            "model": "/models/m.gguf"}
+    return {
+        "completion_probabilities": [
+            {"id": 1, "token": "yes", "bytes": [121], "logprob": -0.1, "top_logprobs": top}
+        ],
+        "model": "/models/m.gguf",
+    }
 
 
 def test_an_array_and_a_single_result_decode_alike() -> None:
-    top = [{"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": -0.5},
-           {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -2}]
+    top = [
+        {"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": -0.5},
+        {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -2},
+    ]
     one = _decode(orjson.dumps(_result(top)))
     assert one == _decode(orjson.dumps([_result(top)]))
     assert _score(one[0], IDS) == p_yes([("yes", -0.5), ("no", -2.0)])
@@ -34,19 +39,26 @@ def test_an_array_and_a_single_result_decode_alike() -> None:
 
 
 def test_entries_of_other_tokens_need_neither_id_nor_logprob() -> None:
-    top = [{"token": "The"}, {"id": None, "logprob": -1.0}, {"id": 7, "logprob": None},
-           {"id": 1, "logprob": -0.2}]
+    top = [
+        {"token": "The"},
+        {"id": None, "logprob": -1.0},
+        {"id": 7, "logprob": None},
+        {"id": 1, "logprob": -0.2},
+    ]
     assert _score(_decode(orjson.dumps([_result(top)]))[0], IDS) == p_yes([("yes", -0.2)])
 
 
-@pytest.mark.parametrize("result", [
-    {"completion_probabilities": None},
-    {"completion_probabilities": []},
-    _result([{"id": 1, "logprob": "-0.1"}]),  # a string, a bool: not numbers
-    _result([{"id": 1, "logprob": True}]),
-    _result([{"id": 2}]),  # an answer token without its logprob
-    _result(None),
-])
+@pytest.mark.parametrize(
+    "result",
+    [
+        {"completion_probabilities": None},
+        {"completion_probabilities": []},
+        _result([{"id": 1, "logprob": "-0.1"}]),  # a string, a bool: not numbers
+        _result([{"id": 1, "logprob": True}]),
+        _result([{"id": 2}]),  # an answer token without its logprob
+        _result(None),
+    ],
+)
 def test_a_result_without_a_usable_answer_scores_nothing_alone(result: Any) -> None:
     """Only its own pair fails: the other results of the answer are scored."""
     good = _result([{"id": 1, "logprob": -0.3}])
@@ -57,17 +69,26 @@ def test_a_result_without_a_usable_answer_scores_nothing_alone(result: Any) -> N
 def test_a_logprob_of_400_digits_fails_its_result_only() -> None:
     """JSON allows it; `float()` of it raised OverflowError, which failed the slice."""
     good = orjson.dumps(_result([{"id": 1, "logprob": -0.3}]))
-    huge = good.replace(b'"top_logprobs":[{"id":1,"logprob":-0.3}]',
-                        b'"top_logprobs":[{"id":1,"logprob":-1' + b"0" * 400 + b"}]")
+    huge = good.replace(
+        b'"top_logprobs":[{"id":1,"logprob":-0.3}]',
+        b'"top_logprobs":[{"id":1,"logprob":-1' + b"0" * 400 + b"}]",
+    )
     assert huge != good
     decoded = _decode(b"[" + good + b"," + huge + b"]")
     assert [_score(r, IDS) is None for r in decoded] == [False, True]
 
 
-@pytest.mark.parametrize("answer", [{"error": "busy"}, "yes", [{"model": "m"}],
-                                    [_result([{"id": "1", "logprob": -0.1}])],  # ids: ints
-                                    [{"completion_probabilities": 3}],
-                                    [{"completion_probabilities": [{"top_logprobs": [7]}]}]])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"error": "busy"},
+        "yes",
+        [{"model": "m"}],
+        [_result([{"id": "1", "logprob": -0.1}])],  # ids: ints
+        [{"completion_probabilities": 3}],
+        [{"completion_probabilities": [{"top_logprobs": [7]}]}],
+    ],
+)
 def test_json_of_the_wrong_shape_is_malformed_as_a_whole(answer: Any) -> None:
     with pytest.raises(MalformedResponse, match="wrong shape"):
         _decode(orjson.dumps(answer))

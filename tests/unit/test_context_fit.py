@@ -27,8 +27,9 @@ class Pool:
         assert path == "/props"
         return {"default_generation_settings": {"n_ctx": self.n_ctx}}
 
-    async def call(self, path: str, payload: Any, parse: Callable[[Any], Any],
-                   pairs: int = 1) -> Any:
+    async def call(
+        self, path: str, payload: Any, parse: Callable[[Any], Any], pairs: int = 1
+    ) -> Any:
         self.calls.append(path)
         if path == "/tokenize":
             return parse({"tokens": list(payload["content"].encode())})
@@ -53,7 +54,8 @@ async def test_documents_that_all_fit_make_no_call() -> None:
 
 
 async def test_a_later_asking_of_props_keeps_no_request_waiting(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A backend that does not report its context is asked again every RELEARN_S; while
     that asking is out (a slow `/props`), requests go on without the slot size instead of
     waiting for it. The first asking is waited for by all."""
@@ -83,9 +85,11 @@ async def test_a_later_asking_of_props_keeps_no_request_waiting(
 async def test_a_cut_that_splits_a_character_drops_its_half() -> None:
     """The token boundary fell inside "é": the backend's detokenized text ended in
     U+FFFD, which was sent as part of the document."""
+
     class Replacing(Pool):
-        async def call(self, path: str, payload: Any, parse: Callable[[Any], Any],
-                       pairs: int = 1) -> Any:
+        async def call(
+            self, path: str, payload: Any, parse: Callable[[Any], Any], pairs: int = 1
+        ) -> Any:
             if path == "/detokenize":
                 return parse({"content": bytes(payload["tokens"]).decode(errors="replace")})
             return await super().call(path, payload, parse, pairs)
@@ -98,12 +102,14 @@ async def test_a_backend_without_a_tokenizer_is_asked_once_and_cut_by_a_measure(
     """An OpenAI-compatible server (no /tokenize, no /props): `max_tokens_per_doc` of 16
     cut documents to 16 bytes, about 4 tokens, after a 404 for every long document; now
     one 404, then about 4 bytes a token."""
+
     class NoTokenizer(Pool):
         async def get_json(self, path: str) -> Any:
             return None
 
-        async def call(self, path: str, payload: Any, parse: Callable[[Any], Any],
-                       pairs: int = 1) -> Any:
+        async def call(
+            self, path: str, payload: Any, parse: Callable[[Any], Any], pairs: int = 1
+        ) -> Any:
             self.calls.append(path)
             raise BackendCallError(Failure.HTTP_ERROR, "HTTP 404", 404)
 

@@ -32,8 +32,11 @@ from rerank_server.ranking.blending import (
 DEPTH = 20
 
 
-def make_queries(n: int, informative: bool, seed: int = 1,
-                 ) -> tuple[list[ScoredQuery], dict[str, dict[str, int]]]:
+def make_queries(
+    n: int,
+    informative: bool,
+    seed: int = 1,
+) -> tuple[list[ScoredQuery], dict[str, dict[str, int]]]:
     """Per query, 20 reranked candidates and one tail document.
 
     Informative: the one highly relevant document sits at BM25 rank 4..7 and the scorer
@@ -51,10 +54,11 @@ def make_queries(n: int, informative: bool, seed: int = 1,
         else:
             relevant = 0
             qrels[qid] = {ids[0]: 2, ids[1]: 2, ids[2]: 1}
-        scores = tuple(0.5 + rng.uniform(-0.05, 0.05) + (0.4 if r == relevant else 0.0)
-                       for r in range(1, DEPTH + 1))
-        queries.append(ScoredQuery(qid, ids, tuple(range(1, DEPTH + 1)), scores,
-                                   (f"{qid}-tail",)))
+        scores = tuple(
+            0.5 + rng.uniform(-0.05, 0.05) + (0.4 if r == relevant else 0.0)
+            for r in range(1, DEPTH + 1)
+        )
+        queries.append(ScoredQuery(qid, ids, tuple(range(1, DEPTH + 1)), scores, (f"{qid}-tail",)))
     return queries, qrels
 
 
@@ -72,9 +76,12 @@ def test_ndcg_agrees_with_ranx() -> None:
         rng.shuffle(docs)
         run[f"q{q}"] = docs
     judged = Qrels(qrels)
-    ranx_values = evaluate(judged, Run({q: {d: 1.0 / (i + 1) for i, d in enumerate(ds)}
-                                        for q, ds in run.items()}),
-                           "ndcg@10", return_mean=False)
+    ranx_values = evaluate(
+        judged,
+        Run({q: {d: 1.0 / (i + 1) for i, d in enumerate(ds)} for q, ds in run.items()}),
+        "ndcg@10",
+        return_mean=False,
+    )
     order = list(judged.keys())  # ranx's query order, not the dict's
     ours = [ndcg(run[q], qrels[q]) for q in order]
     assert ours == pytest.approx([float(v) for v in ranx_values])
@@ -85,8 +92,11 @@ def test_grid_starts_with_the_retrieval_order_and_covers_full_trust() -> None:
     assert gated[0] == AdaptiveParams(0.0, 0.0, 0.0, 0.0)
     assert ADAPTIVE in gated  # the built-in blend, no gate
     # Otherwise the built-in spread ramp under a gate cut at the best scores' deciles.
-    assert all(p == gated[0] or (p.spread_noise, p.spread_decisive, p.min_weight,
-                                 p.max_weight) == (0.06, 0.10, 0.0, 1.0) for p in gated)
+    assert all(
+        p == gated[0]
+        or (p.spread_noise, p.spread_decisive, p.min_weight, p.max_weight) == (0.06, 0.10, 0.0, 1.0)
+        for p in gated
+    )
     assert {p.top_floor for p in gated} == {0.0, 0.3, 0.6, 0.9}
     full = grid([0.01, 0.05, 0.2], [0.3, 0.6, 0.9], Family.FULL)
     assert full[0] == gated[0] and AdaptiveParams(0.0, 0.0, 1.0, 1.0) in full
@@ -99,14 +109,20 @@ def test_the_fast_curve_agrees_with_the_exact_replay(seed: int) -> None:
     blends with adaptive_scores. They must agree at every weight a profile can give."""
     rng = random.Random(seed)
     queries, qrels = make_queries(12, informative=bool(seed % 2), seed=seed)
-    failed = [ScoredQuery(q.qid, q.ids, q.ranks, tuple(None if rng.random() < 0.2 else s
-                                                       for s in q.scores), q.rest)
-              for q in queries]
+    failed = [
+        ScoredQuery(
+            q.qid,
+            q.ids,
+            q.ranks,
+            tuple(None if rng.random() < 0.2 else s for s in q.scores),
+            q.rest,
+        )
+        for q in queries
+    ]
     for q in failed:
         curve = Curve(q, qrels[q.qid])
         for _ in range(25):
-            params = AdaptiveParams(0.0, 0.0, w := rng.choice([0.0, 0.25, 1.0, rng.random()]),
-                                    w)
+            params = AdaptiveParams(0.0, 0.0, w := rng.choice([0.0, 0.25, 1.0, rng.random()]), w)
             expected = ndcg(q.ordered(params), qrels[q.qid])
             weight = adaptive_weight(q.present, params)
             near = np.abs(curve.steps - weight) < 1e-9
@@ -135,8 +151,7 @@ def test_a_decisive_scorer_is_trusted_and_a_noisy_one_is_not() -> None:
     weak_bm25 = mean_ndcg({q.qid: list(q.ids) for q in weak}, weak_qrels)
     assert weak_fit.in_sample == pytest.approx(weak_bm25) == 1.0
     # The out-of-fold figure is the honest one, and it is what the in-sample one says.
-    assert weak_fit.cross_validated == pytest.approx(
-        mean_ndcg(weak_fit.out_of_fold, weak_qrels))
+    assert weak_fit.cross_validated == pytest.approx(mean_ndcg(weak_fit.out_of_fold, weak_qrels))
 
 
 def test_cross_validation_ranks_every_query_once_with_params_fitted_elsewhere() -> None:
@@ -171,9 +186,12 @@ def collection(name: str, n: int, readable: bool, seed: int) -> Collection:
         ids = tuple(f"{qid}-d{r}" for r in range(1, DEPTH + 1))
         relevant = rng.randint(4, -(-DEPTH // 3)) if readable else 1
         qrels[qid] = {ids[relevant - 1]: 1}
-        scores = tuple((0.9 if r == relevant else rng.uniform(0.3, 0.6)) if readable else
-                       (0.02 if r == relevant else rng.uniform(0.0, 0.45))
-                       for r in range(1, DEPTH + 1))
+        scores = tuple(
+            (0.9 if r == relevant else rng.uniform(0.3, 0.6))
+            if readable
+            else (0.02 if r == relevant else rng.uniform(0.0, 0.45))
+            for r in range(1, DEPTH + 1)
+        )
         queries.append(ScoredQuery(qid, ids, tuple(range(1, DEPTH + 1)), scores, ()))
     return Collection(name, tuple(queries), qrels)
 
@@ -191,8 +209,7 @@ def test_fit_across_gates_out_the_collection_the_scorer_cannot_read() -> None:
     assert everything.fitted_on == ("english", "arabic")
     assert 0.0 < everything.params.top_floor <= everything.params.top_full <= 0.9
     assert mean(everything.per_query["arabic"]) == mean(result.bm25["arabic"]) == 1.0
-    assert mean(everything.per_query["english"]) == pytest.approx(
-        mean(result.reranker["english"]))
+    assert mean(everything.per_query["english"]) == pytest.approx(mean(result.reranker["english"]))
     assert mean(result.reranker["arabic"]) < 0.5  # what an ungated blend would give
     # Held out: each is scored with the parameters fitted on the other alone. Fitted on
     # the unreadable one, the reranker is not trusted (most cautious of equals).
@@ -200,7 +217,8 @@ def test_fit_across_gates_out_the_collection_the_scorer_cannot_read() -> None:
     assert result.held_out["english"].fitted_on == ("arabic",)
     assert result.held_out["english"].params.max_weight == 0.0
     assert mean(result.held_out["english"].per_query["english"]) == pytest.approx(
-        mean(result.bm25["english"]))
+        mean(result.bm25["english"])
+    )
     with pytest.raises(ValueError, match="reranked queries"):
         fit_across([Collection("empty", (), {})])
 
@@ -211,10 +229,16 @@ def test_a_profile_that_reads_one_script_gives_the_others_no_weight() -> None:
     gate on the best score, and the readable one keeps pure reranking's gain."""
     readable = collection("english", 30, readable=True, seed=1)
     unreadable = collection("arabic", 30, readable=False, seed=2)
-    arabic = Collection("arabic", tuple(dataclasses.replace(q, script="Arabic")
-                                        for q in unreadable.queries), unreadable.qrels)
-    english = Collection("english", tuple(dataclasses.replace(q, script="Latin")
-                                          for q in readable.queries), readable.qrels)
+    arabic = Collection(
+        "arabic",
+        tuple(dataclasses.replace(q, script="Arabic") for q in unreadable.queries),
+        unreadable.qrels,
+    )
+    english = Collection(
+        "english",
+        tuple(dataclasses.replace(q, script="Latin") for q in readable.queries),
+        readable.qrels,
+    )
     result = fit_across([english, arabic], Family.RAMP, Constraint(0.0, ("Latin",)))
     per_query = result.everything.per_query
     assert statistics.fmean(per_query["arabic"]) == statistics.fmean(result.bm25["arabic"])
@@ -232,10 +256,10 @@ def needle_collection(margin: float, n: int = 40, seed: int = 3) -> Collection:
     for q in range(n):
         ids = tuple(f"n{q}-d{r}" for r in range(1, 21))
         at = rng.randint(11, 20)
-        scores = tuple(0.44 + margin if r == at else rng.uniform(0.40, 0.48)
-                       for r in range(1, 21))
-        needles.append(NeedleQuery(ScoredQuery(f"n{q}", ids, tuple(range(1, 21)), scores,
-                                               ()), ids[at - 1]))
+        scores = tuple(0.44 + margin if r == at else rng.uniform(0.40, 0.48) for r in range(1, 21))
+        needles.append(
+            NeedleQuery(ScoredQuery(f"n{q}", ids, tuple(range(1, 21)), scores, ()), ids[at - 1])
+        )
         queries.append(ScoredQuery(f"q{q}", ids, tuple(range(1, 21)), scores, ()))
         qrels[f"q{q}"] = {ids[0]: 2, ids[1]: 1}
     return Collection("c", tuple(queries), qrels, tuple(needles))

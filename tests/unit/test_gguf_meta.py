@@ -46,26 +46,49 @@ def gguf(path: Path, meta: dict[str, Any], version: int = 3) -> Path:
 
 def test_scalars_strings_and_short_arrays_are_read_long_arrays_skipped(tmp_path: Path) -> None:
     vocabulary = [f"token{i}" for i in range(10_000)]
-    meta = read(gguf(tmp_path / "m.gguf", {
-        "general.architecture": "qwen3", "qwen3.block_count": 28, "f": 0.5, "b": True,
-        "tokenizer.ggml.tokens": vocabulary, "labels": ["yes", "no"],
-        "ids": list(range(MAX_KEPT_ARRAY + 1)), "after": "still read"}))
+    meta = read(
+        gguf(
+            tmp_path / "m.gguf",
+            {
+                "general.architecture": "qwen3",
+                "qwen3.block_count": 28,
+                "f": 0.5,
+                "b": True,
+                "tokenizer.ggml.tokens": vocabulary,
+                "labels": ["yes", "no"],
+                "ids": list(range(MAX_KEPT_ARRAY + 1)),
+                "after": "still read",
+            },
+        )
+    )
     assert meta["general.architecture"] == "qwen3" and meta["qwen3.block_count"] == 28
     assert meta["f"] == 0.5 and meta["b"] is True and meta["labels"] == ["yes", "no"]
     assert meta["tokenizer.ggml.tokens"] is None and meta["ids"] is None
     assert meta["after"] == "still read"
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"GGML", "not a GGUF file"),
-    (b"GGUF" + struct.pack("<IQQ", 9, 0, 0), "version 9"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 0, 10**9), "metadata keys"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string("k") + struct.pack("<I", 8)
-     + struct.pack("<Q", 100) + b"short", "ends inside a string"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + _string("k") + _value(1), "ends inside"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string("k") + struct.pack("<I", 99),
-     "unknown value type"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"GGML", "not a GGUF file"),
+        (b"GGUF" + struct.pack("<IQQ", 9, 0, 0), "version 9"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 0, 10**9), "metadata keys"),
+        (
+            b"GGUF"
+            + struct.pack("<IQQ", 3, 0, 1)
+            + _string("k")
+            + struct.pack("<I", 8)
+            + struct.pack("<Q", 100)
+            + b"short",
+            "ends inside a string",
+        ),
+        (b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + _string("k") + _value(1), "ends inside"),
+        (
+            b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string("k") + struct.pack("<I", 99),
+            "unknown value type",
+        ),
+    ],
+)
 def test_a_broken_file_is_refused_by_name(tmp_path: Path, content: bytes, message: str) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
@@ -74,19 +97,42 @@ def test_a_broken_file_is_refused_by_name(tmp_path: Path, content: bytes, messag
 
 
 def test_rerankers_are_told_from_chat_models(tmp_path: Path) -> None:
-    rank = read(gguf(tmp_path / "r.gguf", {
-        "general.architecture": "qwen3", "qwen3.pooling_type": RANK_POOLING}))
+    rank = read(
+        gguf(
+            tmp_path / "r.gguf",
+            {"general.architecture": "qwen3", "qwen3.pooling_type": RANK_POOLING},
+        )
+    )
     kind = reranker_kind(rank)
     assert kind is not None and kind.rank_head
-    prompted = read(gguf(tmp_path / "p.gguf", {
-        "general.architecture": "qwen3", "tokenizer.chat_template":
-            "Judge ... \"yes\" or \"no\". <Query>: {query}\n<Document>: {document}"}))
+    prompted = read(
+        gguf(
+            tmp_path / "p.gguf",
+            {
+                "general.architecture": "qwen3",
+                "tokenizer.chat_template": (
+                    'Judge ... "yes" or "no". <Query>: {query}\n<Document>: {document}'
+                ),
+            },
+        )
+    )
     kind = reranker_kind(prompted)
     assert kind is not None and not kind.rank_head
-    named = read(gguf(tmp_path / "n.gguf", {
-        "general.architecture": "qwen3", "general.name": "Qwen3-Reranker-4B"}))
+    named = read(
+        gguf(
+            tmp_path / "n.gguf",
+            {"general.architecture": "qwen3", "general.name": "Qwen3-Reranker-4B"},
+        )
+    )
     assert reranker_kind(named) is not None
-    chat = read(gguf(tmp_path / "c.gguf", {
-        "general.architecture": "llama", "general.name": "SmolLM2-135M-Instruct",
-        "tokenizer.chat_template": "{% for message in messages %}..."}))
+    chat = read(
+        gguf(
+            tmp_path / "c.gguf",
+            {
+                "general.architecture": "llama",
+                "general.name": "SmolLM2-135M-Instruct",
+                "tokenizer.chat_template": "{% for message in messages %}...",
+            },
+        )
+    )
     assert reranker_kind(chat) is None

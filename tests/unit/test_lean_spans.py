@@ -40,8 +40,9 @@ Made = tuple[trace.Tracer, InMemorySpanExporter]
 
 def _tracer(lean: bool = True, **provider: object) -> Made:
     exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider(resource=Resource.create({"service.name": "t"}),
-                                     id_generator=_Counting(), **provider)  # type: ignore[arg-type]
+    tracer_provider = TracerProvider(
+        resource=Resource.create({"service.name": "t"}), id_generator=_Counting(), **provider
+    )  # type: ignore[arg-type]
     processor = SimpleSpanProcessor(exporter)
     if lean:
         return lean_tracer(tracer_provider, processor, "rerank_server", "1.0"), exporter
@@ -50,19 +51,30 @@ def _tracer(lean: bool = True, **provider: object) -> Made:
 
 
 def _remote(sampled: bool) -> otel_context.Context:
-    parent = trace.SpanContext(TRACE_ID, 0xABC, is_remote=True,
-                               trace_flags=trace.TraceFlags(int(sampled)))
+    parent = trace.SpanContext(
+        TRACE_ID, 0xABC, is_remote=True, trace_flags=trace.TraceFlags(int(sampled))
+    )
     return trace.set_span_in_context(trace.NonRecordingSpan(parent))
 
 
 def _story(tracer: trace.Tracer) -> None:
     """What the server does with a span, and what it never does but the API allows."""
-    span = tracer.start_span("/rerank.v1.Reranker/Rerank", context=_remote(True),
-                             kind=trace.SpanKind.SERVER,
-                             attributes={"rpc.system": "grpc", "rerank.pairs": 40})
-    span.set_attributes({"rerank.scored": 39, "rerank.ratio": 0.5, "rerank.ok": True,
-                         "rerank.ids": [1, 2], "rerank.none": None,  # type: ignore[dict-item]
-                         "rerank.mixed": [1, "a"]})  # type: ignore[list-item]
+    span = tracer.start_span(
+        "/rerank.v1.Reranker/Rerank",
+        context=_remote(True),
+        kind=trace.SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rerank.pairs": 40},
+    )
+    span.set_attributes(
+        {
+            "rerank.scored": 39,
+            "rerank.ratio": 0.5,
+            "rerank.ok": True,
+            "rerank.ids": [1, 2],
+            "rerank.none": None,  # type: ignore[dict-item]
+            "rerank.mixed": [1, "a"],
+        }
+    )  # type: ignore[list-item]
     span.add_event("retry", {"attempt": 2}, timestamp=123)
     span.record_exception(ValueError("no score"), timestamp=456)
     span.set_status(trace.StatusCode.ERROR, "backend down")
@@ -74,10 +86,19 @@ def _story(tracer: trace.Tracer) -> None:
 
 
 def _fields(span: ReadableSpan) -> tuple[object, ...]:
-    return (span.name, span.context, span.parent, span.kind, dict(span.attributes or {}),
-            [(e.name, dict(e.attributes or {}), e.timestamp) for e in span.events],
-            span.status.status_code, span.status.description, span.resource,
-            span.instrumentation_scope, span.dropped_attributes)
+    return (
+        span.name,
+        span.context,
+        span.parent,
+        span.kind,
+        dict(span.attributes or {}),
+        [(e.name, dict(e.attributes or {}), e.timestamp) for e in span.events],
+        span.status.status_code,
+        span.status.description,
+        span.resource,
+        span.instrumentation_scope,
+        span.dropped_attributes,
+    )
 
 
 def test_a_lean_span_exports_what_the_sdk_span_exports() -> None:
@@ -90,9 +111,17 @@ def test_a_lean_span_exports_what_the_sdk_span_exports() -> None:
     assert _fields(ours) == _fields(theirs)
     # The plain values as they were set (the others as the installed SDK stores them,
     # which has changed between its releases: compared above).
-    assert dict(ours.attributes or {}).items() >= {
-        "rpc.system": "grpc", "rerank.pairs": 40, "rerank.scored": 39, "rerank.ratio": 0.5,
-        "rerank.ok": True, "rerank.ids": (1, 2)}.items()
+    assert (
+        dict(ours.attributes or {}).items()
+        >= {
+            "rpc.system": "grpc",
+            "rerank.pairs": 40,
+            "rerank.scored": 39,
+            "rerank.ratio": 0.5,
+            "rerank.ok": True,
+            "rerank.ids": (1, 2),
+        }.items()
+    )
     assert ours.start_time is not None and ours.end_time is not None
     assert ours.start_time <= ours.end_time
     # ... and it leaves the process as OTLP, as the batch processor's exporter sends it.
@@ -103,10 +132,14 @@ def test_a_lean_span_exports_what_the_sdk_span_exports() -> None:
 
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "sdk"])
-@pytest.mark.parametrize("parent, recorded", [(None, True), (True, True), (False, False)],
-                         ids=["root", "sampled-parent", "unsampled-parent"])
-def test_the_default_sampler_follows_the_parent(lean: bool, parent: bool | None,
-                                                recorded: bool) -> None:
+@pytest.mark.parametrize(
+    "parent, recorded",
+    [(None, True), (True, True), (False, False)],
+    ids=["root", "sampled-parent", "unsampled-parent"],
+)
+def test_the_default_sampler_follows_the_parent(
+    lean: bool, parent: bool | None, recorded: bool
+) -> None:
     tracer, exporter = _tracer(lean)
     context = None if parent is None else _remote(parent)
     span = tracer.start_span("s", context=context, attributes={"a": 1})
@@ -159,7 +192,6 @@ def test_current_span_records_an_escaping_exception() -> None:
     assert step.events[0].attributes["exception.type"] == "RuntimeError"
 
 
-
 class _Reading(SimpleSpanProcessor):
     """A processor that reads the span it is handed at the start, as the SDK allows."""
 
@@ -205,7 +237,8 @@ def test_links_and_an_exception_leaving_the_span_as_the_sdk_records_them() -> No
     assert mine[:5] + mine[6:] == other[:5] + other[6:]
     assert [e[:2] for e in mine[5]] == [e[:2] for e in other[5]]  # all but the time
     assert [(link.context, dict(link.attributes or {})) for link in ours.links] == [
-        (link.context, dict(link.attributes or {})) for link in theirs.links]
+        (link.context, dict(link.attributes or {})) for link in theirs.links
+    ]
     assert len(ours.links) == 2
     assert ours.status.status_code is trace.StatusCode.ERROR
     assert [e.name for e in ours.events] == ["exception"]

@@ -40,11 +40,12 @@ def test_missing_yes_gets_floor() -> None:
 
 
 def test_a_missing_answer_is_no_likelier_than_the_last_listed() -> None:
-    """"no" at -12 is listed, "yes" is not: yes is at most -12 too, not the floor's -10
+    """ "no" at -12 is listed, "yes" is not: yes is at most -12 too, not the floor's -10
     (which scored the pair 0.88, above one where yes was listed)."""
     assert p_yes([("The", -0.01), ("no", -12.0)]) == pytest.approx(0.5)
     assert p_yes([("The", -0.01), ("no", -12.0), ("x", -15.0)]) == pytest.approx(
-        1 / (1 + math.exp(3.0)))
+        1 / (1 + math.exp(3.0))
+    )
 
 
 def test_neither_token_is_unscored_not_a_constant() -> None:
@@ -58,13 +59,18 @@ def test_extreme_logprobs_do_not_overflow() -> None:
 
 
 def _chat(top: object) -> dict[str, object]:
-    return {"choices": [{"logprobs": {"content": [{"token": "x", "logprob": 0,
-                                                  "top_logprobs": top}]}}]}
+    return {
+        "choices": [{"logprobs": {"content": [{"token": "x", "logprob": 0, "top_logprobs": top}]}}]
+    }
 
 
 def test_chat_shape_parsed() -> None:
-    body = _chat([{"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": -0.5},
-                  {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -3}])
+    body = _chat(
+        [
+            {"id": 1, "token": "yes", "bytes": [121, 101, 115], "logprob": -0.5},
+            {"id": 2, "token": "no", "bytes": [110, 111], "logprob": -3},
+        ]
+    )
     answer = decode_chat(orjson.dumps({**body, "model": "m.gguf"}))
     assert chat_top_logprobs(answer) == [("yes", -0.5), ("no", -3.0)]
     assert answer.model == "m.gguf"
@@ -78,34 +84,44 @@ def test_only_the_first_choice_and_position_must_have_logprobs() -> None:
 
 def test_a_vanishing_logprob_is_clamped() -> None:
     # JSON has no -inf; a number too small to matter stands for it.
-    pairs = _top(_chat([{"token": "no", "logprob": -1e300},
-                        {"token": "yes", "logprob": -1.0}]))
+    pairs = _top(_chat([{"token": "no", "logprob": -1e300}, {"token": "yes", "logprob": -1.0}]))
     assert pairs[0] == ("no", -1e4)
     assert p_yes(pairs) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("body", [
-    {},
-    {"choices": []},
-    {"choices": [{"message": {"content": "yes"}}]},
-    {"choices": [{"logprobs": None}]},
-    {"choices": [{"logprobs": {"content": []}}]},
-    _chat([{"token": 5, "logprob": -1}]),
-    _chat([{"token": "yes", "logprob": "high"}]),
-    _chat([{"token": "yes", "logprob": True}]),
-    _chat([{"token": "yes", "logprob": None}]),  # how a NaN or -inf is sent as JSON
-    _chat([{"token": "yes"}]),
-    _chat("yes"),
-    "not a dict",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"choices": []},
+        {"choices": [{"message": {"content": "yes"}}]},
+        {"choices": [{"logprobs": None}]},
+        {"choices": [{"logprobs": {"content": []}}]},
+        _chat([{"token": 5, "logprob": -1}]),
+        _chat([{"token": "yes", "logprob": "high"}]),
+        _chat([{"token": "yes", "logprob": True}]),
+        _chat([{"token": "yes", "logprob": None}]),  # how a NaN or -inf is sent as JSON
+        _chat([{"token": "yes"}]),
+        _chat("yes"),
+        "not a dict",
+    ],
+)
 def test_malformed_shapes_raise(body: object) -> None:
     with pytest.raises(MalformedLogprobs, match="no top_logprobs"):
         _top(body)
 
 
 # The last: nesting deeper than the decoder goes, in a field it skips.
-@pytest.mark.parametrize("raw", [b"", b"<html>busy</html>", b'{"choices": [', b"\xff",
-                                 b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "choices": []}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"<html>busy</html>",
+        b'{"choices": [',
+        b"\xff",
+        b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "choices": []}',
+    ],
+)
 def test_an_answer_that_is_not_json_is_a_decoding_error(raw: bytes) -> None:
     """Not MalformedLogprobs (JSON of the wrong shape): the HTTP client counts bytes that
     are not JSON as a failed call (`HttpBackend._post`), deep nesting included."""

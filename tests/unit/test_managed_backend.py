@@ -45,7 +45,9 @@ def test_any_other_model_keeps_the_configured_backend(tmp_path: Path) -> None:
 def test_the_operator_chooses_the_path(tmp_path: Path) -> None:
     model = gguf(tmp_path / "qwen3-reranker.gguf", RANK)
     assert choose(model, managed_backend=ManagedBackend.RERANK)[:2] == (
-        BackendKind.RERANK, ["--rerank"])
+        BackendKind.RERANK,
+        ["--rerank"],
+    )
     assert choose(model, managed_backend=ManagedBackend.CHAT)[:2] == (BackendKind.CHAT, [])
 
 

@@ -46,9 +46,19 @@ CALLS = [  # seconds, instance, status, error type
 
 def _summary(**changes: object) -> RerankSummary:
     fields: dict[str, object] = dict(
-        request_id="r", reranked=True, degraded=None, backend="chat", model="m",
-        blend=BlendStrategy.POSITION_AWARE, candidates=40, submitted=40, scored=40,
-        failed=0, total_ms=12.0, scoring_ms=9.5)
+        request_id="r",
+        reranked=True,
+        degraded=None,
+        backend="chat",
+        model="m",
+        blend=BlendStrategy.POSITION_AWARE,
+        candidates=40,
+        submitted=40,
+        scored=40,
+        failed=0,
+        total_ms=12.0,
+        scoring_ms=9.5,
+    )
     fields.update(changes)
     return RerankSummary(**fields)  # type: ignore[arg-type]
 
@@ -56,12 +66,24 @@ def _summary(**changes: object) -> RerankSummary:
 SUMMARIES = [
     _summary(),
     _summary(candidates=7, submitted=7, scored=5, cached=2, total_ms=3.0, scoring_ms=1.0),
-    _summary(reranked=False, degraded=Degraded(DegradedCode.TIMEOUT, "budget spent"),
-             scored=30, failed=10, failures={"timeout": 10}, total_ms=250.0),
-    _summary(blend=BlendStrategy.ADAPTIVE, reranker_weight=0.75,
-             threshold=ThresholdReport(0.5, 2, 10)),
-    _summary(blend=BlendStrategy.PROFILE, blend_profile="scifact", reranker_weight=0.0,
-             submitted=0, scored=0),
+    _summary(
+        reranked=False,
+        degraded=Degraded(DegradedCode.TIMEOUT, "budget spent"),
+        scored=30,
+        failed=10,
+        failures={"timeout": 10},
+        total_ms=250.0,
+    ),
+    _summary(
+        blend=BlendStrategy.ADAPTIVE, reranker_weight=0.75, threshold=ThresholdReport(0.5, 2, 10)
+    ),
+    _summary(
+        blend=BlendStrategy.PROFILE,
+        blend_profile="scifact",
+        reranker_weight=0.0,
+        submitted=0,
+        scored=0,
+    ),
 ]
 
 
@@ -76,10 +98,12 @@ def _record(metrics: Metrics) -> None:
     metrics.rpc_active.add(1, {RPC_METHOD: method})
     metrics.rpc_active.add(-1, {RPC_METHOD: method})
     metrics.rpc_rejected.add(1, {RPC_METHOD: method})
-    metrics.rpc_duration.record(0.02, {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method,
-                                       RPC_STATUS: "OK"})
-    metrics.rpc_duration.record(0.5, {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method,
-                                      RPC_STATUS: "INVALID_ARGUMENT"})
+    metrics.rpc_duration.record(
+        0.02, {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: "OK"}
+    )
+    metrics.rpc_duration.record(
+        0.5, {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: "INVALID_ARGUMENT"}
+    )
     metrics.cache_lookups.add(3, {CACHE_RESULT: "hit"})
     metrics.cache_lookups.add(0, {CACHE_RESULT: "miss"})
     metrics.backend_errors.add(1, {**CHAT.attributes, "error.type": "timeout"})
@@ -101,8 +125,10 @@ def _rendered(direct: bool) -> dict[str, tuple[str, set[Sample]]]:
     """Family name -> (type, samples), as a Prometheus server reads them: a label with an
     empty value is no label."""
     registry = CollectorRegistry(auto_describe=True)
-    provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)],
-                             exemplar_filter=AlwaysOffExemplarFilter())
+    provider = MeterProvider(
+        metric_readers=[PrometheusMetricReader(registry=registry)],
+        exemplar_filter=AlwaysOffExemplarFilter(),
+    )
     metrics = Metrics(provider, prometheus=registry if direct else None)
     _record(metrics)
     families = {}
@@ -133,17 +159,23 @@ def test_every_instrument_renders_directly_as_opentelemetry_renders_it() -> None
 def test_direct_histogram_holds_what_was_recorded() -> None:
     (_, samples) = _rendered(direct=True)["http_client_request_duration_seconds"]
     family = "http_client_request_duration_seconds"
-    counts = {dict(labels).get("error_type", ""): value for name, labels, value in samples
-              if name == f"{family}_count" and dict(labels)["server_port"] == "8080"}
+    counts = {
+        dict(labels).get("error_type", ""): value
+        for name, labels, value in samples
+        if name == f"{family}_count" and dict(labels)["server_port"] == "8080"
+    }
     assert counts == {"": 2.0, "http_status": 1.0, "timeout": 1.0}
     # The 30 s timeout is past every bucket but +Inf.
-    over = [value for name, labels, value in samples
-            if name == f"{family}_bucket" and dict(labels)["le"] == "15.0"
-            and dict(labels).get("error_type") == "timeout"]
+    over = [
+        value
+        for name, labels, value in samples
+        if name == f"{family}_bucket"
+        and dict(labels)["le"] == "15.0"
+        and dict(labels).get("error_type") == "timeout"
+    ]
     assert over == [0.0]
     (_, requests) = _rendered(direct=True)["rerank_requests"]
-    by_reason = {dict(labels)["rerank_degraded_reason"]: value
-                 for _, labels, value in requests}
+    by_reason = {dict(labels)["rerank_degraded_reason"]: value for _, labels, value in requests}
     assert by_reason == {"none": 4.0, "timeout": 1.0}
 
 
@@ -163,24 +195,34 @@ def test_merged_metrics_hold_the_supervisors_series_unlabelled_beside_the_worker
     worker = Metrics(MeterProvider(), prometheus=registry)
     worker.requests.add(2, {RERANKED: True, REASON: "none", BACKEND: "chat"})
     own = SupervisorMetrics()
-    ManagedLlamaServer(Path("llama-server"), Path("model.gguf"), slots=1, ctx_per_slot=512,
-                       restart_counter=own.llama_restarts)  # as in managed mode: shown at 0
+    ManagedLlamaServer(
+        Path("llama-server"),
+        Path("model.gguf"),
+        slots=1,
+        ctx_per_slot=512,
+        restart_counter=own.llama_restarts,
+    )  # as in managed mode: shown at 0
     own.worker_restarts.add(1)
     text = merge({"0": generate_latest(registry).decode(), "1": None}, own.text()).decode()
 
     assert text.count("# TYPE rerank_llama_server_restarts_total counter") == 1
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    restarts = {(s.name, s.labels.get("worker")): s.value for s in samples
-                if "restarts" in s.name}
-    assert restarts == {("rerank_llama_server_restarts_total", None): 0.0,
-                        ("rerank_worker_restarts_total", None): 1.0}
-    assert [(s.labels["worker"], s.value) for s in samples
-            if s.name == "rerank_requests_total"] == [("0", 2.0)]
-    assert {s.labels["worker"]: s.value for s in samples
-            if s.name == "rerank_worker_up"} == {"0": 1.0, "1": 0.0}
+    restarts = {(s.name, s.labels.get("worker")): s.value for s in samples if "restarts" in s.name}
+    assert restarts == {
+        ("rerank_llama_server_restarts_total", None): 0.0,
+        ("rerank_worker_restarts_total", None): 1.0,
+    }
+    assert [
+        (s.labels["worker"], s.value) for s in samples if s.name == "rerank_requests_total"
+    ] == [("0", 2.0)]
+    assert {s.labels["worker"]: s.value for s in samples if s.name == "rerank_worker_up"} == {
+        "0": 1.0,
+        "1": 0.0,
+    }
 
 
 def test_without_managed_mode_the_supervisor_shows_no_llama_server_restarts() -> None:
     text = SupervisorMetrics().text()
-    assert [s.name for f in text_string_to_metric_families(text) for s in f.samples] == \
-        ["rerank_worker_restarts_total"]
+    assert [s.name for f in text_string_to_metric_families(text) for s in f.samples] == [
+        "rerank_worker_restarts_total"
+    ]

@@ -20,21 +20,35 @@ def _cands(n: int) -> list[Candidate]:
 
 profiles = st.builds(
     lambda noise, width, low, extra, floor, gate: AdaptiveParams(
-        noise, noise + width, low, min(1.0, low + extra), floor, min(1.0, floor + gate)),
-    st.floats(0, 0.3), st.floats(0, 0.3), st.floats(0, 1), st.floats(0, 1),
-    st.floats(0, 0.9), st.floats(0, 0.5))
+        noise, noise + width, low, min(1.0, low + extra), floor, min(1.0, floor + gate)
+    ),
+    st.floats(0, 0.3),
+    st.floats(0, 0.3),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0, 0.9),
+    st.floats(0, 0.5),
+)
 
 
-@given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=0, max_size=25),
-       st.sampled_from(list(BlendStrategy)), st.randoms(use_true_random=False),
-       st.integers(0, 5), profiles)
-def test_released_order_equals_full_sort(scores: list[float | None], strategy: BlendStrategy,
-                                         rnd: random.Random, tail_len: int,
-                                         params: AdaptiveParams) -> None:
+@given(
+    st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=0, max_size=25),
+    st.sampled_from(list(BlendStrategy)),
+    st.randoms(use_true_random=False),
+    st.integers(0, 5),
+    profiles,
+)
+def test_released_order_equals_full_sort(
+    scores: list[float | None],
+    strategy: BlendStrategy,
+    rnd: random.Random,
+    tail_len: int,
+    params: AdaptiveParams,
+) -> None:
     """Whatever the scores, blend, profile and arrival order: what `RerankStream` sends
     as it goes is what `Rerank` sorts at the end."""
     cands = _cands(len(scores) + tail_len)
-    scored, tail = cands[: len(scores)], cands[len(scores):]
+    scored, tail = cands[: len(scores)], cands[len(scores) :]
     ranking = IncrementalRanking(strategy, scored, tail, lambda: params)
     released = []
     order = list(range(len(scores)))
@@ -48,11 +62,15 @@ def test_released_order_equals_full_sort(scores: list[float | None], strategy: B
     assert [p.candidate for p in released] == expected + tail
 
 
-@given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=0, max_size=25),
-       st.sampled_from(list(BlendStrategy)), st.randoms(use_true_random=False), profiles)
+@given(
+    st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=0, max_size=25),
+    st.sampled_from(list(BlendStrategy)),
+    st.randoms(use_true_random=False),
+    profiles,
+)
 def test_outcomes_arriving_in_groups_release_what_one_by_one_would(
-        scores: list[float | None], strategy: BlendStrategy, rnd: random.Random,
-        params: AdaptiveParams) -> None:
+    scores: list[float | None], strategy: BlendStrategy, rnd: random.Random, params: AdaptiveParams
+) -> None:
     """A batch's outcomes are resolved together (`resolve_all`, which settles a
     request-wide blend once per group): after each group, what is released is what
     resolving the same outcomes one by one releases."""
@@ -115,8 +133,7 @@ def test_a_request_wide_blend_releases_once_every_score_is_in() -> None:
 def test_a_blend_that_gives_the_model_no_weight_streams_in_retrieval_order() -> None:
     """Every final score is 1/rank whatever the scores: each result goes out as soon as
     its own score and those of the better-ranked are in."""
-    ranking = IncrementalRanking(BlendStrategy.PROFILE, _cands(4), [],
-                                 lambda: blending.NO_WEIGHT)
+    ranking = IncrementalRanking(BlendStrategy.PROFILE, _cands(4), [], lambda: blending.NO_WEIGHT)
     ranking.resolve(1, 0.9)
     assert ranking.release() == [] and ranking.reranker_weight == 0.0
     ranking.resolve(0, 0.1)

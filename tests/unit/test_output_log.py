@@ -56,8 +56,9 @@ def test_prune_keeps_the_newest_logs_with_their_predecessors(tmp_path: Path) -> 
     removed = prune(tmp_path, "llama-server-*.log", keep=8)
     assert len(removed) == 8
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(["other.log"] + [f"llama-server-{i}.log{s}" for i in range(4, 12)
-                                           for s in ("", ".1")])
+    assert left == sorted(
+        ["other.log"] + [f"llama-server-{i}.log{s}" for i in range(4, 12) for s in ("", ".1")]
+    )
 
 
 def test_output_without_line_ends_is_cut_at_twice_the_cap(tmp_path: Path) -> None:

@@ -38,24 +38,39 @@ def requests(draw: st.DrawFn) -> RerankQuery:
         out = []
         for rank, cid in enumerate(ids, start=1):
             score = draw(st.none() | st.floats(0, 30, allow_nan=False))
-            out.append(Candidate(id=cid, text=f"doc {cid}", index=index, retrieval_rank=rank,
-                                 retrieval_score=score))
+            out.append(
+                Candidate(
+                    id=cid,
+                    text=f"doc {cid}",
+                    index=index,
+                    retrieval_rank=rank,
+                    retrieval_score=score,
+                )
+            )
             index += 1
         return tuple(out)
 
     unique_ids = st.lists(IDS, unique=True, max_size=12)
     plain = candidates(draw(unique_ids))
-    lists = tuple(RankedList(f"list{i}", candidates(draw(unique_ids)),
-                             expansion=draw(st.booleans()))
-                  for i in range(draw(st.integers(0, 3))))
-    return RerankQuery(request_id="r", query="q", candidates=plain, lists=lists,
-                       top_k=draw(st.integers(0, 15)),
-                       blend=draw(st.sampled_from(list(BlendStrategy))),
-                       max_candidates=draw(st.none() | st.integers(1, 20)))
+    lists = tuple(
+        RankedList(f"list{i}", candidates(draw(unique_ids)), expansion=draw(st.booleans()))
+        for i in range(draw(st.integers(0, 3)))
+    )
+    return RerankQuery(
+        request_id="r",
+        query="q",
+        candidates=plain,
+        lists=lists,
+        top_k=draw(st.integers(0, 15)),
+        blend=draw(st.sampled_from(list(BlendStrategy))),
+        max_candidates=draw(st.none() | st.integers(1, 20)),
+    )
 
 
-def run(query: RerankQuery, scorer: FunctionScorer,
-        ) -> tuple[list[RankedCandidate], RerankSummary]:
+def run(
+    query: RerankQuery,
+    scorer: FunctionScorer,
+) -> tuple[list[RankedCandidate], RerankSummary]:
     reranker = Reranker(request_rules(Settings(min_candidates=2)), scorer)
 
     async def collect() -> tuple[list[RankedCandidate], RerankSummary]:
@@ -69,8 +84,7 @@ def run(query: RerankQuery, scorer: FunctionScorer,
 
 
 def unique_ids(query: RerankQuery) -> set[str]:
-    return {c.id for c in query.candidates} | {c.id for lst in query.lists
-                                                for c in lst.candidates}
+    return {c.id for c in query.candidates} | {c.id for lst in query.lists for c in lst.candidates}
 
 
 @settings(max_examples=150, deadline=None)
@@ -97,7 +111,7 @@ def test_degraded_answer_is_exactly_the_retrieval_order(query: RerankQuery) -> N
     assert not summary.reranked
     expected = [c.id for c in shape(resolve(query, request_rules(Settings()))).candidates]
     if query.top_k:
-        expected = expected[:query.top_k]
+        expected = expected[: query.top_k]
     assert [r.candidate.id for r in results] == expected
 
 

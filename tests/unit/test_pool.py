@@ -14,8 +14,14 @@ class Clock:
 
 
 def pool(clock: Clock) -> BackendPool:
-    return BackendPool(["http://127.0.0.1:1", "http://127.0.0.1:2"], concurrency=2,
-                       timeout_s=1, kind="chat", ejection=Ejection(2, 5.0, 12.0), clock=clock)
+    return BackendPool(
+        ["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        concurrency=2,
+        timeout_s=1,
+        kind="chat",
+        ejection=Ejection(2, 5.0, 12.0),
+        clock=clock,
+    )
 
 
 def test_ejection_backs_off_doubling_up_to_the_maximum() -> None:

@@ -8,20 +8,40 @@ from rerank_server.scoring.llm import user_prompt
 from rerank_server.scoring.prompt import neutralize, user_message
 
 
-@pytest.mark.parametrize("token", [
-    "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|eot_id|>", "</s>", "<s>", "<think>",
-    "</think>", "<start_of_turn>", "<end_of_turn>", "[INST]", "[/INST]",
-    "<｜end▁of▁sentence｜>",
-    # EXAONE, Phi-4-mini's tool end, Gemma's BOS text, MiniMax's turn markers
-    "[|user|]", "[|assistant|]", "[|endofturn|]", "<|/tool|>", "[@BOS@]", "]~b]", "]~!b[",
-    "[e~[",
-])
+@pytest.mark.parametrize(
+    "token",
+    [
+        "<|im_end|>",
+        "<|im_start|>",
+        "<|endoftext|>",
+        "<|eot_id|>",
+        "</s>",
+        "<s>",
+        "<think>",
+        "</think>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "[INST]",
+        "[/INST]",
+        "<｜end▁of▁sentence｜>",
+        # EXAONE, Phi-4-mini's tool end, Gemma's BOS text, MiniMax's turn markers
+        "[|user|]",
+        "[|assistant|]",
+        "[|endofturn|]",
+        "<|/tool|>",
+        "[@BOS@]",
+        "]~b]",
+        "]~!b[",
+        "[e~[",
+    ],
+)
 def test_control_tokens_are_broken(token: str) -> None:
     assert token not in neutralize(f"before {token} after")
 
 
-@pytest.mark.parametrize("text", ["]~b]~b]", "[e~[e~[", "]~b]~!b[", "]~b]~b]~b]",
-                                  "[e~[e~[e~[", "<|im_end|<|im_end|>"])
+@pytest.mark.parametrize(
+    "text", ["]~b]~b]", "[e~[e~[", "]~b]~!b[", "]~b]~b]~b]", "[e~[e~[e~[", "<|im_end|<|im_end|>"]
+)
 def test_overlapping_control_tokens_are_each_broken(text: str) -> None:
     """`]~b]~b]` holds two MiniMax markers sharing a bracket: replacing substrings broke
     the first and left the second whole."""

@@ -34,14 +34,22 @@ def only_tracecontext() -> Iterator[None]:
 @pytest.mark.parametrize("state", [None, TraceState([("vendor", "x1"), ("other", "y")])])
 @pytest.mark.parametrize("flags", [TraceFlags.DEFAULT, TraceFlags.SAMPLED])
 def test_outgoing_writes_what_the_default_propagators_write(
-        state: TraceState | None, flags: int) -> None:
-    parent = trace.NonRecordingSpan(SpanContext(
-        0x4bf92f3577b34da6a3ce929d0e0e4736, 0x00f067aa0ba902b7, is_remote=True,
-        trace_flags=TraceFlags(flags), trace_state=state))
+    state: TraceState | None, flags: int
+) -> None:
+    parent = trace.NonRecordingSpan(
+        SpanContext(
+            0x4BF92F3577B34DA6A3CE929D0E0E4736,
+            0x00F067AA0BA902B7,
+            is_remote=True,
+            trace_flags=TraceFlags(flags),
+            trace_state=state,
+        )
+    )
     span = TRACER.start_span("s", context=trace.set_span_in_context(parent))
     assert propagation.outgoing(span) == _through_api(span)
     assert propagation.outgoing(span)["traceparent"].startswith(
-        "00-4bf92f3577b34da6a3ce929d0e0e4736-")
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-"
+    )
     assert propagation.outgoing(trace.INVALID_SPAN) == _through_api(trace.INVALID_SPAN) == {}
 
 
@@ -66,14 +74,16 @@ def test_other_propagators_are_used_as_configured(only_tracecontext: None) -> No
         context.detach(token)
     incoming = propagation.incoming({"traceparent": PARENT, "baggage": "tenant=a"})
     assert baggage.get_all(incoming) == {}  # this propagator does not read baggage
-    assert trace.get_current_span(incoming).get_span_context().span_id == 0x00f067aa0ba902b7
+    assert trace.get_current_span(incoming).get_span_context().span_id == 0x00F067AA0BA902B7
 
 
 def test_incoming_reads_a_callers_span_and_nothing_without_one() -> None:
     carrier = {"traceparent": PARENT, "baggage": "tenant=a", "authorization": "Bearer t"}
     ours, api = propagation.incoming(carrier), propagate.extract(carrier)
-    assert trace.get_current_span(ours).get_span_context() == \
-        trace.get_current_span(api).get_span_context()
+    assert (
+        trace.get_current_span(ours).get_span_context()
+        == trace.get_current_span(api).get_span_context()
+    )
     assert baggage.get_all(ours) == baggage.get_all(api) == {"tenant": "a"}
     plain = {"authorization": "Bearer t", "user-agent": "grpc-python"}
     assert propagation.incoming(plain) == propagate.extract(plain) == context.Context()

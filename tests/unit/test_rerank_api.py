@@ -14,10 +14,15 @@ def _scorer() -> RerankApiScorer:
     return RerankApiScorer(pool)
 
 
-def _parse(scorer: RerankApiScorer, *values: float,
-           indexes: Sequence[int] | None = None) -> dict[int, float]:
-    body = {"results": [{"index": i, "relevance_score": v}
-                        for i, v in zip(indexes or range(len(values)), values, strict=True)]}
+def _parse(
+    scorer: RerankApiScorer, *values: float, indexes: Sequence[int] | None = None
+) -> dict[int, float]:
+    body = {
+        "results": [
+            {"index": i, "relevance_score": v}
+            for i, v in zip(indexes or range(len(values)), values, strict=True)
+        ]
+    }
     return {i: round(s, 3) for i, s in scorer.parse(body, len(values)).items()}
 
 

@@ -8,23 +8,27 @@ import pytest
 from rerank_server.ranking.scripts import dominant_script, reads
 
 
-@pytest.mark.parametrize(("query", "documents", "script"), [
-    ("what do cats eat?", ["Cats eat meat."], "Latin"),
-    ("café crème", ["naïve façade"], "Latin"),
-    ("ما هي عاصمة فرنسا؟", ["باريس هي عاصمة فرنسا"], "Arabic"),
-    ("Что едят кошки?", ["Кошки едят мясо."], "Cyrillic"),
-    ("猫的食物", ["猫吃肉"], "Han"),
-    ("12345", ["67 89"], "Latin"),  # all ASCII: nothing a Latin reader cannot read
-    ("", [], "Latin"),
-])
+@pytest.mark.parametrize(
+    ("query", "documents", "script"),
+    [
+        ("what do cats eat?", ["Cats eat meat."], "Latin"),
+        ("café crème", ["naïve façade"], "Latin"),
+        ("ما هي عاصمة فرنسا؟", ["باريس هي عاصمة فرنسا"], "Arabic"),
+        ("Что едят кошки?", ["Кошки едят мясо."], "Cyrillic"),
+        ("猫的食物", ["猫吃肉"], "Han"),
+        ("12345", ["67 89"], "Latin"),  # all ASCII: nothing a Latin reader cannot read
+        ("", [], "Latin"),
+    ],
+)
 def test_the_script_most_letters_are_in(query: str, documents: list[str], script: str) -> None:
     assert dominant_script(query, documents) == script
 
 
 def test_the_documents_count_beside_the_query() -> None:
     """An English query over Arabic documents: the model cannot read what it scores."""
-    assert dominant_script("capital of France", ["باريس هي عاصمة فرنسا وأكبر مدنها"] * 3) \
-        == "Arabic"
+    assert (
+        dominant_script("capital of France", ["باريس هي عاصمة فرنسا وأكبر مدنها"] * 3) == "Arabic"
+    )
     assert dominant_script("ما هي", ["The capital of France is Paris."] * 3) == "Latin"
 
 

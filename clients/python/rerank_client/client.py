@@ -58,16 +58,24 @@ class InsecureTokenWarning(UserWarning):
 def retry_policy(attempts: int) -> dict[str, Any]:
     """The service config's method config that retries the idempotent calls on
     UNAVAILABLE. gRPC waits a random time up to the current back-off before each try."""
-    return {"name": [{"service": SERVICE, "method": m} for m in RETRIED_METHODS],
-            "retryPolicy": {"maxAttempts": attempts, "initialBackoff": "0.1s",
-                            "maxBackoff": "1s", "backoffMultiplier": 2,
-                            "retryableStatusCodes": ["UNAVAILABLE"]}}
+    return {
+        "name": [{"service": SERVICE, "method": m} for m in RETRIED_METHODS],
+        "retryPolicy": {
+            "maxAttempts": attempts,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }
 
 
-def channel_options(load_balancing: str | None = None,
-                    max_message_bytes: int = 16 * 1024 * 1024,
-                    own_connection: bool = False,
-                    retry_attempts: int = DEFAULT_RETRY_ATTEMPTS) -> list[tuple[str, Any]]:
+def channel_options(
+    load_balancing: str | None = None,
+    max_message_bytes: int = 16 * 1024 * 1024,
+    own_connection: bool = False,
+    retry_attempts: int = DEFAULT_RETRY_ATTEMPTS,
+) -> list[tuple[str, Any]]:
     """`own_connection`: this channel opens its own connections instead of sharing those of
     other channels to the same target in this process (grpc's default). A server's
     workers (`--workers`) and a pod's replicas behind a plain Service spread connections,
@@ -102,7 +110,7 @@ def is_local(target: str) -> bool:
         return True
     for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
         if target.startswith(scheme):
-            target = target[len(scheme):]
+            target = target[len(scheme) :]
             break
     # ipv4:a,b lists addresses: local only if every one is.
     return all(_is_local_address(address) for address in target.split(","))
@@ -110,7 +118,7 @@ def is_local(target: str) -> bool:
 
 def _is_local_address(address: str) -> bool:
     if address.startswith("["):
-        host = address[1:address.find("]")]
+        host = address[1 : address.find("]")]
     else:
         host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
     if host == "localhost":
@@ -131,31 +139,36 @@ def _pem(value: Pem) -> bytes | None:
         return f.read()
 
 
-def tls_credentials(tls_ca: Pem = None, tls_cert: Pem = None,
-                    tls_key: Pem = None) -> grpc.ChannelCredentials | None:
+def tls_credentials(
+    tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None
+) -> grpc.ChannelCredentials | None:
     """Channel credentials for TLS (None when no CA is given: plaintext)."""
     if tls_ca is None:
         if tls_cert is not None or tls_key is not None:
-            raise ValueError("tls_cert/tls_key need tls_ca: without a CA the channel would "
-                             "be plaintext")
+            raise ValueError(
+                "tls_cert/tls_key need tls_ca: without a CA the channel would be plaintext"
+            )
         return None
-    return grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca),
-                                        private_key=_pem(tls_key),
-                                        certificate_chain=_pem(tls_cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_pem(tls_ca), private_key=_pem(tls_key), certificate_chain=_pem(tls_cert)
+    )
 
 
 class _Calls:
     """What both clients share: the metadata every call carries, the default deadline."""
 
-    def __init__(self, target: str, token: str | None, secure: bool,
-                 default_timeout: float | None) -> None:
+    def __init__(
+        self, target: str, token: str | None, secure: bool, default_timeout: float | None
+    ) -> None:
         if token and not secure and not is_local(target):
-            warnings.warn(f"the token goes to {target} in plaintext: pass tls_ca (or "
-                          "credentials) unless the network itself is encrypted",
-                          InsecureTokenWarning, stacklevel=3)
+            warnings.warn(
+                f"the token goes to {target} in plaintext: pass tls_ca (or "
+                "credentials) unless the network itself is encrypted",
+                InsecureTokenWarning,
+                stacklevel=3,
+            )
         if default_timeout is not None and not default_timeout > 0:
-            raise ValueError(f"default_timeout must be > 0 seconds or None, "
-                             f"not {default_timeout}")
+            raise ValueError(f"default_timeout must be > 0 seconds or None, not {default_timeout}")
         self._auth = (("authorization", f"Bearer {token}"),) if token else ()
         self._default_timeout = default_timeout
 
@@ -171,18 +184,30 @@ class _Calls:
 class AsyncRerankClient(_Calls):
     """grpc.aio client; create and use it inside one running event loop."""
 
-    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 load_balancing: str | None = None, token: str | None = None,
-                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None,
-                 own_connection: bool = False,
-                 default_timeout: float | None = DEFAULT_TIMEOUT_S,
-                 retry_attempts: int = DEFAULT_RETRY_ATTEMPTS) -> None:
-        options = channel_options(load_balancing, own_connection=own_connection,
-                                  retry_attempts=retry_attempts)
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        load_balancing: str | None = None,
+        token: str | None = None,
+        tls_ca: Pem = None,
+        tls_cert: Pem = None,
+        tls_key: Pem = None,
+        own_connection: bool = False,
+        default_timeout: float | None = DEFAULT_TIMEOUT_S,
+        retry_attempts: int = DEFAULT_RETRY_ATTEMPTS,
+    ) -> None:
+        options = channel_options(
+            load_balancing, own_connection=own_connection, retry_attempts=retry_attempts
+        )
         credentials = credentials or tls_credentials(tls_ca, tls_cert, tls_key)
         super().__init__(target, token, credentials is not None, default_timeout)
-        self._channel = (grpc.aio.secure_channel(target, credentials, options=options)
-                         if credentials else grpc.aio.insecure_channel(target, options=options))
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options=options)
+            if credentials
+            else grpc.aio.insecure_channel(target, options=options)
+        )
         self._stub = pb_grpc.RerankerStub(self._channel)
 
     async def __aenter__(self) -> AsyncRerankClient:
@@ -194,28 +219,41 @@ class AsyncRerankClient(_Calls):
     async def close(self) -> None:
         await self._channel.close()
 
-    async def rerank(self, query: str, candidates: Iterable[CandidateLike] = (), *,
-                     timeout: float | None = None, metadata: Metadata | None = None,
-               **options: Any) -> RerankAnswer:
+    async def rerank(
+        self,
+        query: str,
+        candidates: Iterable[CandidateLike] = (),
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **options: Any,
+    ) -> RerankAnswer:
         """Rerank `candidates` for `query`. `options`: top_k, instruction, request_id,
         blend_strategy, max_candidates, max_chunk_chars, timeout_ms, return_text.
         `metadata` goes out with the call (a W3C `traceparent` continues your trace)."""
         request = build_request(query, candidates, **options)
         try:
-            response = await self._stub.Rerank(request, timeout=self.timeout(timeout),
-                                               metadata=self.metadata(metadata))
+            response = await self._stub.Rerank(
+                request, timeout=self.timeout(timeout), metadata=self.metadata(metadata)
+            )
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
 
-    async def stream(self, query: str, candidates: Iterable[CandidateLike] = (), *,
-                     timeout: float | None = None, metadata: Metadata | None = None,
-                     **options: Any,
-                     ) -> AsyncIterator[Result | Summary]:
+    async def stream(
+        self,
+        query: str,
+        candidates: Iterable[CandidateLike] = (),
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **options: Any,
+    ) -> AsyncIterator[Result | Summary]:
         """Results in final order as each becomes certain, then the `Summary`."""
         request = build_request(query, candidates, **options)
-        call = self._stub.RerankStream(request, timeout=self.timeout(timeout),
-                                       metadata=self.metadata(metadata))
+        call = self._stub.RerankStream(
+            request, timeout=self.timeout(timeout), metadata=self.metadata(metadata)
+        )
         try:
             async for message in call:
                 yield stream_item(message)
@@ -224,10 +262,14 @@ class AsyncRerankClient(_Calls):
         finally:
             call.cancel()
 
-    async def rerank_many(self, queries: Mapping[str, tuple[str, Sequence[CandidateLike]]], *,
-                          timeout: float | None = None, metadata: Metadata | None = None,
-                          **options: Any,
-                          ) -> AsyncIterator[tuple[str, RerankAnswer | errors.RerankError]]:
+    async def rerank_many(
+        self,
+        queries: Mapping[str, tuple[str, Sequence[CandidateLike]]],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **options: Any,
+    ) -> AsyncIterator[tuple[str, RerankAnswer | errors.RerankError]]:
         """Many queries over one `RerankBatch` stream, keyed by request id.
 
         Yields `(request_id, answer)` as each completes, in completion order; a request
@@ -237,10 +279,12 @@ class AsyncRerankClient(_Calls):
         inside `contextlib.aclosing(client.rerank_many(...))` to have that happen at
         once (otherwise it happens when the generator is collected).
         """
-        requests = [build_request(q, c, request_id=rid, **options)
-                    for rid, (q, c) in queries.items()]
-        call = self._stub.RerankBatch(iter(requests), timeout=timeout,
-                                      metadata=self.metadata(metadata))
+        requests = [
+            build_request(q, c, request_id=rid, **options) for rid, (q, c) in queries.items()
+        ]
+        call = self._stub.RerankBatch(
+            iter(requests), timeout=timeout, metadata=self.metadata(metadata)
+        )
         try:
             async for response in call:
                 if response.HasField("error"):
@@ -256,18 +300,30 @@ class AsyncRerankClient(_Calls):
 class RerankClient(_Calls):
     """Blocking client over a plain grpc channel; usable from any thread."""
 
-    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 load_balancing: str | None = None, token: str | None = None,
-                 tls_ca: Pem = None, tls_cert: Pem = None, tls_key: Pem = None,
-                 own_connection: bool = False,
-                 default_timeout: float | None = DEFAULT_TIMEOUT_S,
-                 retry_attempts: int = DEFAULT_RETRY_ATTEMPTS) -> None:
-        options = channel_options(load_balancing, own_connection=own_connection,
-                                  retry_attempts=retry_attempts)
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        load_balancing: str | None = None,
+        token: str | None = None,
+        tls_ca: Pem = None,
+        tls_cert: Pem = None,
+        tls_key: Pem = None,
+        own_connection: bool = False,
+        default_timeout: float | None = DEFAULT_TIMEOUT_S,
+        retry_attempts: int = DEFAULT_RETRY_ATTEMPTS,
+    ) -> None:
+        options = channel_options(
+            load_balancing, own_connection=own_connection, retry_attempts=retry_attempts
+        )
         credentials = credentials or tls_credentials(tls_ca, tls_cert, tls_key)
         super().__init__(target, token, credentials is not None, default_timeout)
-        self._channel = (grpc.secure_channel(target, credentials, options=options)
-                         if credentials else grpc.insecure_channel(target, options=options))
+        self._channel = (
+            grpc.secure_channel(target, credentials, options=options)
+            if credentials
+            else grpc.insecure_channel(target, options=options)
+        )
         self._stub = pb_grpc.RerankerStub(self._channel)
 
     def __enter__(self) -> RerankClient:
@@ -279,25 +335,39 @@ class RerankClient(_Calls):
     def close(self) -> None:
         self._channel.close()
 
-    def rerank(self, query: str, candidates: Iterable[CandidateLike] = (), *,
-               timeout: float | None = None, metadata: Metadata | None = None,
-               **options: Any) -> RerankAnswer:
+    def rerank(
+        self,
+        query: str,
+        candidates: Iterable[CandidateLike] = (),
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **options: Any,
+    ) -> RerankAnswer:
         """As `AsyncRerankClient.rerank`."""
         request = build_request(query, candidates, **options)
         try:
-            response = self._stub.Rerank(request, timeout=self.timeout(timeout),
-                                         metadata=self.metadata(metadata))
+            response = self._stub.Rerank(
+                request, timeout=self.timeout(timeout), metadata=self.metadata(metadata)
+            )
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from None
         return RerankAnswer.from_pb(response)
 
-    def stream(self, query: str, candidates: Iterable[CandidateLike] = (), *,
-               timeout: float | None = None, metadata: Metadata | None = None,
-               **options: Any) -> Iterator[Result | Summary]:
+    def stream(
+        self,
+        query: str,
+        candidates: Iterable[CandidateLike] = (),
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **options: Any,
+    ) -> Iterator[Result | Summary]:
         """As `AsyncRerankClient.stream`."""
         request = build_request(query, candidates, **options)
-        call = self._stub.RerankStream(request, timeout=self.timeout(timeout),
-                                       metadata=self.metadata(metadata))
+        call = self._stub.RerankStream(
+            request, timeout=self.timeout(timeout), metadata=self.metadata(metadata)
+        )
         try:
             for message in call:
                 yield stream_item(message)
