@@ -13,7 +13,8 @@ ARGS   ?=
 # that folders named like the package may shadow it (none do here): noise to a newcomer.
 PIP    := PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet
 
-.PHONY: install install-serve assets test-assets run test lint proto docs check clean
+.PHONY: install install-serve assets test-assets run test test-unit lint format proto docs \
+	check clean
 
 $(SERVE_STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,13 +51,22 @@ run: assets
 test: test-assets
 	$(BIN)/pytest
 
+# The fast loop: no llama-server, no subprocesses of the server; seconds.
+test-unit: install
+	$(BIN)/pytest tests/unit -q
+
 lint: install
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-logo
 	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/python scripts/gen_config_doc.py --check
 	$(BIN)/python scripts/check_deploy.py
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 proto: install
 	$(BIN)/python scripts/gen_protos.py
