@@ -39,10 +39,10 @@ from .ranking.blend_profiles import BlendResolver
 from .ranking.pipeline import Reranker
 from .ranking.request import RequestRules
 from .ranking.score_cache import ScoreCache
-from .scoring.backend_pool import BackendPool
 from .scoring.base import Scorer
 from .scoring.monitor import BackendMonitor
 from .scoring.registry import build_pool, build_scorer
+from .scoring.transport.pool import BackendPool
 from .security.tls import CertificateFiles
 from .security.tokens import TokenSet
 from .settings import Settings, host_port

@@ -2,7 +2,7 @@
 
 httpx stays the client API (requests, responses, timeouts, error types); this replaces
 what sits under it for `http://` URLs. `HttpBackend` hands its `httpx.Request`s to it
-directly, without an `httpx.AsyncClient` in between (`http.py`). httpcore's
+directly, without an `httpx.AsyncClient` in between (`backend.py`). httpcore's
 general-purpose pool (anyio streams, h11, a socket-readability check on every request)
 cost about 60% of the server's CPU per scored pair in the profile (docs/performance-history.md,
 "CPU per pair, profiled"). Model servers on the same host or pod speak a narrow
@@ -28,7 +28,7 @@ timer per request.
   `ConnectTimeout` and `ReadTimeout`. A refused or reset connection is `ConnectError` /
   `ReadError`, a malformed answer
   `RemoteProtocolError`: the same classes httpx's own transport raises, so failure
-  handling above (`http.py`) is unchanged.
+  handling above (`backend.py`) is unchanged.
 - A request cancelled mid-flight closes its connection (its answer would arrive on it).
 - As an httpx transport (`handle_async_request`) the body is handed to `httpx.Response`
   whole, which decodes a `Content-Encoding`.
@@ -39,7 +39,7 @@ timer per request.
   backend call (docs/performance-history.md).
 
 `https://` URLs, and any when a proxy is configured in the environment, keep httpx's own
-transport (`new_client` in `http.py` chooses).
+transport (`new_client` in `backend.py` chooses).
 """
 
 from __future__ import annotations
