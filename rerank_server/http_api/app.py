@@ -33,7 +33,7 @@ from ..domain import BlendStrategy, Candidate, RankedCandidate, RerankQuery, Rer
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_answered, rpc_failed
 from ..observability.server_spans import close_server_span, open_server_span
-from ..ranking.admission import InflightBytes, Overloaded
+from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
 from ..security.tokens import TokenSet

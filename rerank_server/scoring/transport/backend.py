@@ -143,7 +143,7 @@ class HttpBackend:
         # per path (`_head`). httpx's client adds per call a header and cookie merge,
         # auth and redirect handling and cookie extraction, and its request and response
         # objects normalize every header: none of it is used, and together it was most
-        # of a call's CPU (docs/performance-history.md). Otherwise httpx's client with its own
+        # of a call's CPU (docs/decisions.md). Otherwise httpx's client with its own
         # transport, proxies and TLS settings.
         self._lean = (
             lean.LeanTransport(max_idle=concurrency) if lean.wanted(self.base_url) else None
