@@ -4,7 +4,8 @@ httpx stays the client API (requests, responses, timeouts, error types); this re
 what sits under it for `http://` URLs. `HttpBackend` hands its `httpx.Request`s to it
 directly, without an `httpx.AsyncClient` in between (`backend.py`). httpcore's
 general-purpose pool (anyio streams, h11, a socket-readability check on every request)
-was most of the server's CPU per scored pair (docs/decisions.md, "Plain-HTTP backend calls go through a lean transport, as bytes"). Model servers on the same host or pod speak a narrow
+was most of the server's CPU per scored pair (docs/decisions.md, "Plain-HTTP backend
+calls go through a lean transport, as bytes"). Model servers on the same host or pod speak a narrow
 HTTP/1.1: one request per connection at a time, `Content-Length` or chunked bodies,
 keep-alive. That fits in an asyncio protocol that hands whole responses over, with one
 timer per request.
