@@ -34,15 +34,15 @@ from .managed.llama_server import ManagedLlamaServer, start_managed
 from .observability.loop_lag import LoopLag
 from .observability.telemetry import Telemetry
 from .ranking import blend_profiles
-from .ranking.admission import InflightBytes
 from .ranking.blend_profiles import BlendResolver
+from .ranking.inflight_bytes import InflightBytes
 from .ranking.pipeline import Reranker
 from .ranking.request import RequestRules
 from .ranking.score_cache import ScoreCache
-from .scoring.backend_pool import BackendPool
 from .scoring.base import Scorer
 from .scoring.monitor import BackendMonitor
 from .scoring.registry import build_pool, build_scorer
+from .scoring.transport.pool import BackendPool
 from .security.tls import CertificateFiles
 from .security.tokens import TokenSet
 from .settings import Settings, host_port
@@ -299,7 +299,8 @@ def freeze_startup_objects() -> None:
     The youngest generation is collected every 10,000 net allocations instead of 700: a
     request allocates thousands of containers (a `completion` answer alone decodes into
     800 dicts), nearly all freed by reference counting, and every 700 a collection
-    walked them. 2-7% less CPU per pair for the batching backends (docs/performance-history.md)."""
+    walked them (docs/decisions.md, "The garbage collector's youngest generation runs
+    every 10,000 allocations")."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)

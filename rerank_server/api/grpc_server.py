@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..errors import BindError
 from ..observability.telemetry import Telemetry
-from ..ranking.admission import InflightBytes
+from ..ranking.inflight_bytes import InflightBytes
 from ..ranking.pipeline import Reranker
 from ..security.tls import CertificateFiles
 from ..security.tokens import TokenSet

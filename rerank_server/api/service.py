@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from ..domain import RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_answered, rpc_cancelled, rpc_failed
-from ..ranking.admission import InflightBytes, Overloaded
+from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
 from ..ranking.validation import check_candidate_count, check_list_count

@@ -67,7 +67,7 @@ import httpx
 from rerank_client import AsyncRerankClient, RerankError, Result, Summary
 
 from ..managed import assets
-from ..scoring import prompt
+from ..scoring.backends import prompt
 from ..settings import DEFAULT_INSTRUCTION, load
 from . import physical, replay
 from .processes import bare_grpc, cpu_seconds, fake_backend, llama_server, rerank_server

@@ -12,15 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import TypeVar
 
-import structlog
 from opentelemetry import trace
 
 from ..domain import (
@@ -32,21 +26,20 @@ from ..domain import (
     RerankSummary,
 )
 from ..observability.telemetry import Telemetry
-from ..scoring.base import Failure, Scorer, ScoreRequest
+from ..scoring.base import Scorer, ScoreRequest
 from ..scoring.budget import StopSignal, budget_s, score_within
 from . import blend_profiles
 from .blend_profiles import Blend, BlendResolver
 from .blending import REQUEST_WIDE, scores_can_matter
-from .chunking import CHUNK_ON_LOOP_CHARS, chars_to_chunk, document_texts, head_texts
+from .chunk_thread import choose_chunks
 from .ordering import Emitter, IncrementalRanking
+from .outcome import ScoringOutcome, capped
+from .pair_admission import PairAdmission
 from .request import Request, RequestRules
 from .score_cache import Scope, ScoreCache
 from .scripts import dominant_script
 from .shaping import Shaped, shape, skip_reason
 from .validation import resolve
-
-T = TypeVar("T")
-log = structlog.get_logger(__name__)
 
 
 class Reranker:
@@ -70,13 +63,12 @@ class Reranker:
         # Set when the server shuts down: pairs still outstanding are given up at once.
         self.stopping = StopSignal()
         self.active = 0  # requests in the pipeline now
-        # Pairs admitted to scoring and not yet come back. Admission reads the backend's
-        # queue, which a request's pairs reach only some turns of the loop after it was
-        # admitted: a burst of requests arriving together each saw the same near-empty
-        # queue, all were admitted, and all timed out instead of being answered
-        # OVERLOADED at once.
-        self.outstanding_pairs = 0
-        self._last_unsure = -OWN_TIME_PROBE_S  # when a request too slow alone was last sent
+        self.admission = PairAdmission(scorer)
+
+    @property
+    def outstanding_pairs(self) -> int:
+        """Pairs sent to scoring and not yet come back."""
+        return self.admission.outstanding
 
     def stop_scoring_after(self, seconds: float) -> None:
         """Shutdown: in `seconds`, every request still waiting for scores answers with what
@@ -113,40 +105,6 @@ class Reranker:
                             yield item
         finally:
             self.active -= 1
-
-    def _overloaded(self, pairs: int, budget_s: float) -> Degraded | None:
-        """Why the request's pairs are not sent (None: they are). OVERLOADED when, behind
-        the pairs queued and in flight ahead of it, the backend would not score them
-        within the budget, less the headroom. With nothing ahead the wait would be the
-        request's own: one such request in `OWN_TIME_PROBE_S` is sent (its budget
-        decides what is scored, PARTIAL or TIMEOUT, and its answer corrects the
-        estimate), the others are answered TIMEOUT at once. Before, they were all told
-        OVERLOADED, "backend busy", and since a refused request sends nothing, one slow
-        moment (a paused backend, a cold model's first call) that inflated the estimate
-        refused every request of that size for good, the backend idle."""
-        wait_s = self.scorer.estimate_s(pairs, self.outstanding_pairs)
-        if wait_s <= budget_s * (1 - ADMISSION_HEADROOM):
-            return None
-        ahead_s = self.scorer.estimate_s(0, self.outstanding_pairs)
-        if ahead_s > 0:
-            return Degraded(
-                DegradedCode.OVERLOADED,
-                f"backend busy: about {_seconds(wait_s)} until these pairs "
-                f"would be scored, {_seconds(ahead_s)} of it behind the pairs "
-                f"ahead, past {1 - ADMISSION_HEADROOM:.0%} of the "
-                f"{_seconds(budget_s)} budget",
-            )
-        now = time.monotonic()
-        if now - self._last_unsure >= OWN_TIME_PROBE_S:
-            self._last_unsure = now
-            return None
-        return Degraded(
-            DegradedCode.TIMEOUT,
-            f"the {_seconds(budget_s)} budget is shorter than these pairs' own "
-            f"scoring time at the recent pace, about {_seconds(wait_s)} with "
-            "nothing ahead: answered at once (one such request in "
-            f"{OWN_TIME_PROBE_S:.0f} s is sent, to measure the pace again)",
-        )
 
     async def answer(
         self,
@@ -214,7 +172,7 @@ class Reranker:
         ):
             skip = _no_reranker_weight(request, blend(), scored_set)
         ranking = IncrementalRanking(request.blend, scored_set, tail, lambda: blend().params)
-        outcome = _Outcome(submitted=0 if skip else len(scored_set))
+        outcome = ScoringOutcome(submitted=0 if skip else len(scored_set))
 
         if skip is not None:
             ranking.fail_outstanding()
@@ -224,25 +182,11 @@ class Reranker:
             return
 
         with telemetry.step("rerank.chunk") as span:
-            if chars_to_chunk(scored_set, request.max_chunk_chars) > CHUNK_ON_LOOP_CHARS:
-                found = await _off_loop(
-                    partial(document_texts, request.query, scored_set, request.max_chunk_chars),
-                    _chunk_wait_s(request, deadline_remaining_s, started),
-                )
-                if found is None:  # the thread stayed busy with others' documents
-                    documents, chunked = head_texts(scored_set, request.max_chunk_chars)
-                    span.set_attribute("rerank.chunk_fallback", True)
-                    log.info(
-                        "chunking_busy",
-                        fallback="document heads",
-                        waited_ms=round((time.perf_counter() - started) * 1000, 1),
-                    )
-                else:
-                    documents, chunked = found
-            else:
-                documents, chunked = document_texts(
-                    request.query, scored_set, request.max_chunk_chars
-                )
+            documents, chunked, fell_back = await choose_chunks(
+                request, scored_set, deadline_remaining_s, started
+            )
+            if fell_back:
+                span.set_attribute("rerank.chunk_fallback", True)
             span.set_attributes(
                 {"rerank.max_chunk_chars": request.max_chunk_chars, "rerank.chunked": chunked}
             )
@@ -284,7 +228,7 @@ class Reranker:
             self._loop_lag(),
             self.active,
         )
-        overloaded = self._overloaded(len(pending), budget) if pending else None
+        overloaded = self.admission.refuse(len(pending), budget) if pending else None
         if overloaded is not None:
             ranking.fail_outstanding()  # answered at once, in retrieval order
             pending = []
@@ -296,30 +240,25 @@ class Reranker:
                 [documents[i] for i in pending],
                 request.max_tokens_per_doc,
             )
-            left = len(pending)  # counted in `outstanding_pairs` until back
-            self.outstanding_pairs += left
+            left = len(pending)  # counted in `admission.outstanding` until back
+            self.admission.outstanding += left
             try:
                 async for arrived in score_within(
                     self.scorer, pairs, budget, telemetry.tracer, self.stopping, request_span
                 ):
-                    self.outstanding_pairs -= len(arrived)
+                    self.admission.outstanding -= len(arrived)
                     left -= len(arrived)
                     resolved = []
                     for pair in arrived:
                         i = pending[pair.pair]
                         resolved.append((scored_set[i].index, pair.score))
-                        if pair.failure is None and pair.score is not None:
+                        if outcome.count(pair) and pair.score is not None:
                             fresh[i] = pair.score
-                            outcome.scored += 1
-                        else:
-                            kind = pair.failure or Failure.MALFORMED
-                            outcome.failures[kind] += 1
-                            outcome.details.setdefault(kind, pair.detail)
                     ranking.resolve_all(resolved)
                     if released := emitter.take(ranking.release()):
                         yield released
             finally:
-                self.outstanding_pairs -= left
+                self.admission.outstanding -= left
         outcome.scoring_s = time.perf_counter() - scoring_started
         outcome.scored += len(hits)
         # Keyed by the model known now: a backend that names its model only in its answers
@@ -355,7 +294,7 @@ class Reranker:
             settled,
             ranking,
             outcome,
-            overloaded or outcome.degraded() or _capped(scored_set, tail),
+            overloaded or outcome.degraded() or capped(scored_set, tail),
             started,
         )
 
@@ -365,7 +304,7 @@ class Reranker:
         shaped: Shaped,
         blend: Blend,
         ranking: IncrementalRanking,
-        outcome: _Outcome,
+        outcome: ScoringOutcome,
         degraded: Degraded | None,
         started: float,
     ) -> RerankSummary:
@@ -392,92 +331,6 @@ class Reranker:
         )
 
 
-# Up to 900 documents of 128 KiB to cut: seconds of Python at worst, which on the event
-# loop would stall every other call and health check. In this thread the loop still gets
-# the interpreter every switch interval. One thread: such jobs queue behind each other
-# rather than contend, and leave the default executor (the disk cache's) alone.
-_CHUNKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerank-chunk")
-# A request waits for the chunking thread at most this share of its time (timeout or
-# deadline, whichever is shorter), counted from its arrival; the rest is for scoring.
-# The thread searches about 7 MB of text a second here: a 16 MB request holds it for
-# seconds, and a small request queued behind it answered after its deadline.
-CHUNK_WAIT_SHARE = 0.5
-MIN_CHUNK_WAIT_S = 0.05  # for an idle thread to take the job up
-
-
-def _chunk_wait_s(request: Request, deadline_remaining_s: float | None, started: float) -> float:
-    limit = (
-        request.timeout_s
-        if deadline_remaining_s is None
-        else min(request.timeout_s, deadline_remaining_s)
-    )
-    return max(CHUNK_WAIT_SHARE * limit - (time.perf_counter() - started), MIN_CHUNK_WAIT_S)
-
-
-async def _off_loop(job: Callable[[], T], wait_s: float) -> T | None:
-    """`job` in the chunking thread; None when the thread has not taken it up within
-    `wait_s` (it is then withdrawn). A job begun is waited for to its end, and so is one
-    of a request cancelled meanwhile: the request's place and bytes stay counted while
-    its texts are still being read, so cancelled requests cannot pile work up behind
-    the budget."""
-    begun = threading.Event()
-
-    def run() -> T:
-        begun.set()
-        return job()
-
-    submitted = _CHUNKER.submit(run)
-    future = asyncio.wrap_future(submitted)
-    try:
-        await asyncio.wait({future}, timeout=wait_s)
-        if not future.done() and not begun.is_set() and submitted.cancel():
-            return None
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        if not submitted.cancel():  # withdrawn if not begun; else waited for
-            await asyncio.wait({future})
-        raise
-
-
-class _Outcome:
-    """How scoring went for one request: counts, failures by kind, time spent."""
-
-    def __init__(self, submitted: int) -> None:
-        self.submitted = submitted
-        self.scored = 0
-        self.cached = 0
-        self.failures: Counter[Failure] = Counter()
-        self.details: dict[Failure, str] = {}  # the first failure's detail, by kind
-        self.scoring_s = 0.0
-
-    def degraded(self) -> Degraded | None:
-        failed = sum(self.failures.values())
-        if failed == 0:
-            return None
-        # Details name exceptions, HTTP statuses and limits, never request text.
-        kinds = ", ".join(
-            f"{kind.value}: {n}" + (f", {self.details[kind]}" if self.details.get(kind) else "")
-            for kind, n in self.failures.most_common()
-        )
-        if self.scored == 0:
-            main = self.failures.most_common(1)[0][0]
-            return Degraded(main.degraded_code, f"all {self.submitted} pairs failed ({kinds})")
-        return Degraded(
-            DegradedCode.PARTIAL, f"{failed} of {self.submitted} pairs failed ({kinds})"
-        )
-
-
-def _capped(scored: list[Candidate], tail: list[Candidate]) -> Degraded | None:
-    """CAPPED when candidates beyond `max_candidates` were left unscored."""
-    if not tail:
-        return None
-    return Degraded(
-        DegradedCode.CAPPED,
-        f"{len(tail)} of {len(scored) + len(tail)} candidates were not scored "
-        f"(max_candidates={len(scored)}): they follow in retrieval order",
-    )
-
-
 def _no_reranker_weight(
     request: Request,
     blend: Blend,
@@ -498,20 +351,6 @@ def _no_reranker_weight(
         DegradedCode.NO_RERANKER_WEIGHT,
         f"{why}: retrieval order, no pair sent (always_score sends them)",
     )
-
-
-# Admission keeps this share of a request's budget as slack for the estimate's error: the
-# per-pair latency it works from is a moving average, and a loaded machine adds its own
-# delays. Admitting up to the whole budget let admitted requests finish in its last few
-# percent, so a slow moment ran some out of time (`tests/faults/test_overload.py`).
-ADMISSION_HEADROOM = 0.1
-# With nothing ahead, one request whose own pairs would outlast its budget is sent this
-# often; the others are answered at once (`Reranker._overloaded`).
-OWN_TIME_PROBE_S = 5.0
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.1f} s"
 
 
 def _shape_attributes(

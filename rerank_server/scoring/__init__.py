@@ -1,8 +1,13 @@
-"""Scoring backends: turn (query, document) pairs into relevance scores on 0..1.
+"""Scoring: (query, document) pairs into relevance scores on 0..1, in three layers.
 
-The `Scorer` protocol (`base`), the HTTP client of one backend instance (`http`), the pool
-of instances with balancing and ejection (`backend_pool`), what every scorer shares
-(`pooled_scorer`), the prompt and its control-token neutralization (`prompt`), one module
-per backend kind, the budgeted scoring loop (`budget`), and the backend monitor
-(`monitor`). Backends know nothing of the edge: no protobuf, no grpc request types.
+- Users of a scorer: `budget` (score within a request's time budget), `registry`
+  (`--backend` to a scorer), `monitor` (health polls and the sanity probe).
+- `backends/`: one scorer per model server API, and what they share.
+- `transport/`: the client of one instance, the lean HTTP/1.1 transport, the pool of
+  instances, the errors scorers see.
+- The contract under all three: `base` (the `Scorer` protocol, `PairOutcome`, `Failure`)
+  and `calls` (tasks that make their backend calls themselves).
+
+Backends know nothing of the edge (no protobuf, no grpc request types), and reach
+instances only through the pool (import contracts in pyproject.toml).
 """

@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 from ..domain import DegradedCode
+from .calls import CallTasks
 
 
 class Failure(StrEnum):
@@ -89,6 +90,12 @@ class Scorer(Protocol):
         prompt's fixed text and settings, the scale scores are read on. A part of every
         score-cache key, so that a change of any of them (a release that rewords the
         prompt, `--no-assistant-prefill`) does not answer from scores of the old one."""
+        ...
+
+    @property
+    def calls(self) -> CallTasks:
+        """The tasks that make their backend calls themselves (the pool's): the scorer's
+        own task is registered there while it scores."""
         ...
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None: ...

@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator, Callable
 import structlog
 from opentelemetry import trace
 
-from . import trace_context
 from .base import Emit, Failure, PairOutcome, Scorer, ScoreRequest
-from .http import done_with_calls, let_go, own_calls
-from .wakeup import Wakeup
+from .calls import CallTasks
+from .transport import trace_context
+from .transport.wakeup import Wakeup
 
 log = structlog.get_logger(__name__)
 
@@ -186,7 +186,7 @@ async def score_within(
             if fresh:
                 yield fresh
         if rest is not None:
-            await _stop(task)
+            await _stop(task, scorer.calls)
             failure, detail = rest
             failed += len(remaining)
             left = [PairOutcome.failed(pair, failure, detail) for pair in sorted(remaining)]
@@ -196,7 +196,7 @@ async def score_within(
         timer.cancel()
         if unsubscribe is not None:
             unsubscribe()
-        await _stop(task)
+        await _stop(task, scorer.calls)
         if span.is_recording():  # the request's span gets all of them here, at once
             span.set_attributes(
                 {
@@ -229,24 +229,24 @@ def _why_nothing(
 
 
 async def _scoring(scorer: Scorer, request: ScoreRequest, emit: Emit) -> None:
-    """The scorer's task. It makes its backend calls itself (`http.own_calls`): a batching
+    """The scorer's task. It makes its backend calls itself (`Scorer.calls`): a batching
     scorer's one call per request needs no task and shield of its own (a tenth of a
     batched call's CPU); `_stop` lets it go rather than cancel it, so a call on the wire
     is abandoned on the leash, as a shielded one would be."""
     me = asyncio.current_task()
     assert me is not None
-    own_calls(me)
+    scorer.calls.own(me)
     try:
         await scorer.score(request, emit)
     finally:
-        done_with_calls(me)
+        scorer.calls.done(me)
 
 
-async def _stop(task: asyncio.Task[None]) -> None:
-    """Stop waiting for the scorer: let it go (`http.let_go`), and wait for it to unwind
+async def _stop(task: asyncio.Task[None], calls: CallTasks) -> None:
+    """Stop waiting for the scorer: let it go (`CallTasks.let_go`), and wait for it to unwind
     when that cancelled it (a per-pair scorer then lets its pairs go); an abandoned call
     runs on within its leash without anyone waiting for it."""
     if not task.done():
-        let_go(task)
+        calls.let_go(task)
         if task.cancelling():
             await asyncio.gather(task, return_exceptions=True)

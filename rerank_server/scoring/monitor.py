@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import structlog
 
 from ..observability.metrics import Metrics
-from .backend_pool import BackendPool, Endpoint
 from .base import Failure, PairOutcome, Scorer, ScoreRequest
+from .transport.pool import BackendPool, Endpoint
 
 log = structlog.get_logger(__name__)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from ..domain import BackendKind
 from ..observability.telemetry import Telemetry
 from ..settings import Settings
-from .backend_pool import BackendPool, Ejection
+from .backends.chat import ChatScorer
+from .backends.completion import CompletionScorer
+from .backends.llm import LlmScorer
+from .backends.ollama import OllamaScorer
+from .backends.rerank_api import RerankApiScorer
 from .base import Scorer
-from .chat import ChatScorer
-from .completion import CompletionScorer
-from .llm import LlmScorer
-from .ollama import OllamaScorer
-from .rerank_api import RerankApiScorer
+from .transport.pool import BackendPool, Ejection
 
 
 def build_pool(settings: Settings, telemetry: Telemetry | None = None) -> BackendPool:
@@ -53,7 +53,7 @@ def build_scorer(settings: Settings, pool: BackendPool) -> Scorer:
         case BackendKind.EMBEDDING:
             # Imported here: it brings numpy, 15 MB and 65 ms of start-up in every
             # server process, which only this backend uses.
-            from .embedding import EmbeddingScorer
+            from .backends.embedding import EmbeddingScorer
 
             return EmbeddingScorer(pool, model=s.model, max_batch=s.max_batch)
         case BackendKind.OLLAMA:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rerank_server.scoring.base import Emit, Failure, PairOutcome, ScoreRequest
+from rerank_server.scoring.calls import CallTasks
 
 
 def hashed_score(document: str) -> float:
@@ -30,6 +31,7 @@ class FunctionScorer:
     seen: list[str] = field(default_factory=list)
     closed: int = 0  # times `aclose` ran
     queued_s: float = 0.0  # what `estimate_s` says the backend's queue holds
+    calls: CallTasks = field(default_factory=CallTasks)
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         for i, document in enumerate(request.documents):

@@ -15,8 +15,9 @@ from rerank_client import AsyncRerankClient
 
 from rerank_server.api.grpc_server import BACKEND_HEALTH
 from rerank_server.scoring import budget
-from rerank_server.scoring import http as http_module
 from rerank_server.scoring.base import Emit, ScoreRequest
+from rerank_server.scoring.calls import CallTasks
+from rerank_server.scoring.transport import backend as http_module
 from tests.conftest import StartServer
 from tests.fakes.json_server import JsonServer
 from tests.fakes.llama import EXCEEDS_CONTEXT, HANG, OK, FakeLlamaServer
@@ -49,9 +50,9 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
         assert cancelled > 300, cancelled
         assert fake_llama.max_in_flight <= 4, "abandoned calls went past --concurrency"
         http = server.pool.endpoints[0].http
-        assert await eventually(lambda: http.abandoned == 0 and not _tracked(), 3), (
-            "abandoned calls did not end, or their tasks stayed registered"
-        )
+        assert await eventually(
+            lambda: http.abandoned == 0 and not _tracked(server.pool.calls), 3
+        ), "abandoned calls did not end, or their tasks stayed registered"
         assert server.pool.endpoints[0].available, "a healthy backend was taken out"
         answers = [await client.rerank(f"normal {i}", DOCS, timeout=5) for i in range(20)]
     assert all(a.reranked and a.summary.failed == 0 for a in answers)
@@ -65,9 +66,9 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _tracked() -> list[object]:
-    """What the one-task-per-pair bookkeeping (`http.own_calls`) still holds."""
-    return [*http_module._OWN, *http_module._LET_GO, *http_module._ON_WIRE]
+def _tracked(calls: CallTasks) -> list[object]:
+    """What the one-task-per-pair bookkeeping (`CallTasks`) still holds."""
+    return calls.held()
 
 
 async def test_a_pair_let_go_makes_no_further_call(
@@ -90,7 +91,7 @@ async def test_a_pair_let_go_makes_no_further_call(
     assert await eventually(lambda: http.abandoned == 0, 3), "abandoned calls did not end"
     await asyncio.sleep(0.5)  # time for a second try (answered at once), were one made
     assert len(fake_llama.requests) == 3, "a pair let go called the backend again"
-    assert not _tracked()
+    assert not _tracked(server.pool.calls)
 
 
 async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out(
@@ -127,7 +128,7 @@ async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out
             "the abandoned call did not end within its leash"
         )
         assert len(fake.posts("/v1/rerank")) == 1
-        assert not _tracked()
+        assert not _tracked(server.pool.calls)
     finally:
         fake.stop()
 
@@ -150,6 +151,10 @@ async def test_a_scorer_let_go_mid_call_goes_no_further() -> None:
     class TwoStepScorer:
         kind, model = "test", ""
 
+        @property
+        def calls(self) -> CallTasks:
+            return backend.calls
+
         async def score(self, request: ScoreRequest, emit: Emit) -> None:
             await backend.post_json("/meta", {}, pairs=0)
             async with asyncio.TaskGroup() as group:  # slices, as a batching scorer's
@@ -163,12 +168,12 @@ async def test_a_scorer_let_go_mid_call_goes_no_further() -> None:
             budget._scoring(TwoStepScorer(), ScoreRequest("q", "", ["d"]), lambda _: None)
         )  # type: ignore[arg-type]
         await asyncio.sleep(0.1)  # its own call is on the wire
-        await budget._stop(task)  # the request stops waiting
+        await budget._stop(task, backend.calls)  # the request stops waiting
         assert backend.abandoned == 1
         assert await eventually(lambda: task.done() and backend.abandoned == 0, 3)
         await asyncio.sleep(0.5)  # time for the scoring calls, were they made
         assert fake.posts("/score") == []
-        assert not backend._given_up and not backend._calls and not _tracked()
+        assert not backend._given_up and not backend._calls and not _tracked(backend.calls)
     finally:
         await backend.aclose()
         fake.stop()

@@ -23,8 +23,8 @@ from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.domain import Candidate, DegradedCode, RerankQuery
 from rerank_server.managed.llama_server import free_port
 from rerank_server.ranking.pipeline import Reranker
-from rerank_server.scoring.backend_pool import BackendPool
-from rerank_server.scoring.chat import ChatScorer
+from rerank_server.scoring.backends.chat import ChatScorer
+from rerank_server.scoring.transport.pool import BackendPool
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
 from tests.conftest import StartServer

@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rerank_client import AsyncRerankClient
 
 from rerank_server.observability.telemetry import Telemetry
-from rerank_server.scoring import completion, prompt
+from rerank_server.scoring.backends import completion, prompt
+from rerank_server.scoring.backends.completion import CompletionScorer
 from rerank_server.scoring.base import ScoreRequest
-from rerank_server.scoring.completion import CompletionScorer
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
 from tests.real.conftest import SLOTS, RealLlama

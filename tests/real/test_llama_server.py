@@ -22,7 +22,7 @@ from rerank_client import AsyncRerankClient, Result, Summary
 from rerank_server.domain import BlendStrategy
 from rerank_server.ranking import blend_profiles
 from rerank_server.ranking.blending import ADAPTIVE
-from rerank_server.scoring import prompt
+from rerank_server.scoring.backends import prompt
 from rerank_server.scoring.monitor import BackendMonitor
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings

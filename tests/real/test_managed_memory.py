@@ -14,7 +14,7 @@ import pytest
 
 from rerank_server.managed import llama_server
 from rerank_server.managed.llama_server import ManagedLlamaServer, knows_flag
-from rerank_server.scoring import prompt
+from rerank_server.scoring.backends import prompt
 from rerank_server.settings import DEFAULT_INSTRUCTION
 from tests.real.conftest import assets_or_fail
 from tests.waiting import eventually

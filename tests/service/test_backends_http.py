@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from rerank_client import AsyncRerankClient
 
-from rerank_server.scoring import batching, completion, prompt
+from rerank_server.scoring.backends import batching, completion, prompt
 from tests.conftest import StartServer
 from tests.fakes.json_server import Handler, JsonServer
 from tests.fakes.llama import FakeLlamaServer

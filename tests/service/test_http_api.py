@@ -16,7 +16,7 @@ import httpx
 import pytest
 from cohere.core.api_error import ApiError
 
-from rerank_server.http_api import app as http_app
+from rerank_server.http_api import gate as http_gate
 from rerank_server.http_api import server as http_server_module
 from rerank_server.managed.llama_server import free_port
 from rerank_server.server import RunningServer
@@ -597,7 +597,7 @@ async def test_body_bytes_count_against_the_budget_as_they_arrive(
 async def test_a_body_that_never_arrives_is_refused_in_time(
     start_server: StartServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(http_app, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_gate, "BODY_TIMEOUT_S", 0.5)
     server = await start_server(http_port=free_port(), auth_tokens=TOKEN)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
     writer.write(

@@ -24,11 +24,11 @@ from rerank_server.ranking.score_cache import (
     _Disk,
     cache_key,
 )
-from rerank_server.scoring import prompt
-from rerank_server.scoring.backend_pool import BackendPool
+from rerank_server.scoring.backends import prompt
+from rerank_server.scoring.backends.chat import ChatScorer
+from rerank_server.scoring.backends.completion import CompletionScorer
 from rerank_server.scoring.base import Emit, ScoreRequest
-from rerank_server.scoring.chat import ChatScorer
-from rerank_server.scoring.completion import CompletionScorer
+from rerank_server.scoring.transport.pool import BackendPool
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
 from tests.conftest import StartServer

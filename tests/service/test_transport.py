@@ -1,6 +1,6 @@
 """The lean HTTP/1.1 transport (`scoring/transport.py`) against raw loopback servers that
 answer exactly as scripted: the framings, keep-alive and its races, and every failure
-mapped to the httpx error class that `scoring/http.py` classifies."""
+mapped to the httpx error class that `scoring/transport/backend.py` classifies."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import httpx
 import pytest
 from rerank_client import AsyncRerankClient
 
-from rerank_server.scoring import http as http_module
-from rerank_server.scoring import transport as lean
 from rerank_server.scoring.base import Failure
-from rerank_server.scoring.http import BackendCallError, HttpBackend
-from rerank_server.scoring.transport import LeanTransport, wanted
+from rerank_server.scoring.transport import backend as http_module
+from rerank_server.scoring.transport import lean
+from rerank_server.scoring.transport.backend import HttpBackend
+from rerank_server.scoring.transport.errors import BackendCallError
+from rerank_server.scoring.transport.lean import LeanTransport, wanted
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 

@@ -15,10 +15,11 @@ from rerank_server.domain import (
     RerankQuery,
     RerankSummary,
 )
-from rerank_server.ranking.pipeline import ADMISSION_HEADROOM, Reranker
-from rerank_server.scoring.backend_pool import BackendPool
-from rerank_server.scoring.chat import ChatScorer
-from rerank_server.scoring.rerank_api import RerankApiScorer
+from rerank_server.ranking.pair_admission import ADMISSION_HEADROOM
+from rerank_server.ranking.pipeline import Reranker
+from rerank_server.scoring.backends.chat import ChatScorer
+from rerank_server.scoring.backends.rerank_api import RerankApiScorer
+from rerank_server.scoring.transport.pool import BackendPool
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
 from tests.fakes.scorer import FunctionScorer

@@ -8,15 +8,19 @@ import asyncio
 import pytest
 import structlog
 
-from rerank_server.scoring import http, prompt
+from rerank_server.scoring.backends import prompt
+from rerank_server.scoring.backends.batching import map_pairs
 from rerank_server.scoring.base import PairOutcome
-from rerank_server.scoring.batching import map_pairs
+from rerank_server.scoring.calls import CallTasks
+from rerank_server.scoring.transport import backend as http
 from tests.fakes.llama import FakeLlamaServer
 from tests.waiting import eventually
 
+CALLS = CallTasks()  # the registry every test here hands map_pairs
+
 
 def _tracked() -> list[object]:
-    return [*http._OWN, *http._LET_GO, *http._ON_WIRE]
+    return CALLS.held()
 
 
 async def test_every_pair_is_emitted_once_in_its_own_task() -> None:
@@ -29,7 +33,7 @@ async def test_every_pair_is_emitted_once_in_its_own_task() -> None:
         # preempted process once started two tasks more than 1 ms apart)
         return PairOutcome(i, i / 10)
 
-    await map_pairs(5, one, emitted.append)
+    await map_pairs(5, one, emitted.append, CALLS)
     assert sorted(o.pair for o in emitted) == [0, 1, 2, 3, 4]
     assert [o.pair for o in emitted] == [4, 3, 2, 1, 0]
     assert len(tasks) == 5
@@ -57,7 +61,7 @@ async def test_a_crashing_pair_raises_and_the_rest_are_let_go() -> None:
         return await _waits_long(i, cancelled)
 
     with pytest.raises(ValueError):
-        await map_pairs(3, one, lambda _o: None)
+        await map_pairs(3, one, lambda _o: None, CALLS)
     await asyncio.sleep(0)
     assert started == [0, 1, 2] and sorted(cancelled) == [0, 2]
     assert not _tracked()
@@ -65,7 +69,9 @@ async def test_a_crashing_pair_raises_and_the_rest_are_let_go() -> None:
 
 async def test_stopping_cancels_pairs_with_nothing_on_the_wire() -> None:
     cancelled: list[int] = []
-    scorer = asyncio.create_task(map_pairs(4, lambda i: _waits_long(i, cancelled), lambda _o: None))
+    scorer = asyncio.create_task(
+        map_pairs(4, lambda i: _waits_long(i, cancelled), lambda _o: None, CALLS)
+    )
     await asyncio.sleep(0.01)
     scorer.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -82,7 +88,7 @@ async def test_a_pair_let_go_on_the_wire_stops_when_its_call_returns(
     so it was abandoned) stops when the call comes back within the leash: it emits
     nothing to a request that is gone, so nothing of it can crash unheard either."""
     fake_llama.latency_s = 0.3
-    backend = http.HttpBackend(fake_llama.url, 2, 5.0)
+    backend = http.HttpBackend(fake_llama.url, 2, 5.0, calls=CALLS)
     body = {
         "messages": [
             {"role": "system", "content": prompt.SYSTEM_PROMPT},
@@ -102,7 +108,7 @@ async def test_a_pair_let_go_on_the_wire_stops_when_its_call_returns(
     def emit(_outcome: PairOutcome) -> None:
         raise AssertionError("emitted to a request that is gone")
 
-    scorer = asyncio.create_task(map_pairs(1, one, emit))
+    scorer = asyncio.create_task(map_pairs(1, one, emit, CALLS))
     assert await eventually(lambda: fake_llama.in_flight == 1, 2)
     scorer.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -124,6 +130,6 @@ async def test_a_crash_after_another_pair_crashed_is_logged() -> None:
         raise ValueError("a bug")
 
     with structlog.testing.capture_logs() as logged, pytest.raises(ValueError):
-        await map_pairs(2, one, emit)
+        await map_pairs(2, one, emit, CALLS)
     assert [e["error"] for e in logged if e["event"] == "pair_crashed_unheard"] == ["ValueError"]
     assert not _tracked()

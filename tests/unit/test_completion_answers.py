@@ -10,10 +10,10 @@ import msgspec
 import orjson
 import pytest
 
-from rerank_server.scoring import ollama
-from rerank_server.scoring.completion import MAX_RENDERED_CHARS, _decode, _rendered, _score
-from rerank_server.scoring.http import MalformedResponse
-from rerank_server.scoring.logprobs import p_yes
+from rerank_server.scoring.backends import ollama
+from rerank_server.scoring.backends.completion import MAX_RENDERED_CHARS, _decode, _rendered, _score
+from rerank_server.scoring.backends.logprobs import p_yes
+from rerank_server.scoring.transport.errors import MalformedResponse
 
 IDS = {1: "yes", 2: "no"}
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from rerank_server.scoring import context_fit
+from rerank_server.scoring.backends import context_fit
+from rerank_server.scoring.backends.context_fit import SAFETY_TOKENS, ContextFit
 from rerank_server.scoring.base import Failure
-from rerank_server.scoring.context_fit import SAFETY_TOKENS, ContextFit
-from rerank_server.scoring.http import BackendCallError
+from rerank_server.scoring.transport.errors import BackendCallError
 
 
 class Pool:

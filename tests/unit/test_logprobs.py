@@ -8,7 +8,7 @@ import msgspec
 import orjson
 import pytest
 
-from rerank_server.scoring.logprobs import (
+from rerank_server.scoring.backends.logprobs import (
     FLOOR_LOGPROB,
     MalformedLogprobs,
     chat_top_logprobs,

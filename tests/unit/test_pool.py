@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rerank_server.scoring.backend_pool import BackendPool, Ejection
+from rerank_server.scoring.transport.pool import BackendPool, Ejection
 
 
 class Clock:

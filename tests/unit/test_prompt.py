@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rerank_server.scoring.llm import user_prompt
-from rerank_server.scoring.prompt import neutralize, user_message
+from rerank_server.scoring.backends.llm import user_prompt
+from rerank_server.scoring.backends.prompt import neutralize, user_message
 
 
 @pytest.mark.parametrize(

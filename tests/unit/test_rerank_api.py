@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rerank_server.scoring.backend_pool import BackendPool
-from rerank_server.scoring.rerank_api import LOGIT_ANSWERS, RerankApiScorer
+from rerank_server.scoring.backends.rerank_api import LOGIT_ANSWERS, RerankApiScorer
+from rerank_server.scoring.transport.pool import BackendPool
 
 
 def _scorer() -> RerankApiScorer:

@@ -20,8 +20,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
-from .base import Emit, Failure, PairOutcome
-from .http import BackendCallError, done_with_calls, let_go, own_calls
+from ..base import Emit, Failure, PairOutcome
+from ..calls import CallTasks
+from ..transport.errors import BackendCallError
 
 log = structlog.get_logger(__name__)
 
@@ -110,18 +111,24 @@ def to_unit(scores: Mapping[int, float], logits: bool = False) -> dict[int, floa
     return {i: 1 / (1 + math.exp(-max(min(s, 60.0), -60.0))) for i, s in scores.items()}
 
 
-async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]], emit: Emit) -> None:
+async def map_pairs(
+    count: int,
+    one: Callable[[int], Awaitable[PairOutcome]],
+    emit: Emit,
+    calls: CallTasks | None = None,
+) -> None:
     """Run `one(i)` for every pair concurrently, emitting each outcome as it lands.
 
-    One task per pair, which makes its backend call itself (`http.own_calls`). When this
-    is cancelled (the request stopped waiting) or a pair raises, the tasks still running
-    are let go (`http.let_go`): cancelled before their call is sent, abandoned after. Not
-    a task group: it would cancel calls on the wire outright, and so would a timeout
-    inside `one` (no leash, no timeout counted against the instance): `one` must not
-    cancel its own task.
+    One task per pair, which makes its backend call itself (registered in `calls`, the
+    pool's). When this is cancelled (the request stopped waiting) or a pair raises, the
+    tasks still running are let go (`CallTasks.let_go`): cancelled before their call is
+    sent, abandoned after. Not a task group: it would cancel calls on the wire outright,
+    and so would a timeout inside `one` (no leash, no timeout counted against the
+    instance): `one` must not cancel its own task.
     """
     if not count:
         return
+    registry = calls if calls is not None else CallTasks()
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
     left = count
@@ -130,7 +137,7 @@ async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]], em
         nonlocal left
         me = asyncio.current_task()
         assert me is not None
-        own_calls(me)  # here, not after create_task: an eager task factory runs it first
+        registry.own(me)  # here, not after create_task: an eager task factory runs it first
         try:
             emit(await one(i))
         except Exception as exc:  # a bug: the scorer crashes, as a task group would
@@ -139,7 +146,7 @@ async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]], em
             else:
                 finished.set_exception(exc)
         finally:
-            done_with_calls(me)
+            registry.done(me)
             left -= 1
             if not left and not finished.done():
                 finished.set_result(None)
@@ -149,7 +156,7 @@ async def map_pairs(count: int, one: Callable[[int], Awaitable[PairOutcome]], em
         await finished
     finally:
         for task in tasks:
-            let_go(task)
+            registry.let_go(task)
 
 
 def failed_all(indexes: Sequence[int], exc: BackendCallError, emit: Emit) -> None:

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 
 from opentelemetry import trace
 
-from ..observability import propagation
+from ...observability import propagation
 
 # The trace headers as a dict (httpx) and as request head lines (the lean transport).
 TraceHeaders = tuple[dict[str, str], bytes]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend_pool import BackendPool
+from ..calls import CallTasks
+from ..transport.pool import BackendPool
 
 
 class PooledScorer:
@@ -27,6 +28,10 @@ class PooledScorer:
     @property
     def model(self) -> str:
         return self._configured_model or self._reported_model
+
+    @property
+    def calls(self) -> CallTasks:
+        return self._pool.calls
 
     @property
     def variant(self) -> str:

@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..domain import BackendKind
-from ..settings import RerankFormat
+from ...domain import BackendKind
+from ...settings import RerankFormat
+from ..base import Emit, ScoreRequest
+from ..transport.errors import MalformedResponse
+from ..transport.pool import BackendPool
 from . import prompt
-from .backend_pool import BackendPool
-from .base import Emit, ScoreRequest
 from .batching import score_in_batches, to_unit
-from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
 LOGIT_ANSWERS = 3  # answers with scores outside 0..1 that make every score a logit

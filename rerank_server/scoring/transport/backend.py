@@ -1,4 +1,4 @@
-"""What every HTTP backend shares: bounded concurrency, one client, failure classification.
+"""The client of one backend instance: bounded calls, abandoned calls, the side client.
 
 Bounded calls: a call holds one of the instance's `--concurrency` slots from before it is
 sent until it has ended, whoever stopped waiting for it, so the backend never sees more
@@ -11,22 +11,14 @@ pairs still waiting for a slot are dropped before anything is sent, and a call a
 the wire is abandoned: it runs on, unwaited for, until the backend answers it or the call
 timeout (`--backend-timeout-ms`) ends it. Past a short leash (four times the recent call
 latency, at least `ABANDON_MIN_S`, at most the call timeout, counted from when it was
-sent) it counts as a timeout of the instance (`backend_pool.py` ejects an instance after
+sent) it counts as a timeout of the instance (`pool.py` ejects an instance after
 a few in a row), so a hung backend is still taken out within seconds. Calls are never cancelled
 while still waiting for a pool connection: a slot is taken before the httpx call starts,
 and the connection pool is larger than the slots, so httpcore's pool-slot leak on
 cancellation under contention (httpcore #1093) cannot happen where httpcore is used
-(`https://`; plain HTTP goes through `transport.py`). On shutdown every call still
-running is cancelled.
-
-One task per pair: a per-pair scorer's tasks (`batching.map_pairs`, registered with
-`own_calls`) make their calls themselves, where every other caller's call runs in a task
-of its own that the caller awaits through a shield. That was two tasks, a shield and two
-more trips through the event loop per pair, about a tenth of a `chat` request's CPU.
-Such a task cannot be shielded from its own cancellation, so its canceller lets it go
-instead (`let_go`): cancelled while it waits for a slot, abandoned (the leash above) once
-its call is on the wire; a task let go makes no further call (no retry elsewhere, no
-second try with a shorter document).
+(`https://`; plain HTTP goes through `lean.py`). On shutdown every call still
+running is cancelled. A task registered in the pool's `CallTasks` (`calls.py`) makes its
+call itself, unshielded, and is let go rather than cancelled.
 
 Health polls and metadata reads go through a client of their own, so a backend saturated
 by scoring calls is not taken for a dead one because its poll waited for a connection.
@@ -42,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,10 +44,13 @@ import msgspec
 import orjson
 from opentelemetry import trace
 
-from .. import __version__
-from ..observability.metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
-from . import trace_context, transport
-from .base import Failure
+from ... import __version__
+from ...observability.metrics import ERROR_TYPE, HTTP_METHOD, HTTP_STATUS, Instance, Metrics
+from ..base import Failure
+from ..calls import CallTasks
+from . import lean, trace_context
+from .errors import ERROR_TYPES, BackendCallError, Decode, MalformedResponse, physical_batch
+from .errors import too_long as refused_as_too_long
 
 USER_AGENT = f"rerank-server/{__version__}"
 HEALTH_TIMEOUT_S = 3.0  # a health poll or metadata GET, whole: head and body
@@ -66,51 +60,6 @@ HEALTH_MAX_BYTES = 64 * 1024  # a health answer, read whole so its connection is
 ABANDON_MIN_S = 1.0  # an abandoned call may always run this long
 ABANDON_UNKNOWN_S = 2.0  # ... and this long before any call has answered
 ABANDON_LATENCIES = 4.0  # ... else this many times the recent call latency
-
-# error.type values on metrics and spans, by failure kind.
-ERROR_TYPES = {
-    Failure.TIMEOUT: "timeout",
-    Failure.UNAVAILABLE: "connect",
-    Failure.HTTP_ERROR: "http_status",
-    Failure.MALFORMED: "malformed",
-}
-
-
-class MalformedResponse(ValueError):
-    """The backend answered, but not with what the scorer needs (no user text inside).
-
-    Raised by a scorer's parser, or by its decoder (`post_json(decode=...)`) for JSON of
-    the wrong shape: either way the instance did answer, which its health counts."""
-
-
-# A scorer's own decoder of an answer's bytes: raises MalformedResponse for JSON of the
-# wrong shape, and anything else for bytes that are not JSON.
-Decode = Callable[[bytes], Any]
-
-
-class BackendCallError(Exception):
-    """One backend call failed; `failure` says how, `detail` says what (no user text).
-
-    `too_long`: the backend refused the input as longer than its context (llama-server's
-    `exceed_context_size_error`, or "too large" for embeddings): worth one more try with a
-    shorter document. `limit_tokens`: the limit the refusal named, where it named one
-    (llama-server's embedding refusal names its physical batch, `-ub`).
-    """
-
-    def __init__(
-        self,
-        failure: Failure,
-        detail: str,
-        status: int = 0,
-        too_long: bool = False,
-        limit_tokens: int | None = None,
-    ) -> None:
-        super().__init__(detail)
-        self.failure = failure
-        self.detail = detail
-        self.status = status
-        self.limit_tokens = limit_tokens
-        self.too_long = too_long
 
 
 def instance_of(kind: str, base_url: str) -> Instance:
@@ -128,7 +77,7 @@ async def _read_bounded(response: httpx.Response, limit: int) -> tuple[int, byte
         body += part
         if len(body) > limit:
             raise httpx.DecodingError("answer too large")
-    return response.status_code, transport.decoded(response.headers.raw, bytes(body), limit)
+    return response.status_code, lean.decoded(response.headers.raw, bytes(body), limit)
 
 
 def new_client(
@@ -154,40 +103,7 @@ def _unproxied(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
     return httpx.AsyncHTTPTransport(limits=limits)
 
 
-Outcome = Callable[["BackendCallError | None"], None]
-
-# Tasks that make their backend calls themselves (`own_calls`), those of them with a call
-# on the wire now (and to which instance), and those let go (`let_go`).
-_OWN: set[asyncio.Task[Any]] = set()
-_ON_WIRE: dict[asyncio.Task[Any], HttpBackend] = {}
-_LET_GO: set[asyncio.Task[Any]] = set()
-
-
-def own_calls(task: asyncio.Task[Any]) -> None:
-    """`task` makes its calls itself from now until `done_with_calls`; whoever would
-    cancel it calls `let_go` instead."""
-    _OWN.add(task)
-
-
-def done_with_calls(task: asyncio.Task[Any]) -> None:
-    _OWN.discard(task)
-    _LET_GO.discard(task)
-
-
-def let_go(task: asyncio.Task[Any]) -> None:
-    """Stop waiting for `task`: cancel it unless its call is on the wire, else abandon
-    that call (it may finish within the leash); either way it makes no further call."""
-    if task.done() or task in _LET_GO:
-        return
-    backend = _ON_WIRE.get(task)
-    if backend is None:
-        # Forgotten now: a task cancelled before its first step never runs the code
-        # that would call `done_with_calls`.
-        done_with_calls(task)
-        task.cancel()
-    else:
-        _LET_GO.add(task)
-        backend._abandon(task)
+Outcome = Callable[[BackendCallError | None], None]
 
 
 class HttpBackend:
@@ -205,11 +121,13 @@ class HttpBackend:
         headers: dict[str, str] | None = None,
         health_path: str = "/health",
         trace_calls: bool = False,
+        calls: CallTasks | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.calls = calls or CallTasks()  # the pool's, shared by its instances
         self.health_path = health_path
         # Identity: an answer need not be decoded, and one that is anyway is decoded
-        # with a bound (`transport.decoded`).
+        # with a bound (`lean.decoded`).
         self._headers = {"user-agent": USER_AGENT, "accept-encoding": "identity", **(headers or {})}
         for name, value in self._headers.items():
             if any(c in name + value for c in "\r\n\0"):
@@ -225,15 +143,13 @@ class HttpBackend:
         # per path (`_head`). httpx's client adds per call a header and cookie merge,
         # auth and redirect handling and cookie extraction, and its request and response
         # objects normalize every header: none of it is used, and together it was most
-        # of a call's CPU (docs/performance-history.md). Otherwise httpx's client with its own
+        # of a call's CPU (docs/decisions.md). Otherwise httpx's client with its own
         # transport, proxies and TLS settings.
         self._lean = (
-            transport.LeanTransport(max_idle=concurrency)
-            if transport.wanted(self.base_url)
-            else None
+            lean.LeanTransport(max_idle=concurrency) if lean.wanted(self.base_url) else None
         )
         self._client = (
-            new_client(concurrency, timeout_s, transport.loopback(self.base_url))
+            new_client(concurrency, timeout_s, lean.loopback(self.base_url))
             if self._lean is None
             else None
         )
@@ -243,14 +159,14 @@ class HttpBackend:
         self._side_client = httpx.AsyncClient(
             limits=side_limits,
             timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
-            transport=_unproxied(side_limits) if transport.loopback(self.base_url) else None,
+            transport=_unproxied(side_limits) if lean.loopback(self.base_url) else None,
         )
         self._side_slots = asyncio.Semaphore(SIDE_CONNECTIONS)  # see `_side_get`
         self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
         self._calls: dict[asyncio.Future[Any], float] = {}  # call on the wire -> sent at
         self._given_up: set[asyncio.Future[Any]] = set()  # abandoned, past the leash: reported
-        # What admission estimates read (backend_pool.BackendPool.estimate_s).
+        # What admission estimates read (pool.BackendPool.estimate_s).
         self.queued_pairs = 0
         self.in_flight_pairs = 0
         self.waiting = 0  # calls waiting for a slot
@@ -270,11 +186,12 @@ class HttpBackend:
 
         Raises BackendCallError. If the caller is cancelled, the call is abandoned (see
         the module docstring) and keeps its slot until it ends. A task registered with
-        `own_calls` makes the call itself: it is to be let go (`let_go`), not cancelled.
+        `calls.own` makes the call itself: it is to be let go (`let_go`), not cancelled.
         """
         task = asyncio.current_task()
-        own = task in _OWN
-        if own and task in _LET_GO:
+        tasks = self.calls
+        own = tasks.owns(task)
+        if own and tasks.is_let_go(task):
             raise asyncio.CancelledError  # let go: no further call
         self.queued_pairs += pairs
         self.waiting += 1
@@ -287,17 +204,17 @@ class HttpBackend:
         if own:
             assert task is not None
             self._calls[task] = loop.time()
-            _ON_WIRE[task] = self
+            tasks.on_wire(task, self._abandon)
             try:
                 body = await self._call(path, payload, pairs, decode)
             except BackendCallError:
-                if task in _LET_GO:  # a failure nobody waits for: no split, no retry
+                if tasks.is_let_go(task):  # a failure nobody waits for: no split, no retry
                     raise asyncio.CancelledError from None
                 raise
             finally:
-                del _ON_WIRE[task]
+                tasks.off_wire(task)
                 self._forget(task)
-            if task in _LET_GO:
+            if tasks.is_let_go(task):
                 # Let go while its call was on the wire: the answer came within the
                 # leash, but nobody waits for what the task would do with it (a scorer
                 # would go on to score, in tasks of its own that are not let go).
@@ -558,13 +475,13 @@ class HttpBackend:
             # a 500 ("input ... is too large to process"): the input's fault all the same,
             # not to be retried elsewhere or counted against the instance.
             # A 413 (a proxy's or the server's body limit) is the input's size too.
-            if status == 413 or (400 <= status < 600 and _too_long(body)):
+            if status == 413 or (400 <= status < 600 and refused_as_too_long(body)):
                 raise BackendCallError(
                     Failure.HTTP_ERROR,
                     f"HTTP {status}: the document exceeds the model's context",
                     status,
                     too_long=True,
-                    limit_tokens=_physical_batch(body),
+                    limit_tokens=physical_batch(body),
                 )
             # A redirect or an odd status is no answer either (a 302 with a JSON body
             # was once scored as one).
@@ -587,7 +504,7 @@ class HttpBackend:
         async with self._client.stream(
             "POST", self._url(path), content=content, headers=headers
         ) as response:
-            return await _read_bounded(response, transport.MAX_BODY_BYTES)
+            return await _read_bounded(response, lean.MAX_BODY_BYTES)
 
     def _url(self, path: str) -> httpx.URL:
         url = self._urls.get(path)
@@ -605,7 +522,7 @@ class HttpBackend:
                 self._url(path),
                 headers={**self._headers, "content-type": "application/json"},
             )
-            head = self._heads[path] = transport.request_head(request, omit=b"content-length")
+            head = self._heads[path] = lean.request_head(request, omit=b"content-length")
         return head
 
     async def aclose(self) -> None:
@@ -620,33 +537,6 @@ class HttpBackend:
             await self._client.aclose()
         await self._side_client.aclose()
         self._metrics.watch_active(self, None)
-
-
-def _too_long(body: bytes) -> bool:
-    """Whether an error answer says the input was longer than the model's context."""
-    try:
-        error = orjson.loads(body).get("error", {})
-    except (orjson.JSONDecodeError, AttributeError):
-        return False
-    if not isinstance(error, dict):
-        return False
-    message = str(error.get("message", "")).lower()
-    return (
-        error.get("type") == "exceed_context_size_error"
-        or "exceeds the available context" in message
-        or "too large" in message
-    )
-
-
-# llama-server: "input (302 tokens) is too large to process. increase the physical batch
-# size (current batch size: 128)".
-_PHYSICAL_BATCH = re.compile(rb"current batch size: (\d{1,9})\)")
-
-
-def _physical_batch(body: bytes) -> int | None:
-    """The physical batch (`-ub`) an embedding refusal names, if it names one."""
-    found = _PHYSICAL_BATCH.search(body[:4096])
-    return int(found.group(1)) if found else None
 
 
 def _ewma(previous: float | None, sample: float, weight: float = 0.2) -> float:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..domain import BackendKind
+from ...domain import BackendKind
+from ..base import Emit, PairOutcome, ScoreRequest
+from ..transport.errors import BackendCallError, MalformedResponse
+from ..transport.pool import BackendPool
 from . import prompt
-from .backend_pool import BackendPool
-from .base import Emit, PairOutcome, ScoreRequest
 from .batching import map_pairs
-from .http import BackendCallError, MalformedResponse
 from .pooled_scorer import PooledScorer
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -70,4 +70,4 @@ class OllamaScorer(PooledScorer):
             except BackendCallError as exc:
                 return PairOutcome.failed(i, exc.failure, exc.detail)
 
-        await map_pairs(len(request.documents), one, emit)
+        await map_pairs(len(request.documents), one, emit, self.calls)

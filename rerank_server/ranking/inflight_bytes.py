@@ -1,11 +1,10 @@
-"""Server-wide admission: the bytes of requests being worked on, against a budget.
+"""The bytes of requests being worked on, server-wide, against `--max-inflight-bytes`.
 
 Both edges take a request's wire size from the same `InflightBytes` before any work and
 give it back when the answer is out, so `--max-inflight-bytes` bounds the memory of the
 requests in progress over gRPC and HTTP together (docs/reliability.md). Refusing is
-`Overloaded`: RESOURCE_EXHAUSTED on gRPC, 429 on HTTP. The backend-side admission
-(answering OVERLOADED when the backend's queue would outlast a request's budget) is in
-the pipeline.
+`Overloaded`: RESOURCE_EXHAUSTED on gRPC, 429 on HTTP. Whether a request's pairs go to
+the backend at all is another decision (`pair_admission.py`).
 """
 
 from __future__ import annotations

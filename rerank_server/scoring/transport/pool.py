@@ -8,7 +8,7 @@ and its own concurrency limit (`--concurrency` per instance).
   (ties rotate), so a slow instance gets less work.
 - Ejection (as Envoy's outlier detection): an instance whose calls fail
   `--eject-after` times in a row (connect errors, HTTP 5xx, timeouts, and abandoned calls
-  that got no answer within their leash, `http.py`) is taken out for a back-off period
+  that got no answer within their leash, `backend.py`) is taken out for a back-off period
   (`--eject-base-s`, doubling per repeated ejection up to `--eject-max-s`). When the
   period is over, the health monitor sends it a real scoring call (the probe pair, pinned
   to that instance: `pinned`); only an answer returns it to the pool, since a hung backend
@@ -44,9 +44,11 @@ import orjson
 import structlog
 from opentelemetry import trace
 
-from ..observability.metrics import Metrics
-from .base import Failure
-from .http import BackendCallError, Decode, HttpBackend, MalformedResponse
+from ...observability.metrics import Metrics
+from ..base import Failure
+from ..calls import CallTasks
+from .backend import HttpBackend
+from .errors import BackendCallError, Decode, MalformedResponse
 
 log = structlog.get_logger(__name__)
 
@@ -108,6 +110,7 @@ class BackendPool:
         if not urls:
             raise ValueError("a backend pool needs at least one URL")
         self.kind = kind
+        self.calls = CallTasks()  # tasks making their own calls, to any instance
         self._metrics = metrics or Metrics.noop()
         self._ejection = ejection or Ejection()
         self._clock = clock
@@ -123,6 +126,7 @@ class BackendPool:
                     headers=headers,
                     health_path=health_path,
                     trace_calls=trace_calls,
+                    calls=self.calls,
                 ),
                 concurrency,
             )

@@ -25,13 +25,13 @@ from typing import Any
 
 import msgspec
 
-from ..domain import BackendKind
+from ...domain import BackendKind
+from ..base import Emit, Failure, ScoreRequest
+from ..transport.errors import BackendCallError, MalformedResponse
+from ..transport.pool import BackendPool
 from . import prompt
-from .backend_pool import BackendPool
-from .base import Emit, Failure, ScoreRequest
 from .batching import failed_all, score_in_batches
 from .context_fit import ContextFit, token_list
-from .http import BackendCallError, MalformedResponse
 from .logprobs import clamped, p_yes
 from .pooled_scorer import PooledScorer
 

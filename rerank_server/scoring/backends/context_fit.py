@@ -27,8 +27,8 @@ from typing import Any
 
 import structlog
 
-from .backend_pool import BackendPool
-from .http import BackendCallError, MalformedResponse
+from ..transport.errors import BackendCallError, MalformedResponse
+from ..transport.pool import BackendPool
 
 log = structlog.get_logger(__name__)
 

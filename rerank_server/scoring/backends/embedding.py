@@ -21,13 +21,13 @@ import numpy as np
 import pybase64
 import structlog
 
-from ..domain import BackendKind
+from ...domain import BackendKind
+from ..base import Emit, Failure, ScoreRequest
+from ..transport.errors import BackendCallError, MalformedResponse
+from ..transport.pool import BackendPool
 from . import prompt
-from .backend_pool import BackendPool
-from .base import Emit, Failure, ScoreRequest
 from .batching import score_in_batches
 from .context_fit import ContextFit
-from .http import BackendCallError, MalformedResponse
 from .pooled_scorer import PooledScorer
 
 log = structlog.get_logger(__name__)

@@ -2,10 +2,10 @@
 
 httpx stays the client API (requests, responses, timeouts, error types); this replaces
 what sits under it for `http://` URLs. `HttpBackend` hands its `httpx.Request`s to it
-directly, without an `httpx.AsyncClient` in between (`http.py`). httpcore's
+directly, without an `httpx.AsyncClient` in between (`backend.py`). httpcore's
 general-purpose pool (anyio streams, h11, a socket-readability check on every request)
-cost about 60% of the server's CPU per scored pair in the profile (docs/performance-history.md,
-"CPU per pair, profiled"). Model servers on the same host or pod speak a narrow
+was most of the server's CPU per scored pair (docs/decisions.md, "Plain-HTTP backend
+calls go through a lean transport, as bytes"). Model servers on the same host or pod speak a narrow
 HTTP/1.1: one request per connection at a time, `Content-Length` or chunked bodies,
 keep-alive. That fits in an asyncio protocol that hands whole responses over, with one
 timer per request.
@@ -28,18 +28,18 @@ timer per request.
   `ConnectTimeout` and `ReadTimeout`. A refused or reset connection is `ConnectError` /
   `ReadError`, a malformed answer
   `RemoteProtocolError`: the same classes httpx's own transport raises, so failure
-  handling above (`http.py`) is unchanged.
+  handling above (`backend.py`) is unchanged.
 - A request cancelled mid-flight closes its connection (its answer would arrive on it).
 - As an httpx transport (`handle_async_request`) the body is handed to `httpx.Response`
   whole, which decodes a `Content-Encoding`.
 - `send` is the same exchange without httpx's request and response objects: the caller
   brings the request head as bytes (`HttpBackend` keeps one per path and adds the length)
   and gets the status, headers and body back (`Answer`; `content` decodes an encoded
-  body). Building and reading those two objects was a third of the CPU of a per-pair
-  backend call (docs/performance-history.md).
+  body). Building and reading those two objects was a large share of a per-pair backend
+  call's CPU.
 
 `https://` URLs, and any when a proxy is configured in the environment, keep httpx's own
-transport (`new_client` in `http.py` chooses).
+transport (`new_client` in `backend.py` chooses).
 """
 
 from __future__ import annotations

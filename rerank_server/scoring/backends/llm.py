@@ -15,12 +15,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..domain import BackendKind
+from ...domain import BackendKind
+from ..base import Emit, ScoreRequest
+from ..transport.errors import MalformedResponse
+from ..transport.pool import BackendPool
 from . import prompt
-from .backend_pool import BackendPool
-from .base import Emit, ScoreRequest
 from .batching import score_in_batches
-from .http import MalformedResponse
 from .pooled_scorer import PooledScorer
 
 DOCUMENT_CHARS = 1000

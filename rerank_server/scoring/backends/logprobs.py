@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from .http import MalformedResponse
+from ..transport.errors import MalformedResponse
 
 FLOOR_LOGPROB = -10.0
 MIN_LOGPROB = -1e4

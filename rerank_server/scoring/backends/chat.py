@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..domain import BackendKind
+from ...domain import BackendKind
+from ..base import Emit, PairOutcome, ScoreRequest
+from ..transport.errors import BackendCallError, MalformedResponse
+from ..transport.pool import BackendPool
 from . import prompt
-from .backend_pool import BackendPool
-from .base import Emit, PairOutcome, ScoreRequest
 from .batching import map_pairs
 from .context_fit import ContextFit, shorter
-from .http import BackendCallError, MalformedResponse
 from .logprobs import ChatAnswer, chat_top_logprobs, decode_chat, p_yes
 from .pooled_scorer import PooledScorer
 
@@ -95,4 +95,4 @@ class ChatScorer(PooledScorer):
                 return PairOutcome(i, score)
             raise AssertionError("unreachable")
 
-        await map_pairs(len(documents), one, emit)
+        await map_pairs(len(documents), one, emit, self.calls)

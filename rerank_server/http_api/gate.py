@@ -1,0 +1,284 @@
+"""The JSON edge's gate: what a rerank request must pass before FastAPI sees it.
+
+Token and concurrency cap from the headers, before any byte of the body; then the body,
+read whole here, counted against `--max-inflight-bytes` as it arrives (429), against
+`--max-message-bytes` (413) and within `BODY_TIMEOUT_S` (408). Refusals are JSON
+`{"message": ...}` and are logged as the routes' answers are (docs/http.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi.responses import JSONResponse
+from opentelemetry import trace
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..observability.logs import rpc_failed
+from ..observability.server_spans import close_server_span, open_server_span
+from ..ranking.inflight_bytes import InflightBytes, Overloaded
+from ..ranking.request import RequestRules
+from ..security.tokens import TokenSet
+from . import wire
+
+# Open without a token: load balancers and probes carry none; the API description says
+# nothing about the deployment (docs/security.md).
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+# Swagger UI's own files, served from the package (fastapi-offline ships them): `/docs`
+# works on a machine without internet, and sends no visitor's browser to a CDN.
+DOCS_ASSETS = "/docs/assets"
+RERANK_PATHS = frozenset({"/v1/rerank", "/v2/rerank", "/rerank"})
+# A rerank body not in by then is refused (408): a client that sends slowly, or stops,
+# holds its bytes (counted against --max-inflight-bytes) and a connection no longer.
+BODY_TIMEOUT_S = 30.0
+
+
+class Gate:
+    """ASGI middleware for the rerank routes: the token and the concurrency cap are
+    checked from the headers, before any byte of the body is read. Then the body is read
+    here, whole, before FastAPI sees it: each chunk is counted against
+    `--max-inflight-bytes` as it arrives (429 when the server has no room), the total
+    against `--max-message-bytes` (413), and the whole within `BODY_TIMEOUT_S` (408). A
+    request holds one of `max_active` places only once its body is in, so clients that
+    send slowly or not at all cannot fill them, and the bytes they hold are in the
+    budget."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        tokens: TokenSet,
+        max_active: int,
+        inflight: InflightBytes,
+        max_body_bytes: int,
+        rules: RequestRules,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
+        self._app = app
+        self._rules = rules
+        self._tokens = tokens
+        self._max_active = max_active
+        self._inflight = inflight
+        self._max_body = max_body_bytes
+        self._tracer = tracer  # None: tracing off
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+        elif self._tracer is not None and scope["path"] in RERANK_PATHS:
+            await self._traced(self._tracer, scope, receive, send)
+        else:
+            await self._gated(scope, receive, send)
+
+    async def _traced(
+        self, tracer: trace.Tracer, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """A rerank request in a SERVER span (OpenTelemetry's HTTP conventions), a child
+        of the caller's span when its headers carry one (`traceparent`), refusals
+        included. Current throughout, so the request's scoring reports into it
+        (`Telemetry.request_span`) and its log line carries its ids."""
+        method, route = scope["method"], scope["path"]
+        opened = open_server_span(
+            tracer,
+            f"{method} {route}",
+            Headers(scope=scope),
+            {
+                "http.request.method": method,
+                "http.route": route,
+                "url.path": route,
+                "url.scheme": scope.get("scheme", "http"),
+            },
+        )
+        status = 500  # unless a response starts
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._gated(scope, receive, sending)
+        finally:
+            fault = str(status) if status >= 500 else None  # a 4xx is the caller's
+            close_server_span(
+                opened,
+                {"http.response.status_code": status, **({"error.type": fault} if fault else {})},
+                fault,
+            )
+
+    async def _gated(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[ARRIVED] = time.perf_counter()
+        headers = Headers(scope=scope)
+        path = scope["path"]
+        if (
+            path not in OPEN_PATHS
+            and not path.startswith(f"{DOCS_ASSETS}/")
+            and not self._tokens.accepts(headers.get("authorization"))
+        ):
+            await _refuse(
+                send,
+                401,
+                "missing or invalid bearer token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
+            return
+        if path not in RERANK_PATHS:
+            await self._app(scope, receive, send)
+            return
+        if scope["method"] == "POST" and not _json_type(headers.get("content-type")):
+            # FastAPI would not parse it as JSON, and say only that the body is not an
+            # object (curl's -d sends application/x-www-form-urlencoded). Refused from the
+            # head, as the 401 is: the body is not read into the budget.
+            await self._refuse(scope, send, 415, "Content-Type must be application/json", {})
+            return
+        if await self._busy(scope, send):
+            return
+        body = await self._read_body(scope, headers, receive, send)
+        if body is None:
+            return  # answered already
+        try:
+            if await self._busy(scope, send):  # others came in while this body arrived
+                return
+            try:
+                shaped = (
+                    wire.checked(path, body, self._rules) if scope["method"] == "POST" else body
+                )
+            except wire.ShapeError as exc:
+                await self._refuse(scope, send, 422, str(exc), {})
+                return
+            self.active += 1
+            try:
+                await self._app(scope, _replay(shaped, receive), send)
+            finally:
+                self.active -= 1
+        finally:
+            self._inflight.give_back(len(body))
+
+    async def _busy(self, scope: Scope, send: Send) -> bool:
+        if self.active < self._max_active:
+            return False
+        await self._refuse(
+            scope,
+            send,
+            429,
+            f"server busy: {self.active} rerank requests "
+            "in progress (max_concurrent_rpcs); retry with backoff",
+            {"Retry-After": "1"},
+        )
+        return True
+
+    async def _read_body(
+        self, scope: Scope, headers: Headers, receive: Receive, send: Send
+    ) -> bytes | None:
+        """The whole body, its bytes taken from the in-flight budget; None when the
+        request was answered instead (or the client left)."""
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_body:
+            await self._refuse(
+                scope,
+                send,
+                413,
+                f"body of {declared} bytes exceeds the "
+                f"limit of {self._max_body} (max_message_bytes)",
+                _CLOSE,
+            )
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        whole = False  # handed over: the caller gives its bytes back
+        refusal: tuple[int, str, dict[str, str]] | None = None
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk: bytes = message.get("body", b"")
+                    if size + len(chunk) > self._max_body:
+                        refusal = (
+                            413,
+                            f"body exceeds the limit of {self._max_body} bytes (max_message_bytes)",
+                            _CLOSE,
+                        )
+                        break
+                    self._inflight.take(len(chunk), own=size)
+                    size += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        whole = True
+                        return b"".join(chunks)
+        except TimeoutError:
+            refusal = (408, f"the body did not arrive within {BODY_TIMEOUT_S:.0f} s", _CLOSE)
+        except Overloaded as exc:
+            refusal = (429, str(exc), {"Retry-After": "1", **_CLOSE})
+        finally:
+            # Exactly once, on every way out but the hand-over (cancellation included).
+            if not whole:
+                self._inflight.give_back(size)
+        if refusal is not None:  # sent outside the timeout: one answer, never two
+            await self._refuse(scope, send, *refusal)
+        return None
+
+    async def _refuse(
+        self, scope: Scope, send: Send, status: int, message: str, headers: dict[str, str]
+    ) -> None:
+        """A rerank request refused before the app saw it, with its `rpc` log line (its
+        `total_ms` from the head's arrival: a 408 or 422 can follow a slow body)."""
+        rpc_failed(
+            f"{scope['method']} {scope['path']}",
+            "",
+            scope[ARRIVED],
+            str(status),
+            _Refused(message),
+            internal=False,
+        )
+        await _refuse(send, status, message, headers)
+
+
+ARRIVED = "rerank.arrived"  # the scope's key for when the gate first saw the request
+
+# After a refusal mid-body the rest of it would still be read and thrown away: hang up.
+_CLOSE = {"Connection": "close"}
+
+
+class _Refused(Exception):
+    """Why the gate refused a request, for its log line."""
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` for the app: the body already read, then the client's own messages (a
+    disconnect)."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _refuse(
+    send: Send, status: int, message: str, headers: dict[str, str] | None = None
+) -> None:
+    await JSONResponse({"message": message}, status, headers=headers)(
+        {"type": "http"}, _no_body, send
+    )
+
+
+def _json_type(content_type: str | None) -> bool:
+    """`application/json`, parameters aside (`; charset=utf-8`), or a `+json` type."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
