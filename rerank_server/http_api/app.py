@@ -2,10 +2,10 @@
 
 A rerank request reaches a route through the gate (`gate.py`: token, concurrency cap,
 body read and counted); the route converts it (`convert.py`), runs the pipeline and
-converts the answer back, as the gRPC edge does. Errors are JSON `{"message": ...}` with the status a client expects: 422 for a request that breaks a rule
-(the message names the field as the client wrote it, `documents[3].text: ...`), 401
-without an accepted token, 429 when the server is busy, 413 for a body over
-`--max-message-bytes`.
+converts the answer back, as the gRPC edge does. Errors are JSON `{"message": ...}` with
+the status a client expects: 422 for a request that breaks a rule (the message names
+the field as the client wrote it, `documents[3].text: ...`), 401 without an accepted
+token, 429 when the server is busy, 413 for a body over `--max-message-bytes`.
 
 (No `from __future__ import annotations` here: FastAPI reads the route annotations at
 runtime, and some name closures.)
