@@ -1,9 +1,9 @@
 """grpc_health's servicer, with `Watch` streams that end once the drain begins.
 
 grpc's `server.stop(grace)` waits for every call in progress, and grpc_health's `Watch`
-never ends by itself: one client with client-side health checking held every shutdown
-(and every worker's) for the whole grace period. Here a `Watch` sends NOT_SERVING when
-the drain begins, as before, and then ends.
+never ends by itself, so one client with client-side health checking would hold every
+shutdown (and every worker's) for the whole grace period. Here a `Watch` sends
+NOT_SERVING when the drain begins, and then ends.
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ class RerankService:
     # in a helper whose frame has ended by then (`_abort` clears the ended frames), and the
     # handler lets go of its bytes. A failed call's exception sits in a reference cycle
     # through gRPC's abort, and with the collector tuned down (`freeze_startup_objects`)
-    # a flood of refused 12 MB requests otherwise kept each one alive for seconds.
+    # a flood of refused large requests would otherwise keep each one alive for seconds.
 
     async def Rerank(
         self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]

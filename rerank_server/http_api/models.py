@@ -29,7 +29,7 @@ def _integral(value: object) -> object:
 # A request's whole numbers: strict (no "2", no true), but 2.0 is 2.
 Count = Annotated[int, BeforeValidator(_integral)]
 # A field name in `rank_fields`: a document object's key, quoted back in messages and log
-# lines (64 names of 200,000 characters made a 14 MB log line).
+# lines, so their length is capped like every other input's.
 MAX_FIELD_NAME_CHARS = 256
 
 BlendName = Literal["position_aware", "linear", "rerank_only", "adaptive", "profile"]

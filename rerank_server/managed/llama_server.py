@@ -68,11 +68,9 @@ HELP_TIMEOUT_S = 10.0  # for `llama-server --help`, read once to learn the flags
 
 # llama-server keeps prompts it has processed in host memory (`--cache-ram`, 8 GiB by
 # default) and, each time a task starts, saves every idle slot there. Reranking sends a
-# new prompt for every pair, so for us that memory only grows: the stand-in at `-np 4`
-# went from 314 to 935 MB resident in a minute of scoring (the pod's limit for
-# llama-server in deploy/ is 4 GiB), and the saving gets slower as the cache grows
-# (`/v1/rerank`: 235 to 133 pairs/s over a minute on the development machine, 956 to
-# 383 in ten seconds on an H200). Without it, each slot still reuses the prefix of its
+# new prompt for every pair, so for us that memory only grows past the pod's limit in
+# deploy/, and the saving gets slower as the cache grows (docs/decisions.md,
+# "llama-server runs with `--cache-ram 0`"). Without it, each slot still reuses the prefix of its
 # previous prompt (`cache_prompt`), which is the reuse a rerank request has
 # (docs/backends.md, "llama-server's prompt cache in memory").
 RAM_CACHE_OFF = ("--cache-ram", "0")

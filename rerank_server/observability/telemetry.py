@@ -143,8 +143,8 @@ class Telemetry:
                 PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint or None))
             )
         # Exemplars (trace ids sampled into metrics) only leave over OTLP; the Prometheus
-        # text format we serve drops them, and sampling them cost about 5% of a request's
-        # CPU with tracing on. OTEL_METRICS_EXEMPLAR_FILTER still decides when set.
+        # text format we serve drops them, and sampling them costs a noticeable share of a
+        # request's CPU with tracing on. OTEL_METRICS_EXEMPLAR_FILTER still decides when set.
         exemplars = (
             None
             if otlp_metrics or "OTEL_METRICS_EXEMPLAR_FILTER" in environ

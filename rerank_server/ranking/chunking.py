@@ -15,10 +15,9 @@ the choice is deterministic; with no query term anywhere, the document's start w
 Scripts written without spaces between words (Chinese, Japanese; Korean's long words
 too) are matched on their characters and overlapping character pairs, the usual bigram
 approach of search engines for them (counted in the text directly: the query has few
-such terms, where tokenizing every character of a document was 15 times the work), and
+such terms, and tokenizing every character of a document would cost far more), and
 sentences end at 。！？ (and Arabic ؟, Devanagari ।) as well: read as one "word" per run
-of characters, such a query never matched, and the window was always the document's
-start.
+of characters, such a query would never match.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from .pooled_scorer import PooledScorer
 
 N_PROBS = 20
 # Only what `_parse` reads. Without it llama-server answers every prompt with its
-# settings, the prompt itself, tokens and timings: 159 KB for 40 prompts instead of 68,
-# whose decoding took 490 µs instead of 270 (pinned build, `python -m timeit`). Servers
+# settings, the prompt itself, tokens and timings, more than twice the bytes to read and
+# decode (docs/decisions.md, "completion asks for only the fields it reads"). Servers
 # that do not know the option ignore it.
 RESPONSE_FIELDS = ["completion_probabilities", "model"]
 PLACEHOLDER = "RERANK-DOCUMENT-PLACEHOLDER-7f1c"

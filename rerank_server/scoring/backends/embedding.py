@@ -53,8 +53,8 @@ class EmbeddingScorer(PooledScorer):
 
         A refusal naming llama-server's physical batch (`-ub` below the context, which
         `/props` does not report) caps every later cut at it, and these texts are cut
-        to it and sent once more: before, every request with one text longer than the
-        physical batch failed all of its pairs."""
+        to it and sent once more, so one text longer than the physical batch does not
+        fail a request's pairs."""
         try:
             return await self._embed_either(texts)
         except BackendCallError as exc:
@@ -111,9 +111,8 @@ class EmbeddingScorer(PooledScorer):
         vectors: list[Vector | None] = [None] * count
         named: set[int] = set()
         for index, vector in zip(indexes, _rows([item.embedding for item in data]), strict=True):
-            # Named twice, a text has no vector: which entry is its own is unknown (the
-            # last one used to win, and a document was scored with another's vector, or
-            # every document against a document's instead of the query's).
+            # Named twice, a text has no vector: which entry is its own is unknown, and
+            # taking either could score a document with another's vector.
             vectors[index] = None if index in named else vector
             named.add(index)
         return vectors

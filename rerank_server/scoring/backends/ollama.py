@@ -43,7 +43,7 @@ def relevance(body: Any) -> float:
     if not isinstance(text, str):
         raise MalformedResponse("generate answer has no response text")
     # The number leads a short answer (a few tokens are asked for); a model that wrote
-    # megabytes is not searched to their end (50 MB cost 1.4 s of event loop).
+    # megabytes is not searched to their end (that would hold the event loop).
     match = NUMBER.search(text, 0, ANSWER_CHARS)
     if match is None:
         raise MalformedResponse("the model's answer holds no number")

@@ -483,8 +483,7 @@ class HttpBackend:
                     too_long=True,
                     limit_tokens=physical_batch(body),
                 )
-            # A redirect or an odd status is no answer either (a 302 with a JSON body
-            # was once scored as one).
+            # A redirect or an odd status is no answer either, whatever its body.
             raise BackendCallError(Failure.HTTP_ERROR, f"HTTP {status}", status)
         try:
             return decode(body), status

@@ -62,8 +62,8 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers; also a chunk-size or trai
 # they close it rather than just as a request goes out on it.
 MAX_IDLE_S = 4.0
 # The largest answer read (after decoding, for an encoded one): an embeddings answer for
-# 100 documents of 4,096 floats as text is about 8 MB. 256 MiB, before 2026-11-26, let a
-# broken or hostile backend cost GBs of memory and seconds of event loop per call.
+# 100 documents of 4,096 floats as text is about 8 MB. Far more would let a broken or
+# hostile backend cost gigabytes of memory and seconds of event loop per call.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Anything a connection holds beyond one whole answer is not an answer.
 _MAX_BUFFERED = MAX_BODY_BYTES + MAX_HEAD_BYTES
