@@ -36,8 +36,9 @@ from pathlib import Path
 
 from rerank_client import AsyncRerankClient
 
+from rerank_server.bench.common import passages
 from rerank_server.bench.processes import cpu_ns, fake_backend, start_server, stop
-from rerank_server.bench.run import backend_args, passages
+from rerank_server.bench.scenarios import backend_args
 
 ROOT = Path(__file__).resolve().parent.parent
 

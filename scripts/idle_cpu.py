@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from rerank_server.bench.processes import cpu_ns, fake_backend, start_server, stop
-from rerank_server.bench.run import backend_args
+from rerank_server.bench.scenarios import backend_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTLE_S = 6.0  # start-up's probe, the first health poll, imports finishing

@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 from rerank_server.bench import replay
+from rerank_server.bench.common import KINDS
+from rerank_server.bench.common import passages as make_passages
 from rerank_server.bench.processes import fake_backend
-from rerank_server.bench.run import KINDS, main
-from rerank_server.bench.run import passages as make_passages
+from rerank_server.bench.run import main
 from tests.fakes.llama import FakeLlamaServer
 
 
