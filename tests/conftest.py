@@ -39,6 +39,12 @@ def fake_llama() -> Iterator[FakeLlamaServer]:
 StartServer = Callable[..., Awaitable[RunningServer]]
 
 
+def client_of(server: RunningServer, **options: Any) -> AsyncRerankClient:
+    """A client of the server under test, on loopback (`async with client_of(s) as c`);
+    `options` are the client's own (a token, TLS, its own connection)."""
+    return AsyncRerankClient(f"127.0.0.1:{server.port}", **options)
+
+
 @pytest.fixture
 async def start_server(fake_llama: FakeLlamaServer) -> AsyncIterator[StartServer]:
     """Start a real server on 127.0.0.1:0 (against the fake unless told otherwise)."""
@@ -70,7 +76,7 @@ async def server(start_server: StartServer) -> RunningServer:
 
 @pytest.fixture
 async def client(server: RunningServer) -> AsyncIterator[AsyncRerankClient]:
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as c:
+    async with client_of(server) as c:
         yield c
 
 

@@ -18,7 +18,7 @@ from rerank_server.scoring import budget
 from rerank_server.scoring.base import Emit, ScoreRequest
 from rerank_server.scoring.calls import CallTasks
 from rerank_server.scoring.transport import backend as http_module
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.json_server import JsonServer
 from tests.fakes.llama import EXCEEDS_CONTEXT, HANG, OK, FakeLlamaServer
 from tests.waiting import eventually
@@ -44,7 +44,7 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
                 cancelled += 1
             await asyncio.gather(call, return_exceptions=True)
 
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         until = time.monotonic() + 4
         await asyncio.gather(*(churn(client, until) for _ in range(24)))
         assert cancelled > 300, cancelled
@@ -83,7 +83,7 @@ async def test_a_pair_let_go_makes_no_further_call(
     fake_llama.mode = EXCEEDS_CONTEXT
     server = await start_server(concurrency=4)
     docs = [f"{name} " * 100 for name in DOCS[:3]]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("q", docs, timeout=0.6)
     assert not answer.reranked and answer.summary.degraded_code == "timeout"
     http = server.pool.endpoints[0].http
@@ -119,7 +119,7 @@ async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out
     try:
         server = await start_server(backend="rerank", backend_url=fake.url)
         http = server.pool.endpoints[0].http
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             # An answer at all is in time: past its deadline the call would fail.
             answer = await client.rerank("q", DOCS, timeout=0.5)
         assert not answer.reranked and answer.summary.degraded_code == "timeout"
@@ -219,7 +219,7 @@ async def test_a_cancellation_storm_never_gives_the_backend_more_than_concurrenc
                 answered += 1
 
     try:
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             await asyncio.gather(*(churn(client, time.monotonic() + 4) for _ in range(24)))
     finally:
         fake_llama.unhang()

@@ -13,12 +13,11 @@ import time
 
 import pytest
 from grpc_health.v1 import health_pb2
-from rerank_client import AsyncRerankClient
 
 from rerank_server.api.grpc_server import BACKEND_HEALTH
 from rerank_server.scoring import monitor
 from rerank_server.server import RunningServer
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import HANG, FakeLlamaServer
 from tests.waiting import eventually
 
@@ -37,7 +36,7 @@ async def test_hung_backend_is_ejected_then_recovers_within_5_s(
     start_server: StartServer, fake_llama: FakeLlamaServer
 ) -> None:
     server = await start_server(concurrency=2, health_interval_s=0.5)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         assert (await client.rerank("warm up", DOCS, timeout=5)).reranked
         fake_llama.mode = HANG
         durations, answers = [], []
@@ -99,7 +98,7 @@ async def test_a_slow_but_alive_backend_comes_back_after_ejection(
     server = await start_server(
         concurrency=4, health_interval_s=0.5, eject_base_s=0.5, eject_max_s=1.0
     )
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         assert (await client.rerank("warm up", DOCS, timeout=10)).reranked
         fake_llama.mode = HANG
         answer = await client.rerank("hung", DOCS, timeout=1.0)

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rerank_client import AsyncRerankClient
 
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.waiting import eventually
 
@@ -53,7 +53,7 @@ async def test_many_long_documents_of_short_sentences_leave_the_server_responsiv
     gaps: list[float] = []
     async with (
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
-        AsyncRerankClient(f"127.0.0.1:{server.port}") as client,
+        client_of(server) as client,
     ):
         health = health_pb2_grpc.HealthStub(channel)
         call = asyncio.ensure_future(
@@ -85,7 +85,7 @@ async def test_a_deadline_counts_the_time_spent_before_scoring(
     fake_llama.latency_s = 60.0
     query = " ".join(f"w{i:03d}" for i in range(800))
     doc = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         sent = time.monotonic()
         answer = await client.rerank(query, [doc] * 30, bypass_cache=True, timeout=3.0)
         took = time.monotonic() - sent
@@ -107,7 +107,7 @@ async def test_a_request_behind_a_long_chunking_answers_within_its_deadline(
     query = " ".join(f"w{i:03d}" for i in range(800))
     costly = "".join(f"w{i % 800:03d}. " for i in range(131_072 // 6))
     small = [f"document {n}: " + "plain words of a long text. " * 2200 for n in range(3)]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         blocking = asyncio.ensure_future(
             client.rerank(query, [costly] * 100, bypass_cache=True, timeout=300)
         )

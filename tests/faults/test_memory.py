@@ -17,12 +17,12 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from rerank_client import AsyncRerankClient, RerankError
+from rerank_client import RerankError
 
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.managed.llama_server import free_port
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.faults.test_batch_backpressure import rss_mib
 from tests.server_process import server_process
@@ -97,7 +97,7 @@ async def test_request_bytes_past_the_budget_are_refused(
     fake_llama.latency_s = 0.5
     server = await start_server(max_inflight_bytes=100_000, concurrency=1)
     docs = ["x" * 20_000 for _ in range(3)]  # about 60 KB: one fits, two do not
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         first = asyncio.ensure_future(client.rerank("q1", docs))
         await asyncio.sleep(0.2)  # the first is being scored
         with pytest.raises(RerankError) as info:

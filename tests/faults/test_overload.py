@@ -27,7 +27,7 @@ from rerank_server.scoring.backends.chat import ChatScorer
 from rerank_server.scoring.transport.pool import BackendPool
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.server_process import server_process
 from tests.waiting import eventually
@@ -214,7 +214,7 @@ async def test_a_stream_its_client_never_reads_gives_its_place_back(
         grpc.aio.insecure_channel(
             f"127.0.0.1:{server.port}", options=[("grpc.max_receive_message_length", 16 << 20)]
         ) as channel,
-        AsyncRerankClient(f"127.0.0.1:{server.port}") as client,
+        client_of(server) as client,
     ):
         unread = pb_grpc.RerankerStub(channel).RerankStream(request)  # never read
         await asyncio.sleep(0.5)

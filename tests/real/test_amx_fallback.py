@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import structlog
-from rerank_client import AsyncRerankClient
 
 from rerank_server.managed import assets
 from rerank_server.managed.llama_server import ManagedLlamaServer, free_port
+from tests.conftest import client_of
 from tests.real.conftest import assets_or_fail, healthy
 from tests.server_process import supervised
 from tests.waiting import eventually
@@ -118,7 +118,7 @@ async def test_a_llama_server_killed_while_loading_comes_up_with_repacking_off(
         [said] = server.logged("llama_server_repack_off")
         assert said["reason"] == "llama-server was killed by SIGSEGV"
         assert said["setting"] == "LLAMA_ARG_REPACK=0"
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             answer = await client.rerank(
                 "what do cats eat?",
                 ["Cats eat meat.", "The stock market fell.", "Kittens need milk."],

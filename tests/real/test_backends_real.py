@@ -19,7 +19,6 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from rerank_client import AsyncRerankClient
 
 from rerank_server.observability.telemetry import Telemetry
 from rerank_server.scoring.backends import completion, prompt
@@ -27,6 +26,7 @@ from rerank_server.scoring.backends.completion import CompletionScorer
 from rerank_server.scoring.base import ScoreRequest
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
+from tests.conftest import client_of
 from tests.real.conftest import SLOTS, RealLlama
 from tests.real.test_llama_server import DOCS
 
@@ -85,9 +85,9 @@ async def test_completion_scores_the_request_in_one_call_like_chat(
     completion, spans = await traced_server(real_llama.url, backend="completion")
     chat, _ = await traced_server(real_llama.url, backend="chat")
     query = "what do cats eat?"
-    async with AsyncRerankClient(f"127.0.0.1:{completion.port}") as client:
+    async with client_of(completion) as client:
         batched = await client.rerank(query, DOCS, blend_strategy="rerank_only")
-    async with AsyncRerankClient(f"127.0.0.1:{chat.port}") as client:
+    async with client_of(chat) as client:
         per_pair = await client.rerank(query, DOCS, blend_strategy="rerank_only")
 
     assert batched.reranked and batched.summary.backend == "completion"
@@ -147,7 +147,7 @@ async def test_completion_resolves_answer_tokens_once(
     real_llama: RealLlama, traced_server: Start
 ) -> None:
     server, spans = await traced_server(real_llama.url, backend="completion", max_batch=4)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         await client.rerank("cats", DOCS)
         await client.rerank("dogs", DOCS)
     assert len(backend_calls(spans, "/tokenize")) == 12
@@ -162,7 +162,7 @@ async def test_embedding_ranks_the_relevant_passage_first(
     real_embedding: RealLlama, traced_server: Start
 ) -> None:
     server, spans = await traced_server(real_embedding.url, backend="embedding", max_batch=4)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("What do cats eat?", DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.failed == 0
     assert answer.summary.model == "all-MiniLM-L6-v2.f16.gguf"
@@ -193,7 +193,7 @@ async def test_rerank_backend_against_llama_server_rerank(
     logits = {r["index"]: r["relevance_score"] for r in raw["results"]}
     assert len(logits) == 3
     server, spans = await traced_server(real_rank_head.url, backend="rerank", max_batch=4)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         first = await client.rerank("What do cats eat?", DOCS, blend_strategy="rerank_only")
         again = await client.rerank("What do cats eat?", DOCS, blend_strategy="rerank_only")
     assert first.reranked and first.summary.failed == 0 and first.summary.scored == 6
@@ -269,7 +269,7 @@ async def test_embedding_scores_long_documents_cut_to_its_context(
     2,000 WordPiece tokens. It is cut to fit, not failed."""
     server, _ = await traced_server(real_embedding.url, backend="embedding")
     chinese = "长江是亚洲最长的河流，流经中国多个省份，最终注入东海。" * 112
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("长江", [chinese, "短文档。", "river"])
     assert answer.reranked and answer.summary.failed == 0 and answer.summary.scored == 3
 
@@ -282,7 +282,7 @@ async def test_embedding_learns_a_physical_batch_below_the_slot(
     the next request is cut before it is sent. Both used to fail every pair."""
     server, spans = await traced_server(real_embedding_small_batch.url, backend="embedding")
     long = "The river carries water from the mountains down to the sea. " * 30  # ~360 tokens
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         first = await client.rerank("river", [long, "short text", "the sea"])
         assert first.reranked and first.summary.failed == 0 and first.summary.scored == 3
         calls = len(backend_calls(spans, "/v1/embeddings"))
@@ -301,7 +301,7 @@ async def test_a_document_of_template_tokens_is_cut_as_it_is_sent(
     every pair of the batch. They are now counted as they are sent."""
     server, _ = await traced_server(real_llama.url, backend=backend, max_chunk_chars=20_000)
     hostile = "<|im_end|>" * 1500
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank(
             "cats", [DOCS[0], hostile, DOCS[1]], timeout=120, always_score=True
         )

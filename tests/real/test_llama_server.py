@@ -27,6 +27,7 @@ from rerank_server.scoring.monitor import BackendMonitor
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
 from tests.blend_oracle import final_scores
+from tests.conftest import client_of
 from tests.real.conftest import SLOTS, RealLlama
 
 pytestmark = pytest.mark.real_backend
@@ -69,7 +70,7 @@ async def real_server(real_llama: RealLlama) -> Any:
 
 
 def _client(server: RunningServer) -> AsyncRerankClient:
-    return AsyncRerankClient(f"127.0.0.1:{server.port}")
+    return client_of(server)
 
 
 def _assert_follows_blend(results: list[Result], summary: Summary) -> None:

@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rerank_client import AsyncRerankClient
 
 from rerank_server import settings
 from rerank_server.domain import BackendKind
 from rerank_server.managed import assets
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.real.conftest import RealLlama, _serve, assets_or_fail
 
 DOCS = [
@@ -53,7 +52,7 @@ async def test_every_pair_of_the_twin_is_scored(
         assistant_prefill=False,
         timeout_ms=120_000,
     )
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("river energy", DOCS, timeout=120)
     assert answer.reranked, answer.summary
     assert answer.summary.scored == len(DOCS) and answer.summary.failed == 0

@@ -7,11 +7,10 @@ import asyncio
 import time
 
 from grpc_health.v1 import health_pb2
-from rerank_client import AsyncRerankClient
 
 from rerank_server.api.grpc_server import backend_health_name
 from rerank_server.server import RunningServer
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 
 POOL = {"eject_after": 2, "eject_base_s": 0.3, "health_interval_s": 0.2}
@@ -43,7 +42,7 @@ async def test_load_spreads_over_instances(start_server: StartServer) -> None:
     fakes = [FakeLlamaServer(latency_s=0.05).start() for _ in range(2)]
     try:
         server = await two_instance_server(start_server, fakes, concurrency=2)
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             await client.rerank("q", [f"doc {i}" for i in range(8)])
         assert [len(f.requests) for f in fakes] == [4, 4]
         assert max(f.max_in_flight for f in fakes) <= 2  # each instance's own limit
@@ -59,7 +58,7 @@ async def test_losing_an_instance_mid_run_fails_no_request_and_it_comes_back(
     try:
         server = await two_instance_server(start_server, fakes)
         answers = []
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             for i in range(6):
                 answers.append(await client.rerank(f"before {i}", ["x", "y", "z", "w"]))
             port = b.kill()
@@ -90,7 +89,7 @@ async def test_with_every_instance_out_requests_degrade_at_once(start_server: St
         server = await two_instance_server(start_server, fakes, backend_timeout_ms=20_000)
         for f in fakes:
             f.kill()
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             await client.rerank("warm", ["x", "y", "z"])  # ejects, or health sees them gone
             down = health_pb2.HealthCheckResponse.NOT_SERVING
             for f in fakes:

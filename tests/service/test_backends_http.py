@@ -17,7 +17,7 @@ import pytest
 from rerank_client import AsyncRerankClient
 
 from rerank_server.scoring.backends import batching, completion, prompt
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.json_server import Handler, JsonServer
 from tests.fakes.llama import FakeLlamaServer
 from tests.waiting import eventually
@@ -39,7 +39,7 @@ async def backend(start_server: StartServer) -> AsyncIterator[Callable[..., Any]
         fake = JsonServer(handler).start()
         fakes.append(fake)
         server = await start_server(backend_url=fake.url, **settings)
-        client = AsyncRerankClient(f"127.0.0.1:{server.port}")
+        client = client_of(server)
         clients.append(client)
         return fake, client
 
@@ -548,7 +548,7 @@ async def test_completion_answers_that_are_not_json_do_not_count_as_answered(
     try:
         server = await start_server(backend_url=fake.url, backend="completion")
         endpoint = server.pool.endpoints[0]
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             await client.rerank("warm", ["x"], always_score=True)  # the template, the ids
             endpoint.failures_in_row = 1
             result = await client.rerank("q", DOCS, always_score=True)
@@ -619,7 +619,7 @@ async def test_a_model_named_at_length_is_cut_to_256_characters(
     20 MB made every answer too large to send (RESOURCE_EXHAUSTED on each call)."""
     fake_llama.model = "models/" + "m" * 2_000_000 + ".gguf"
     server = await start_server()
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("q", ["a", "b", "c"])
     assert answer.reranked
     assert answer.summary.model == ("m" * 2_000_000 + ".gguf")[:256]

@@ -15,7 +15,7 @@ from rerank_server.domain import BlendStrategy
 from rerank_server.errors import ConfigError
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 
 # Retrieval order a, b, c, d; the reranker says the opposite, decisively.
@@ -59,7 +59,7 @@ async def started(
     fake.scores = SCORES
     running = await start_server(**overrides)
     await asyncio.wait_for(running.monitor.ready.wait(), 5)  # the model's name is known
-    return running, AsyncRerankClient(f"127.0.0.1:{running.port}")
+    return running, client_of(running)
 
 
 async def test_profile_for_the_served_model_blends_and_is_named(

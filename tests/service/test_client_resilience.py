@@ -22,7 +22,7 @@ from rerank_client import (
 )
 from rerank_client.client import is_local
 
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.waiting import eventually
 
@@ -216,7 +216,7 @@ async def test_leaving_rerank_many_early_cancels_the_rest_on_the_server(
         "first": ("q", ["fast a", "fast b", "fast c"]),
         **{f"slow {n}": ("q", [f"slow {n} a", f"slow {n} b", f"slow {n} c"]) for n in range(3)},
     }
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         async with contextlib.aclosing(client.rerank_many(queries)) as answers:
             async for request_id, _answer in answers:
                 assert request_id == "first"

@@ -7,7 +7,7 @@ import socket
 import pytest
 from rerank_client import AsyncRerankClient, Candidate
 
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes import llama
 from tests.fakes.llama import FakeLlamaServer
 
@@ -23,7 +23,7 @@ def _closed_port() -> int:
 
 async def _rerank(start_server: StartServer, **settings: object) -> object:
     server = await start_server(**settings)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         return await client.rerank("q", DOCS, blend_strategy="rerank_only")
 
 
@@ -97,7 +97,7 @@ async def test_too_few_candidates_skips_scoring(
     start_server: StartServer, fake_llama: FakeLlamaServer
 ) -> None:
     server = await start_server(min_candidates=3)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("q", ["x", "y"])
     assert [r.id for r in answer.results] == ["0", "1"]
     assert answer.summary.degraded_code == "too_few_candidates"
@@ -149,7 +149,7 @@ async def test_an_answer_that_is_not_json_does_not_count_as_answered(
     server = await start_server()
     endpoint = server.pool.endpoints[0]
     endpoint.failures_in_row = 1
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
     _assert_retrieval_order(answer, "malformed_response")
     assert endpoint.failures_in_row == (0 if answered else 1)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rerank_client import AsyncRerankClient
 
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.json_server import Handler, JsonServer
 
 DOCS = ["a relevant passage", "noise", "another relevant one", "more noise"]
@@ -93,7 +93,7 @@ async def embedding_backend(
         fake = JsonServer(handler).start()
         fakes.append(fake)
         server = await start_server(backend="embedding", backend_url=fake.url, max_batch=max_batch)
-        clients.append(AsyncRerankClient(f"127.0.0.1:{server.port}"))
+        clients.append(client_of(server))
         return fake, clients[-1]
 
     yield start

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rerank_client import AsyncRerankClient, Candidate
+from rerank_client import Candidate
 
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 
 DOCS = [
     Candidate(id="a", text="alpha document about cats"),
@@ -36,7 +36,7 @@ async def test_an_idle_server_wakes_its_loop_rarely(start_server: StartServer) -
     # Both edges and the monitor, as deployed; metrics on an ephemeral port. The health
     # poll (every 5 s by default, a handful of waits each) is put out of the window.
     server = await start_server(health_interval_s=60.0)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         # A request reads the loop's lag: its sampler runs at the busy rate now.
         assert (await client.rerank("pets", DOCS, blend_strategy="rerank_only")).reranked
     loop = asyncio.get_running_loop()
@@ -54,5 +54,5 @@ async def test_an_idle_server_wakes_its_loop_rarely(start_server: StartServer) -
     # second and uvicorn's tick once, 12-14.
     assert woke <= 25, f"the idle loop waited {woke} times in 3 s"
     # A request after the pause is served as before.
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         assert (await client.rerank("pets", DOCS, blend_strategy="rerank_only")).reranked

@@ -9,13 +9,12 @@ import socket
 from pathlib import Path
 
 import pytest
-from rerank_client import AsyncRerankClient
 
 from rerank_server.errors import BindError
 from rerank_server.managed.llama_server import free_port
 from rerank_server.server import build_server
 from rerank_server.settings import Settings
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.fakes.scorer import FunctionScorer
 
@@ -78,7 +77,7 @@ async def test_stop_closes_once_even_when_called_twice(fake_llama: FakeLlamaServ
 async def test_a_request_cannot_raise_max_candidates(start_server: StartServer) -> None:
     server = await start_server(max_candidates=3)
     docs = [f"document {i}" for i in range(8)]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         raised = await client.rerank("q", docs, max_candidates=6)
         lowered = await client.rerank("q", docs, max_candidates=2)
     assert raised.summary.submitted == 3 and len(raised.results) == 8

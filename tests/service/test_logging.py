@@ -8,7 +8,7 @@ import json
 import pytest
 from rerank_client import AsyncRerankClient, InvalidRequestError, ServerBusyError
 
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import HTTP_500, FakeLlamaServer
 from tests.waiting import eventually
 
@@ -68,7 +68,7 @@ async def test_calls_that_end_without_an_answer_have_their_line_too(
     server = await start_server(max_concurrent_rpcs=1)
     fake_llama.latency_s = 0.5
     docs = ["a", "b", "c"]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         unary = asyncio.ensure_future(client.rerank("q", docs, request_id="cancelled-1"))
         assert await eventually(lambda: fake_llama.in_flight > 0, 5)
         with pytest.raises(ServerBusyError):

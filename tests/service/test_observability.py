@@ -31,7 +31,7 @@ from rerank_server.managed.llama_server import free_port
 from rerank_server.observability.telemetry import Telemetry
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import HTTP_500, FakeLlamaServer
 from tests.waiting import eventually
 
@@ -212,7 +212,7 @@ async def test_overload_is_shed_counted_and_health_still_answers(
 ) -> None:
     server = await start_server(max_concurrent_rpcs=1)
     fake_llama.latency_s = 0.5
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         before = await scrape(server)
         slow = asyncio.create_task(client.rerank("q", ["a", "b", "c"]))
         assert await asyncio.to_thread(fake_llama.received.wait, 5)
@@ -282,7 +282,7 @@ async def test_trace_continues_the_callers_and_has_the_documented_tree(
 ) -> None:
     server, exporter = traced
     docs = [f"{CANARY} passage {i}" for i in range(4)]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank(
             f"{CANARY} query",
             docs,
@@ -369,7 +369,7 @@ async def test_streams_and_batches_trace_each_request_in_a_scoring_span(
     span (cancelled while gRPC waits to send): each of their requests' scoring has a
     `rerank.score` span under the call's."""
     server, exporter = traced
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         items = [item async for item in client.stream("q", ["a", "b", "c"])]
         answers = [
             answer
@@ -464,7 +464,7 @@ async def test_a_refused_call_is_traced_with_its_status(
     """A caller's mistake (INVALID_ARGUMENT) is recorded on the server span but is not the
     server's failure; the span still ends."""
     server, exporter = traced
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         with pytest.raises(RerankError):
             await client.rerank("", ["a document"])
     # The status reaches the client as the handler aborts; the span ends just after.
@@ -537,7 +537,7 @@ async def test_otlp_metrics_carry_every_backend_call(
     grpc_server.start()
     try:
         server = await start_server(otlp_endpoint=f"http://127.0.0.1:{port}")
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             await client.rerank("q", [f"document {i}" for i in range(5)])
         scraped = await scrape(server)
         await server.stop(grace=0)  # flushes the metrics to the collector

@@ -6,7 +6,7 @@ import pytest
 from rerank_client import AsyncRerankClient, Candidate
 
 from rerank_server.server import RunningServer
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 
 DOCS = [
@@ -104,7 +104,7 @@ async def test_cap_scores_best_retrieval_ranks_and_appends_rest(
     fake_llama.scores = {"doc 2": 0.99}
     # Given in reverse retrieval order, so the cap must sort by rank, not position.
     docs = [Candidate(id=f"d{r}", text=f"doc {r}", retrieval_rank=r) for r in range(6, 0, -1)]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("q", docs, blend_strategy="rerank_only")
     assert sorted(fake_llama.documents()) == ["doc 1", "doc 2", "doc 3"]
     assert [r.id for r in answer.results][:1] == ["d2"]
@@ -126,7 +126,7 @@ async def test_concurrency_to_backend_is_bounded(
     """The per-backend semaphore caps calls in flight, across concurrent RPCs too."""
     server = await start_server(concurrency=3)
     fake_llama.latency_s = 0.05
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         import asyncio
 
         await asyncio.gather(*(client.rerank("q", [f"d{i}" for i in range(10)]) for _ in range(3)))

@@ -31,7 +31,7 @@ from rerank_server.scoring.base import Emit, ScoreRequest
 from rerank_server.scoring.transport.pool import BackendPool
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.fakes.scorer import FunctionScorer
 
@@ -80,7 +80,7 @@ async def test_bypass_reads_nothing_but_refreshes(
 
 async def test_entries_expire(start_server: StartServer, fake_llama: FakeLlamaServer) -> None:
     server = await start_server(cache_ttl_s=0.3)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         await client.rerank("fruit", DOCS)
         assert (await client.rerank("fruit", DOCS)).summary.cached == 3
         await asyncio.sleep(0.4)
@@ -92,7 +92,7 @@ async def test_cache_off_scores_every_time(
     start_server: StartServer, fake_llama: FakeLlamaServer
 ) -> None:
     server = await start_server(cache_entries=0)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         await client.rerank("fruit", DOCS)
         await client.rerank("fruit", DOCS)
     assert len(fake_llama.requests) == 6
@@ -114,12 +114,12 @@ async def test_sqlite_cache_survives_a_restart(
 ) -> None:
     path = tmp_path / "scores.sqlite"
     first = await start_server(cache_path=str(path))
-    async with AsyncRerankClient(f"127.0.0.1:{first.port}") as client:
+    async with client_of(first) as client:
         await client.rerank("fruit", DOCS)
     await first.stop(grace=0)
     second = await start_server(cache_path=str(path))
     await asyncio.wait_for(second.monitor.ready.wait(), 5)  # model name known: keys match
-    async with AsyncRerankClient(f"127.0.0.1:{second.port}") as client:
+    async with client_of(second) as client:
         answer = await client.rerank("fruit", DOCS)
     assert answer.summary.cached == 3
     assert len(fake_llama.requests) == 3
@@ -212,7 +212,7 @@ async def test_a_scorer_with_another_prompt_does_not_answer_from_the_cache(
     for prefill, cached in ((True, 0), (False, 0), (True, 3), (False, 3)):
         server = await start_server(cache_path=str(path), assistant_prefill=prefill)
         await asyncio.wait_for(server.monitor.ready.wait(), 5)
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+        async with client_of(server) as client:
             assert (await client.rerank("fruit", DOCS)).summary.cached == cached
         await server.stop(grace=0)
     assert len(fake_llama.requests) == 6
@@ -345,7 +345,7 @@ async def test_a_cache_directory_that_cannot_be_made_leaves_the_cache_in_memory(
     blocker = tmp_path / "not-a-directory"
     await asyncio.to_thread(blocker.write_bytes, b"")
     server = await start_server(cache_path=str(blocker / "scores.sqlite"))
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         await client.rerank("fruit", DOCS)
         assert (await client.rerank("fruit", DOCS)).summary.cached == 3
 

@@ -26,7 +26,7 @@ from rerank_server.managed.llama_server import free_port
 from rerank_server.security.tls import CertificateFiles
 from rerank_server.server import RunningServer
 from rerank_server.settings import Settings
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.waiting import eventually
 
 TOKEN = "grpc-token-0123456789abcdef"
@@ -226,7 +226,7 @@ async def test_a_broken_certificate_file_keeps_the_old_one_in_use(
         await asyncio.sleep(6)  # past the HTTP reload check (every 5 s)
         async with httpx.AsyncClient(verify=trusting(ca_file)) as https:
             health = await https.get(f"https://127.0.0.1:{server.http_port}/health")
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}", tls_ca=str(ca_file)) as client:
+        async with client_of(server, tls_ca=str(ca_file)) as client:
             answer = await client.rerank("q", DOCS)
     assert health.status_code in (200, 503) and answer.reranked
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rerank_client import AsyncRerankClient, InvalidRequestError, RankedList, Threshold
 
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 
 
@@ -78,7 +78,7 @@ async def test_strong_signal_skip_keeps_retrieval_order(
         {"text": t, "retrieval_score": s}
         for t, s in [("one", 20.0), ("two", 19.0), ("three", 5.0), ("four", 1.0)]
     ]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         clear = await client.rerank("q", bm25)
         assert clear.summary.degraded_code == "strong_signal"
         assert [r.id for r in clear.results] == ["0", "1", "2", "3"]
@@ -96,7 +96,7 @@ async def test_min_candidates_counts_after_deduplication(
         RankedList("v", [{"id": "a", "text": "x"}, {"id": "b", "text": "y"}]),
         RankedList("w", [{"id": "b", "text": "y"}, {"id": "a", "text": "x"}]),
     ]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         answer = await client.rerank("q", lists=lists)
     assert answer.summary.degraded_code == "too_few_candidates"
     assert fake_llama.requests == []

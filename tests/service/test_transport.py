@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
-from rerank_client import AsyncRerankClient
 
 from rerank_server.scoring.base import Failure
 from rerank_server.scoring.transport import backend as http_module
@@ -22,7 +21,7 @@ from rerank_server.scoring.transport import lean
 from rerank_server.scoring.transport.backend import HttpBackend
 from rerank_server.scoring.transport.errors import BackendCallError
 from rerank_server.scoring.transport.lean import LeanTransport, wanted
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -404,7 +403,7 @@ async def test_a_proxy_in_the_environment_is_not_used_for_a_loopback_backend(
         monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead.getsockname()[1]}")
         monkeypatch.setenv("ALL_PROXY", f"http://127.0.0.1:{dead.getsockname()[1]}")
         running = await start_server()
-        async with AsyncRerankClient(f"127.0.0.1:{running.port}") as client:
+        async with client_of(running) as client:
             answer = await client.rerank("q", ["a", "b", "c"], timeout=10)
     assert answer.reranked
 

@@ -22,7 +22,7 @@ from rerank_client.types import build_request
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.server import RunningServer
-from tests.conftest import StartServer
+from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 
 
@@ -86,7 +86,7 @@ async def test_error_message_never_quotes_text(client: AsyncRerankClient) -> Non
 
 async def test_oversized_message_is_rejected_by_transport(start_server: StartServer) -> None:
     server = await start_server(max_message_bytes=4096)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         with pytest.raises(Exception) as info:
             await client.rerank("q", ["x" * 3000, "y" * 3000])
     assert getattr(info.value, "code", "") == "RESOURCE_EXHAUSTED"
@@ -101,7 +101,7 @@ async def test_an_answer_too_large_to_send_is_refused_naming_the_way_out(
     docs = [f"{i} " + "x" * 600 for i in range(100)]
     request_size = build_request("q", docs, return_text=True).ByteSize()
     server = await start_server(max_message_bytes=request_size + 500, max_candidates=100)
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         small = await client.rerank("q", docs)  # without texts the answer is small
         with pytest.raises(ServerBusyError) as info:
             await client.rerank("q", docs, return_text=True, request_id="big-1")
@@ -227,7 +227,7 @@ async def test_metadata_is_capped(
 async def test_metadata_total_per_request_is_capped(start_server: StartServer) -> None:
     server = await start_server(max_metadata_request_chars=10_000)
     docs = [Candidate(id=str(i), text="x", metadata={"m": "v" * 2000}) for i in range(10)]
-    async with AsyncRerankClient(f"127.0.0.1:{server.port}") as client:
+    async with client_of(server) as client:
         with pytest.raises(InvalidRequestError) as info:
             await client.rerank("q", docs)
     assert info.value.message == (

@@ -22,6 +22,7 @@ from rerank_client import AsyncRerankClient
 from rerank_server.errors import ConfigError
 from rerank_server.settings import Settings
 from rerank_server.workers import concurrency_shares, worker_count
+from tests.conftest import client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.server_process import Supervised, supervised
 from tests.waiting import eventually
@@ -81,12 +82,12 @@ async def test_workers_share_the_score_cache_on_disk(
     async with supervised(
         fake_llama.url, RERANK_CACHE_PATH=str(tmp_path / "scores.db"), RERANK_CACHE_ENTRIES="0"
     ) as server:
-        async with AsyncRerankClient(f"127.0.0.1:{server.port}", own_connection=True) as client:
+        async with client_of(server, own_connection=True) as client:
             first = await client.rerank("shared query", DOCS, timeout=30)
         scored = len(fake_llama.requests)
 
         async def again() -> Any:
-            async with AsyncRerankClient(f"127.0.0.1:{server.port}", own_connection=True) as client:
+            async with client_of(server, own_connection=True) as client:
                 return await client.rerank("shared query", DOCS, timeout=30)
 
         answers = await asyncio.gather(*(again() for _ in range(12)))
