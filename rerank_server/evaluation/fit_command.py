@@ -48,7 +48,8 @@ from .fit import (
     fit_across,
 )
 from .json_out import without_nan
-from .run import HelpFormatter, p_value
+from .report import p_value
+from .run import HelpFormatter
 
 
 class FitError(Exception):
