@@ -30,7 +30,8 @@ from .allocator import MemoryReturn
 from .api.grpc_server import GrpcEdge, check_free
 from .http_api.app import create_app
 from .http_api.server import HttpEdge
-from .managed.llama_server import ManagedLlamaServer, start_managed
+from .managed.llama_server import ManagedLlamaServer
+from .managed.start import start_managed
 from .observability.loop_lag import LoopLag
 from .observability.telemetry import Telemetry
 from .ranking import blend_profiles

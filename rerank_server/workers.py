@@ -46,7 +46,7 @@ import structlog
 from .api.grpc_server import check_free
 from .errors import BindError, ConfigError
 from .loops import loop_factory
-from .managed.llama_server import start_managed
+from .managed.start import start_managed
 from .observability import logs
 from .observability.instruments import Adder
 from .observability.telemetry import metrics_endpoint

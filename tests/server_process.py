@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from tests.waiting import eventually
 
 

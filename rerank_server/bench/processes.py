@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 
 from ..managed import amx, assets
-from ..managed.llama_server import RAM_CACHE_OFF, free_port
+from ..managed.child_process import free_port
+from ..managed.llama_server import RAM_CACHE_OFF
 from ..settings import load
 
 

@@ -30,14 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import dataclasses
 import os
 import re
-import shlex
 import signal
-import socket
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -47,12 +42,19 @@ from pathlib import Path
 import httpx
 import structlog
 
-from ..domain import BackendKind
 from ..errors import StartError
 from ..observability.instruments import Adder
-from ..settings import LlamaAmx, ManagedBackend, Settings
-from . import amx, assets, gguf_meta
-from .output_log import MAX_BYTES, CappedLog, output_pipe, prune
+from ..settings import LlamaAmx
+from . import amx, assets
+from .child_process import (
+    die_with_parent,
+    free_port,
+    group_gone,
+    group_ours,
+    port_taken,
+    signal_group,
+)
+from .output_log import MAX_BYTES, CappedLog, output_pipe
 
 log = structlog.get_logger(__name__)
 
@@ -74,86 +76,6 @@ HELP_TIMEOUT_S = 10.0  # for `llama-server --help`, read once to learn the flags
 # previous prompt (`cache_prompt`), which is the reuse a rerank request has
 # (docs/backends.md, "llama-server's prompt cache in memory").
 RAM_CACHE_OFF = ("--cache-ram", "0")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_taken(port: int) -> bool:
-    """Whether something listens on our loopback `port` now: a connection is taken. (A
-    trial bind would also count the connections of the server just killed, in TIME_WAIT,
-    or not, depending on how that server bound.) Unknown, say out of file descriptors:
-    not taken, and the launch finds out."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """`sig` to the child's process group (it leads its own session, so the group's id
-    is its pid), so that what a wrapper script started goes too: whether any of the
-    group was there. Linux gives no new process that id while one of the group lives."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member that changed its user: there all the same
-        return True
-    return True
-
-
-def _group_ours(proc: asyncio.subprocess.Process) -> bool:
-    """Whether the group named by the child's pid is still the child's: while it runs,
-    or once it is reaped and no process has taken its pid (one that has may lead a new
-    group of that id; while any member of ours lives, Linux gives the pid to none)."""
-    if proc.returncode is None:
-        return True
-    try:
-        os.kill(proc.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def _group_running(pgid: int) -> bool:
-    """Whether a process of the group, other than its reaped leader, still runs. Zombies
-    do not count: where nothing reaps orphans (a container whose first process is ours,
-    without an init), a wrapper's llama-server stays one after it has exited."""
-    if not Path("/proc/self/stat").exists():
-        return _signal_group(pgid, 0)  # signal 0: only whether any is there
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # gone meanwhile
-            continue
-        # pid (comm) state ppid pgrp ...: the name may hold spaces and parentheses
-        state, _ppid, pgrp = text[text.rindex(")") + 2 :].split()[:3]
-        if int(pgrp) == pgid and state != "Z" and stat.parent.name != str(pgid):
-            return True
-    return False
-
-
-async def _group_gone(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
-    """Wait until the child has exited and nothing of its group is left (a wrapper's
-    llama-server outlives the wrapper by its own shutdown): whether that happened within
-    `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        await asyncio.wait_for(proc.wait(), timeout_s)
-    except TimeoutError:
-        return False
-    while _group_ours(proc) and _group_running(proc.pid):
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 async def knows_flag(binary: Path, flag: str) -> bool:
@@ -196,16 +118,6 @@ async def knows_flag(binary: Path, flag: str) -> bool:
 
 # Loaded here, once: loading a library in the child, between fork and exec, can deadlock
 # on a lock another of our threads held at the fork.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the line above: no signal
-            os._exit(1)
-
-
 class ManagedLlamaServer:
     """One supervised llama-server process."""
 
@@ -353,7 +265,7 @@ class ManagedLlamaServer:
                 stderr=asyncio.subprocess.STDOUT,
                 env=self._amx.env(os.environ),
                 start_new_session=True,
-                preexec_fn=partial(_die_with_parent, os.getpid()),
+                preexec_fn=partial(die_with_parent, os.getpid()),
             )
         finally:
             if stdout is not None:
@@ -408,7 +320,7 @@ class ManagedLlamaServer:
         """Launch again and wait for it to be ready: whether a child was launched (and so
         is to be waited on); one never ready is killed. `backoff_s`: the wait before the
         next try, should this one not launch."""
-        if _port_taken(self.port):
+        if port_taken(self.port):
             # Launched, it would fail to bind while the other program's /health answered
             # ours: taken for ready, and scored by whatever that program is.
             log.error("llama_server_port_taken", port=self.port, retry_in_s=backoff_s)
@@ -462,8 +374,8 @@ class ManagedLlamaServer:
 
     async def _kill(self) -> None:
         assert self._proc is not None
-        _signal_group(self._proc.pid, signal.SIGKILL)
-        await _group_gone(self._proc, STOP_TIMEOUT_S)
+        signal_group(self._proc.pid, signal.SIGKILL)
+        await group_gone(self._proc, STOP_TIMEOUT_S)
 
     async def stop(self) -> None:
         """Stop supervising, then SIGTERM the child (SIGKILL after STOP_TIMEOUT_S); its
@@ -486,11 +398,11 @@ class ManagedLlamaServer:
             await asyncio.gather(self._supervisor, return_exceptions=True)
         proc = self._proc
         # Its group even once it has exited: a wrapper's llama-server may be left.
-        if proc is None or not _group_ours(proc) or not _signal_group(proc.pid, signal.SIGTERM):
+        if proc is None or not group_ours(proc) or not signal_group(proc.pid, signal.SIGTERM):
             return
-        if not await _group_gone(proc, STOP_TIMEOUT_S) and _group_ours(proc):
-            _signal_group(proc.pid, signal.SIGKILL)
-            await _group_gone(proc, STOP_TIMEOUT_S)
+        if not await group_gone(proc, STOP_TIMEOUT_S) and group_ours(proc):
+            signal_group(proc.pid, signal.SIGKILL)
+            await group_gone(proc, STOP_TIMEOUT_S)
         log.info("llama_server_stopped", exit_code=proc.returncode)
 
 
@@ -499,10 +411,6 @@ def _report_end(task: asyncio.Task[None]) -> None:
     for good without a word, so it is logged."""
     if not task.cancelled() and task.exception() is not None:
         log.error("llama_server_supervisor_failed", error=repr(task.exception()))
-
-
-def split_args(raw: str) -> list[str]:
-    return shlex.split(raw) if raw.strip() else []
 
 
 def _safe_setting() -> str:
@@ -525,89 +433,5 @@ def _see(log_path: Path | None) -> str:
     return f"see {log_path}"
 
 
-def default_log_path(cache_dir: Path) -> Path:
-    """Named after this process, not llama-server's: its restarts append to one file.
-    Logs of earlier runs beyond the newest `output_log.KEEP_FILES` are removed."""
-    path = cache_dir / "logs" / f"llama-server-{os.getpid()}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prune(path.parent, "llama-server-*.log")
-    return path
-
-
-async def start_managed(
-    settings: Settings,
-    restart_counter: Adder | None = None,
-) -> tuple[Settings, ManagedLlamaServer]:
-    """Prepare assets, start llama-server, and return the settings pointed at it;
-    `restart_counter` counts its restarts."""
-    cache = settings.cache_dir
-    binary, model = await asyncio.to_thread(
-        _resolve_assets, cache, settings.llama_server, settings.model_path, settings.llama_amx
-    )
-    backend, scoring_args = _scoring_path(settings, model)
-    managed = ManagedLlamaServer(
-        binary,
-        model,
-        slots=settings.llama_slots or settings.concurrency,
-        ctx_per_slot=settings.llama_ctx_per_slot,
-        extra_args=[*split_args(settings.llama_args), *scoring_args],
-        log_path=default_log_path(cache),
-        ready_timeout_s=settings.llama_ready_timeout_s,
-        restart_counter=restart_counter,
-        amx_mode=settings.llama_amx,
-        amx_free_build=assets.is_amx_free_build(binary, cache),
-    )
-    await managed.start()
-    changes: dict[str, object] = {"backend_url": managed.url, "backend": backend}
-    if not settings.model_path and settings.assistant_prefill:
-        # The stand-in chat model does not know Qwen3-Reranker's think block: with it, no
-        # yes/no token reaches its top logprobs and every pair would fail.
-        changes["assistant_prefill"] = False
-        log.info("assistant_prefill_off", reason="stand-in model")
-    return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
-
-
 # Why a reranker GGUF is scored by `completion` unless told otherwise: measured with the
 # Qwen3-Reranker-0.6B speed twin on the development CPU (docs/backends.md).
-RERANKER_PATH_WHY = (
-    "completion: prompt arrays, each slot reusing the prompt prefix the "
-    "request's passages share, scored 40 passages 2.2x faster than "
-    "llama-server --rerank on the CPU"
-)
-
-
-def _scoring_path(settings: Settings, model: Path) -> tuple[BackendKind, list[str]]:
-    """The backend managed mode scores by, and what llama-server needs for it; said in one
-    `managed_backend` line."""
-    chosen = settings.managed_backend
-    if chosen is not ManagedBackend.AUTO:
-        backend, why = BackendKind(chosen.value), "--managed-backend"
-    elif not settings.model_path:
-        backend, why = settings.backend, "the stand-in model"
-    else:
-        try:
-            kind = gguf_meta.reranker_kind(gguf_meta.read(model))
-        except (OSError, gguf_meta.GgufError) as exc:
-            kind, unread = None, f"its metadata could not be read ({exc})"
-        else:
-            unread = "not a reranker GGUF"
-        if kind is None:
-            backend, why = settings.backend, f"{unread}: --backend"
-        else:
-            backend, why = BackendKind.COMPLETION, f"{kind.why}; {RERANKER_PATH_WHY}"
-    args = ["--rerank"] if backend is BackendKind.RERANK else []
-    log.info("managed_backend", backend=backend.value, model=model.name, reason=why)
-    return backend, args
-
-
-def _resolve_assets(
-    cache: Path, llama_server: str, model_path: str, amx_mode: LlamaAmx
-) -> tuple[Path, Path]:
-    with assets.cache_lock(cache):
-        binary = assets.resolve_llama_server(
-            Path(llama_server) if llama_server else None, cache, build=True, amx_mode=amx_mode
-        )
-        model = assets.resolve_model(
-            Path(model_path) if model_path else None, cache, fetch_missing=True
-        )
-    return binary, model

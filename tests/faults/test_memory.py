@@ -21,7 +21,7 @@ from rerank_client import RerankError
 
 from rerank_server.api.pb import rerank_pb2 as pb
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.faults.test_batch_backpressure import rss_mib

@@ -21,7 +21,7 @@ from rerank_client.types import build_request
 from rerank_server.api import grpc_server, interceptors
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.domain import Candidate, DegradedCode, RerankQuery
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.ranking.pipeline import Reranker
 from rerank_server.scoring.backends.chat import ChatScorer
 from rerank_server.scoring.transport.pool import BackendPool

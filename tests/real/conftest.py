@@ -19,7 +19,8 @@ import pytest
 
 from rerank_server import settings
 from rerank_server.managed import amx, assets
-from rerank_server.managed.llama_server import ManagedLlamaServer, free_port
+from rerank_server.managed.child_process import free_port
+from rerank_server.managed.llama_server import ManagedLlamaServer
 
 SLOTS = 4
 

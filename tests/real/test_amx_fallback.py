@@ -18,7 +18,8 @@ import pytest
 import structlog
 
 from rerank_server.managed import assets
-from rerank_server.managed.llama_server import ManagedLlamaServer, free_port
+from rerank_server.managed.child_process import free_port
+from rerank_server.managed.llama_server import ManagedLlamaServer
 from tests.conftest import client_of
 from tests.real.conftest import assets_or_fail, healthy
 from tests.server_process import supervised

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.real.conftest import RealLlama

@@ -18,7 +18,7 @@ from cohere.core.api_error import ApiError
 
 from rerank_server.http_api import gate as http_gate
 from rerank_server.http_api import server as http_server_module
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer

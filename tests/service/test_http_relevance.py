@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from rerank_server.http_api.app import DEGRADED_HEADER
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import HTTP_500, FakeLlamaServer

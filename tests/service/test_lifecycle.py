@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rerank_server.errors import BindError
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.server import build_server
 from rerank_server.settings import Settings
 from tests.conftest import StartServer, client_of

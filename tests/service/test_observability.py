@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 from rerank_client import AsyncRerankClient, RerankError, ServerBusyError, Threshold
 
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.observability.telemetry import Telemetry
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings

@@ -15,7 +15,7 @@ import pytest
 from rerank_client import AsyncRerankClient
 from rerank_client.cli import main as client_main
 
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.server import RunningServer
 from tests.fakes.llama import FakeLlamaServer
 from tests.server_process import wait_listening

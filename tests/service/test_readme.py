@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 

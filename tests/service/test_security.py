@@ -22,7 +22,7 @@ from rerank_client.cli import main as client_main
 
 from rerank_server.api import healthcheck
 from rerank_server.http_api import server as http_server_module
-from rerank_server.managed.llama_server import free_port
+from rerank_server.managed.child_process import free_port
 from rerank_server.security.tls import CertificateFiles
 from rerank_server.server import RunningServer
 from rerank_server.settings import Settings

@@ -1,4 +1,4 @@
-"""Managed mode's choice of scoring path by the model (`llama_server._scoring_path`):
+"""Managed mode's choice of scoring path by the model (`start._scoring_path`):
 a reranker GGUF gets the path measured fastest, any other model `--backend`, and the
 operator's `--managed-backend` wins."""
 
@@ -11,7 +11,7 @@ import structlog
 
 from rerank_server.domain import BackendKind
 from rerank_server.managed.gguf_meta import RANK_POOLING
-from rerank_server.managed.llama_server import _scoring_path
+from rerank_server.managed.start import _scoring_path
 from rerank_server.settings import ManagedBackend, Settings
 from tests.unit.test_gguf_meta import gguf
 
