@@ -508,7 +508,7 @@ def check_dockerfile(problems: Problems) -> None:
                 f"{key} is not a setting",
             )
         if any(kw == "COPY" and "--from=llama-build" in arg for kw, arg in stage.instructions):
-            # The build's flavour is part of where it is kept (assets.cached_llama_server).
+            # The build's flavour is part of where it is kept (llama_build.cached_llama_server).
             built = _env_instructions(_inherited(stages, by_name["llama-build"], "ENV"))
             for flavour in (NATIVE, env_name("llama_amx")):
                 problems.check(

@@ -35,7 +35,7 @@ import tarfile
 from importlib.metadata import version
 from pathlib import Path
 
-from rerank_server.managed import assets
+from rerank_server.managed import converted, downloads, llama_build
 from rerank_server.settings import default_cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ PLATFORMS = (
 
 
 def pack_source(cache: Path, target: Path) -> None:
-    source = assets.llama_source(cache)
+    source = llama_build.llama_source(cache)
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         parts = Path(info.name).parts
@@ -107,7 +107,7 @@ def pack_source(cache: Path, target: Path) -> None:
     with tarfile.open(target, "w:xz") as tar:
         tar.add(source, arcname="llama.cpp", filter=keep)
     # The managed build's own CMake flags, so the two builds cannot drift apart.
-    target.with_name("cmake-flags.txt").write_text("\n".join(assets.CMAKE_FLAGS) + "\n")
+    target.with_name("cmake-flags.txt").write_text("\n".join(llama_build.CMAKE_FLAGS) + "\n")
 
 
 def split_model(model: Path, first: Path, second: Path) -> None:
@@ -121,7 +121,7 @@ def split_model(model: Path, first: Path, second: Path) -> None:
 
 def quantize(cache: Path, model: Path, target: Path) -> None:
     """`model` as Q8_0 at `target`, by the pinned llama.cpp's `llama-quantize`."""
-    build = assets.llama_source(cache).parent / "cmake-build"  # the managed build's
+    build = llama_build.llama_source(cache).parent / "cmake-build"  # the managed build's
     tool = build / "bin" / "llama-quantize"
     if not tool.exists():
         print("building llama-quantize", flush=True)
@@ -183,8 +183,8 @@ def tree_bytes() -> int:
 
 def main() -> int:
     cache = Path(os.environ.get("RERANK_CACHE_DIR") or default_cache_dir())
-    minilm = assets.embedding_model_path(cache)
-    rank_head = assets.rank_head_model_path(cache)
+    minilm = converted.embedding_model_path(cache)
+    rank_head = converted.rank_head_model_path(cache)
     for model in (minilm, rank_head):
         if not model.exists():
             print(f"{model} is missing: run `make test-assets` first", file=sys.stderr)
@@ -195,7 +195,7 @@ def main() -> int:
         folder.mkdir(parents=True)
     pack_source(cache, loads["a"] / "llama-src.tar.xz")
     split_model(
-        assets.prepare_model(cache), loads["a"] / "smollm2.part1", loads["b"] / "smollm2.part2"
+        downloads.prepare_model(cache), loads["a"] / "smollm2.part1", loads["b"] / "smollm2.part2"
     )
     download_wheels(loads["b"] / "whl")
     quantize(cache, minilm, loads["c"] / "minilm.gguf")

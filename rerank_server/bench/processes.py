@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from ..managed import amx, assets
+from ..managed import amx, assets, llama_build
 from ..managed.child_process import free_port
 from ..managed.llama_server import RAM_CACHE_OFF
 from ..settings import load
@@ -163,7 +163,7 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
     `extra`: more llama-server arguments."""
     settings = load([])  # RERANK_CACHE_DIR and RERANK_LLAMA_AMX, as `prepare` reads them
     cache = settings.cache_dir
-    binary = assets.resolve_llama_server(None, cache, build=False, amx_mode=settings.llama_amx)
+    binary = llama_build.resolve_llama_server(None, cache, build=False, amx_mode=settings.llama_amx)
     model = assets.resolve_model(None, cache, fetch_missing=False)
     port = free_port()
     # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
@@ -171,7 +171,7 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
         settings.llama_amx,
         args=extra,
         environ=os.environ,
-        amx_free_build=assets.is_amx_free_build(binary, cache),
+        amx_free_build=llama_build.is_amx_free_build(binary, cache),
     )
     # As managed mode runs it: without the host-memory prompt cache, which grew the
     # stand-in to 3.5 GB over one streaming scenario (and slows every task as it grows).

@@ -45,7 +45,7 @@ import structlog
 from ..errors import StartError
 from ..observability.instruments import Adder
 from ..settings import LlamaAmx
-from . import amx, assets
+from . import amx, llama_build
 from .child_process import (
     die_with_parent,
     free_port,
@@ -242,7 +242,7 @@ class ManagedLlamaServer:
         the launches to come (`auto` mode, once: the setting is then kept)."""
         if not self._amx.fall_back or code is None or -code not in amx.FAULT_SIGNALS:
             return False
-        self._amx = amx.Decision(True, False, f"llama-server {assets.how_it_ended(code)}")
+        self._amx = amx.Decision(True, False, f"llama-server {llama_build.how_it_ended(code)}")
         log.warning(
             "llama_server_repack_off",
             reason=self._amx.reason,
@@ -420,7 +420,7 @@ def _safe_setting() -> str:
 def _start_failure(code: int | None, timeout_s: float) -> str:
     if code is None:
         return f"did not become ready within {timeout_s:.0f} s"
-    return f"{assets.how_it_ended(code)} while starting"
+    return f"{llama_build.how_it_ended(code)} while starting"
 
 
 def _see(log_path: Path | None) -> str:

@@ -2,7 +2,7 @@
 
     python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank}
 
-Run by the converter's environment (`assets.prepare_speed_twin`), which has llama.cpp's
+Run by the converter's environment (`converted.prepare_speed_twin`), which has llama.cpp's
 own `gguf` package and numpy; nothing of rerank-server is imported here.
 
 Qwen3-0.6B: 28 layers, hidden size 1024, 16 query and 8 key/value heads of 128, FFN 3072,

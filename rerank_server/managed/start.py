@@ -14,7 +14,7 @@ import structlog
 from ..domain import BackendKind
 from ..observability.instruments import Adder
 from ..settings import LlamaAmx, ManagedBackend, Settings
-from . import assets, gguf_meta
+from . import assets, gguf_meta, llama_build
 from .llama_server import ManagedLlamaServer
 from .output_log import prune
 
@@ -55,7 +55,7 @@ async def start_managed(
         ready_timeout_s=settings.llama_ready_timeout_s,
         restart_counter=restart_counter,
         amx_mode=settings.llama_amx,
-        amx_free_build=assets.is_amx_free_build(binary, cache),
+        amx_free_build=llama_build.is_amx_free_build(binary, cache),
     )
     await managed.start()
     changes: dict[str, object] = {"backend_url": managed.url, "backend": backend}
@@ -102,7 +102,7 @@ def _resolve_assets(
     cache: Path, llama_server: str, model_path: str, amx_mode: LlamaAmx
 ) -> tuple[Path, Path]:
     with assets.cache_lock(cache):
-        binary = assets.resolve_llama_server(
+        binary = llama_build.resolve_llama_server(
             Path(llama_server) if llama_server else None, cache, build=True, amx_mode=amx_mode
         )
         model = assets.resolve_model(

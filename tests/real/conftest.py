@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from rerank_server import settings
-from rerank_server.managed import amx, assets
+from rerank_server.managed import amx, assets, converted, downloads, llama_build
 from rerank_server.managed.child_process import free_port
 from rerank_server.managed.llama_server import ManagedLlamaServer
 
@@ -38,11 +38,11 @@ def assets_or_fail() -> tuple[Path, Path]:
     cache = loaded.cache_dir
     explicit = os.environ.get("RERANK_LLAMA_SERVER")
     try:
-        binary = assets.resolve_llama_server(
+        binary = llama_build.resolve_llama_server(
             Path(explicit) if explicit else None, cache, build=False, amx_mode=loaded.llama_amx
         )
         model = assets.resolve_model(None, cache, fetch_missing=False)
-    except assets.AssetError as exc:
+    except downloads.AssetError as exc:
         pytest.fail(f"real-backend assets missing: {exc}", pytrace=False)
     return binary, model
 
@@ -57,7 +57,7 @@ def real_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
 def real_embedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     """llama-server serving MiniLM-L6 on /v1/embeddings (mean pooling, as trained)."""
     binary, _ = assets_or_fail()
-    model = assets.embedding_model_path(settings.load([]).cache_dir)
+    model = converted.embedding_model_path(settings.load([]).cache_dir)
     if not model.exists():
         pytest.fail(f"real-backend assets missing: {model}; run `make assets`", pytrace=False)
     yield from _serve(
@@ -75,7 +75,7 @@ def real_embedding_small_batch(
     """MiniLM-L6 as `real_embedding`, with a physical batch (`-ub 128`) below its 512-token
     slots: llama-server refuses a longer input, naming the batch size."""
     binary, _ = assets_or_fail()
-    model = assets.embedding_model_path(settings.load([]).cache_dir)
+    model = converted.embedding_model_path(settings.load([]).cache_dir)
     yield from _serve(
         binary,
         model,
@@ -88,7 +88,7 @@ def real_embedding_small_batch(
 def real_rank_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLlama]:
     """llama-server --rerank serving MiniLM-L6 with an untrained rank head (/v1/rerank)."""
     binary, _ = assets_or_fail()
-    model = assets.rank_head_model_path(settings.load([]).cache_dir)
+    model = converted.rank_head_model_path(settings.load([]).cache_dir)
     if not model.exists():
         pytest.fail(f"real-backend assets missing: {model}; run `make test-assets`", pytrace=False)
     yield from _serve(
@@ -110,7 +110,7 @@ def _serve(
         loaded.llama_amx,
         args=args,
         environ=os.environ,
-        amx_free_build=assets.is_amx_free_build(binary, loaded.cache_dir),
+        amx_free_build=llama_build.is_amx_free_build(binary, loaded.cache_dir),
     )
     with log.open("wb") as out:
         proc = subprocess.Popen(

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from rerank_server.managed import assets
+from rerank_server.managed import llama_build
 from rerank_server.managed.child_process import free_port
 from rerank_server.managed.llama_server import ManagedLlamaServer
 from tests.conftest import client_of
@@ -39,7 +39,7 @@ def _stand_in(cache: Path, body: str) -> Path:
     """A `llama-server` at the cache's AMX-free build path that writes each launch's
     LLAMA_ARG_REPACK to `launches` beside it, then runs `body` ($REAL: the real binary)."""
     binary, _ = assets_or_fail()
-    script = assets.cached_llama_server(cache)
+    script = llama_build.cached_llama_server(cache)
     script.parent.mkdir(parents=True)
     script.write_text(
         "#!/bin/sh\n"
@@ -48,7 +48,7 @@ def _stand_in(cache: Path, body: str) -> Path:
         f'echo "${{LLAMA_ARG_REPACK-unset}}" >> "{script.parent}/launches"\n' + body
     )
     script.chmod(0o755)
-    assert assets.is_amx_free_build(script, cache)
+    assert llama_build.is_amx_free_build(script, cache)
     return script
 
 

