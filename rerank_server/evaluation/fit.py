@@ -20,7 +20,7 @@ thresholds) first: a scorer with no signal is fitted to the retrieval order.
 Two ways to fit:
 
 - `fit`: one data set, cross-validated by query (`rerank-server eval --fit-profile`).
-- `fit_across`: several data sets (`rerank-server fit`). The parameters are chosen by
+- `fit_across.fit_across`: several data sets (`rerank-server fit`). The parameters are chosen by
   their **worst** data set: the smallest largest shortfall from the better of BM25 and
   pure reranking (`rerank_only`), then the best mean. Each data set is also held out in turn
   (leave-one-collection-out): the parameters fitted on the others are scored on it,
@@ -56,11 +56,20 @@ from ..ranking.blending import (
 from ..ranking.scripts import reads
 
 WEIGHT_LEVELS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
 QUANTILES = 10  # thresholds at the deciles of the observed spreads and best scores
+
+
 CUTOFF = 10
+
+
 TIE = 1e-9
 
+
 Floats = npt.NDArray[np.float64]
+
+
 Qrels = Mapping[str, Mapping[str, int]]
 
 
@@ -349,176 +358,4 @@ def fit(
         out_of_fold=out_of_fold,
         fold_params=fold_params,
         grid_size=len(candidates),
-    )
-
-
-NEEDLE_TOP = 3  # the needle case asks for the relevant document in the top 3
-
-
-@dataclass(frozen=True, slots=True)
-class NeedleQuery:
-    """A needle request as scored (`evaluation/needle.py`): which document is relevant."""
-
-    query: ScoredQuery
-    needle: str
-
-    def found(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> bool:
-        return self.needle in self.query.ordered(params, scripts)[:NEEDLE_TOP]
-
-
-@dataclass(frozen=True, slots=True)
-class Collection:
-    """One data set's reranked queries and judgements, as `rerank-server eval` kept them,
-    and its needle requests when the evaluation ran them (`--needle`)."""
-
-    name: str
-    queries: tuple[ScoredQuery, ...]
-    qrels: Qrels
-    needles: tuple[NeedleQuery, ...] = ()
-
-    def per_query(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> list[float]:
-        """nDCG@10 of each query under `params`, replayed exactly."""
-        return [ndcg(q.ordered(params, scripts), self.qrels.get(q.qid, {})) for q in self.queries]
-
-    def read_needles(self, scripts: Sequence[str]) -> tuple[NeedleQuery, ...]:
-        """The needle requests in a script the profile's model reads: the others it gives
-        no weight, on purpose, so they are not asked of it."""
-        return tuple(n for n in self.needles if reads(scripts, n.query.script))
-
-    def needle_rate(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> float:
-        """How often the needle reaches the top 3 (of the requests the model reads)."""
-        cases = self.read_needles(scripts)
-        return sum(n.found(params, scripts) for n in cases) / len(cases) if cases else 0.0
-
-    def needle_reranked(self, scripts: Sequence[str] = ()) -> float:
-        """The same in pure reranking's order."""
-        cases = self.read_needles(scripts)
-        return (
-            sum(n.needle in n.query.reranked()[:NEEDLE_TOP] for n in cases) / len(cases)
-            if cases
-            else 0.0
-        )
-
-    def reranked(self) -> list[float]:
-        """nDCG@10 of each query in pure reranking's order."""
-        return [ndcg(q.reranked(), self.qrels.get(q.qid, {})) for q in self.queries]
-
-
-BM25 = AdaptiveParams(0.0, 0.0, 0.0, 0.0)  # the retrieval order
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """Parameters chosen on some collections, and what they give on each collection."""
-
-    params: AdaptiveParams
-    fitted_on: tuple[str, ...]
-    per_query: dict[str, list[float]]  # collection -> nDCG@10 per query, exact replay
-
-
-@dataclass(frozen=True, slots=True)
-class CrossFit:
-    everything: Choice  # fitted on every collection: the profile to ship
-    held_out: dict[str, Choice]  # collection -> fitted on all the others
-    bm25: dict[str, list[float]]
-    reranker: dict[str, list[float]]  # pure reranking (`rerank_only`)
-    grid_size: int
-    scripts: tuple[str, ...] = ()  # what the profile's model reads
-    needle_share: float = 0.0  # asked of it: of rerank_only's needle rate, per collection
-    needle_met: bool = True  # whether the profile fitted on all meets it
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """What a choice must do beside ranking well: the needle case, on each collection
-    that has needle requests its model reads, at least `share` of rerank_only's rate."""
-
-    share: float = 0.0
-    scripts: tuple[str, ...] = ()
-
-    def met(self, params: AdaptiveParams, collections: Sequence[Collection]) -> bool:
-        return all(
-            c.needle_rate(params, self.scripts)
-            >= self.share * c.needle_reranked(self.scripts) - TIE
-            for c in collections
-            if self.share and c.read_needles(self.scripts)
-        )
-
-
-def choose(
-    collections: Sequence[Collection],
-    curves: Mapping[str, Sequence[Curve]],
-    best: Mapping[str, float],
-    family: Family = Family.GATE,
-    constraint: Constraint = Constraint(),
-) -> tuple[AdaptiveParams, int, bool]:
-    """The parameters whose worst collection falls least short of its `best` (the better
-    of BM25 and pure reranking there); among equals the best mean over collections; then
-    the most cautious; the first in that order that meets `constraint` (the first of all
-    when none does). Returns them, the grid's size and whether they meet it."""
-    candidates = Grid(
-        grid(
-            [c.spread for x in collections for c in curves[x.name]],
-            [c.top for x in collections for c in curves[x.name]],
-            family,
-        )
-    )
-    means = np.stack([candidates.values(curves[x.name]).mean(axis=1) for x in collections], axis=1)
-    targets = np.array([best[x.name] for x in collections])
-    worst = (targets[None, :] - means).max(axis=1)
-    least = worst <= worst.min() + TIE
-    # Worst shortfall first (the least ones alike), then the best mean, then cautious.
-    order = np.lexsort(
-        (np.arange(len(candidates)), -means.mean(axis=1), np.where(least, worst.min(), worst))
-    )
-    for i in order:
-        if constraint.met(candidates.params[i], collections):
-            return candidates.params[i], len(candidates), True
-    return candidates.params[order[0]], len(candidates), False
-
-
-def fit_across(
-    collections: Sequence[Collection],
-    family: Family = Family.GATE,
-    constraint: Constraint = Constraint(),
-) -> CrossFit:
-    """Fit on every collection, and on every collection but one for each one; a profile
-    whose model reads `constraint.scripts` gives other requests no weight."""
-    if not collections or not all(c.queries for c in collections):
-        raise ValueError("every collection needs reranked queries")
-    scripts = constraint.scripts
-    curves = {
-        c.name: [Curve(q, c.qrels.get(q.qid, {}), reads(scripts, q.script)) for q in c.queries]
-        for c in collections
-    }
-    bm25 = {c.name: c.per_query(BM25) for c in collections}
-    reranker = {c.name: c.reranked() for c in collections}
-    best = {
-        c.name: max(statistics.fmean(bm25[c.name]), statistics.fmean(reranker[c.name]))
-        for c in collections
-    }
-
-    def chosen(on: Sequence[Collection]) -> tuple[Choice, int]:
-        params, size, _ = choose(on, curves, best, family, constraint)
-        return Choice(
-            params,
-            tuple(c.name for c in on),
-            {c.name: c.per_query(params, scripts) for c in collections},
-        ), size
-
-    everything, size = chosen(collections)
-    held_out = {
-        c.name: chosen([o for o in collections if o is not c])[0]
-        for c in collections
-        if len(collections) > 1
-    }
-    return CrossFit(
-        everything,
-        held_out,
-        bm25,
-        reranker,
-        size,
-        scripts,
-        constraint.share,
-        constraint.met(everything.params, collections),
     )

@@ -37,16 +37,8 @@ from typing import Any
 from ..ranking import blend_profiles
 from ..ranking.blend_profiles import BlendProfile, BlendProfiles
 from ..ranking.blending import AdaptiveParams
-from .fit import (
-    Choice,
-    Collection,
-    Constraint,
-    CrossFit,
-    Family,
-    NeedleQuery,
-    ScoredQuery,
-    fit_across,
-)
+from .fit import Family, ScoredQuery
+from .fit_across import Choice, Collection, Constraint, CrossFit, NeedleQuery, fit_across
 from .json_out import without_nan
 from .report import p_value
 from .run import HelpFormatter

@@ -11,18 +11,8 @@ import numpy as np
 import pytest
 from ranx import Qrels, Run, evaluate
 
-from rerank_server.evaluation.fit import (
-    Collection,
-    Constraint,
-    Curve,
-    Family,
-    NeedleQuery,
-    ScoredQuery,
-    fit,
-    fit_across,
-    grid,
-    ndcg,
-)
+from rerank_server.evaluation.fit import Curve, Family, ScoredQuery, fit, grid, ndcg
+from rerank_server.evaluation.fit_across import Collection, Constraint, NeedleQuery, fit_across
 from rerank_server.ranking.blending import (
     ADAPTIVE,
     AdaptiveParams,
