@@ -62,6 +62,10 @@ async def model(
         str(batch),
         "--timeout-ms",
         "120000",
+        # The direct client's own call timeout: a batch a slow CPU takes longer than the
+        # default 30 s over would fail through rerank-server alone.
+        "--backend-timeout-ms",
+        "120000",
         "--blend-strategy",
         "position_aware",
         "--max-candidates",
