@@ -26,7 +26,7 @@ from ..domain import (
     RerankSummary,
 )
 from ..observability.telemetry import Telemetry
-from ..scoring.base import Scorer, ScoreRequest
+from ..scoring.base import PairOutcome, Scorer, ScoreRequest
 from ..scoring.budget import StopSignal, budget_s, score_within
 from . import blend_profiles
 from .blend_profiles import Blend, BlendResolver
@@ -36,7 +36,7 @@ from .ordering import Emitter, IncrementalRanking
 from .outcome import ScoringOutcome, capped
 from .pair_admission import PairAdmission
 from .request import Request, RequestRules
-from .score_cache import Scope, ScoreCache
+from .score_cache import Lookup, Scope, ScoreCache
 from .scripts import dominant_script
 from .shaping import Shaped, shape, skip_reason
 from .validation import resolve
@@ -145,35 +145,12 @@ class Reranker:
         list), then the summary. Lists rather than one result at a time: a generator
         resumption per result was the pipeline's largest fixed cost per candidate."""
         started = time.perf_counter()
-        telemetry = self.telemetry
         request = self.resolve(query)
-
-        with telemetry.step("rerank.shape") as span:
-            shaped = shape(request)
-            cap = request.max_candidates
-            scored_set, tail = list(shaped.candidates[:cap]), list(shaped.candidates[cap:])
-            skip = skip_reason(request, shaped)
-            if span.is_recording():
-                span.set_attributes(
-                    _shape_attributes(request, shaped, 0 if skip else len(scored_set))
-                )
-        blend = self.blends.settle(
-            request.blend,
-            lambda: self.scorer.kind,
-            lambda: self.scorer.model,
-            lambda: dominant_script(request.query, (c.text for c in scored_set)),
-        )
-        # A profile is chosen by the model's name: until the backend has told it, the
-        # pairs are sent (and the profile is chosen once their answers are in).
-        if (
-            skip is None
-            and not request.always_score
-            and (self.scorer.model or request.blend not in REQUEST_WIDE)
-        ):
-            skip = _no_reranker_weight(request, blend(), scored_set)
+        shaped, scored_set, tail, skip = self._shape(request)
+        blend = self._blend(request, scored_set)
+        skip = skip or self._without_weight(request, blend, scored_set)
         ranking = IncrementalRanking(request.blend, scored_set, tail, lambda: blend().params)
         outcome = ScoringOutcome(submitted=0 if skip else len(scored_set))
-
         if skip is not None:
             ranking.fail_outstanding()
             if released := Emitter(request.top_k).take(ranking.release()):
@@ -181,58 +158,23 @@ class Reranker:
             yield self._summary(request, shaped, blend(), ranking, outcome, skip, started)
             return
 
-        with telemetry.step("rerank.chunk") as span:
-            documents, chunked, fell_back = await choose_chunks(
-                request, scored_set, deadline_remaining_s, started
-            )
-            if fell_back:
-                span.set_attribute("rerank.chunk_fallback", True)
-            span.set_attributes(
-                {"rerank.max_chunk_chars": request.max_chunk_chars, "rerank.chunked": chunked}
-            )
-        emitter = Emitter(
-            request.top_k,
-            {c.index: d for c, d in zip(scored_set, documents, strict=True)}
-            if request.return_text
-            else None,
-        )
-
-        # Pairs the cache knows are resolved before anything is sent.
-        scope = Scope(
-            self.scorer.kind,
-            self.scorer.model,
-            request.instruction,
-            request.query,
-            request.max_tokens_per_doc,
-            self.scorer.variant,
-        )
+        documents = await self._chunk(request, scored_set, deadline_remaining_s, started)
+        emitter = _emitter(request, scored_set, documents)
+        scope = self._scope(request)
         looked_up = await self.cache.lookup(scope, documents, bypass=request.bypass_cache)
-        hits = looked_up.hits
-        ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
-        emitter.mark_cached(scored_set[i].index for i in hits)
-        outcome.cached = len(hits)
+        _resolve_hits(looked_up.hits, scored_set, ranking, emitter, outcome)
         if released := emitter.take(ranking.release()):
             yield released
 
-        pending = [i for i in range(len(documents)) if i not in hits]
+        pending = [i for i in range(len(documents)) if i not in looked_up.hits]
         fresh: dict[int, float] = {}  # position in `documents` -> score, for the cache
         scoring_started = time.perf_counter()
-        # Counted from the request's arrival: chunking (a large request's, on the one
-        # chunking thread, can wait behind another's) and the cache lookup took their part
-        # of the deadline and of the timeout already. Not subtracted, a request that
-        # spent 0.6 s before scoring answered 0.6 s after a 1 s deadline.
-        elapsed = scoring_started - started
-        budget = budget_s(
-            request.timeout_s - elapsed,
-            None if deadline_remaining_s is None else deadline_remaining_s - elapsed,
-            self._loop_lag(),
-            self.active,
-        )
+        budget = self._budget(request, started, scoring_started, deadline_remaining_s)
         overloaded = self.admission.refuse(len(pending), budget) if pending else None
         if overloaded is not None:
             ranking.fail_outstanding()  # answered at once, in retrieval order
             pending = []
-            outcome.submitted = len(hits)  # what was not sent was not submitted
+            outcome.submitted = len(looked_up.hits)  # what was not sent was not submitted
         if pending:
             pairs = ScoreRequest(
                 request.query,
@@ -244,37 +186,129 @@ class Reranker:
             self.admission.outstanding += left
             try:
                 async for arrived in score_within(
-                    self.scorer, pairs, budget, telemetry.tracer, self.stopping, request_span
+                    self.scorer, pairs, budget, self.telemetry.tracer, self.stopping, request_span
                 ):
                     self.admission.outstanding -= len(arrived)
                     left -= len(arrived)
-                    resolved = []
-                    for pair in arrived:
-                        i = pending[pair.pair]
-                        resolved.append((scored_set[i].index, pair.score))
-                        if outcome.count(pair) and pair.score is not None:
-                            fresh[i] = pair.score
-                    ranking.resolve_all(resolved)
+                    ranking.resolve_all(_count(arrived, pending, scored_set, outcome, fresh))
                     if released := emitter.take(ranking.release()):
                         yield released
             finally:
                 self.admission.outstanding -= left
         outcome.scoring_s = time.perf_counter() - scoring_started
-        outcome.scored += len(hits)
-        # Keyed by the model known now: a backend that names its model only in its answers
-        # (llama-server without --model) would otherwise store under "". Not stored when
-        # the variant changed meanwhile: `rerank` answers read as probabilities before the
-        # switch to logits would land under the logits' key.
-        if self.scorer.variant == scope.variant:
-            model = self.scorer.model
-            self.cache.store(
-                looked_up,
-                scope if model == scope.model else dataclasses.replace(scope, model=model),
-                fresh,
-            )
+        outcome.scored += len(looked_up.hits)
+        self._store(scope, looked_up, fresh)
 
         # Results whose place was certain were blended and sent during scoring already.
-        with telemetry.step("rerank.blend") as span:
+        final, settled = self._settle(emitter, ranking, blend)
+        if final:
+            yield final
+        degraded = overloaded or outcome.degraded() or capped(scored_set, tail)
+        yield self._summary(request, shaped, settled, ranking, outcome, degraded, started)
+
+    def _shape(
+        self, request: Request
+    ) -> tuple[Shaped, list[Candidate], list[Candidate], Degraded | None]:
+        """The candidates shaped: those to score (up to `max_candidates`), the tail kept
+        in retrieval order behind them, and why nothing is scored, if nothing is."""
+        with self.telemetry.step("rerank.shape") as span:
+            shaped = shape(request)
+            cap = request.max_candidates
+            scored_set, tail = list(shaped.candidates[:cap]), list(shaped.candidates[cap:])
+            skip = skip_reason(request, shaped)
+            if span.is_recording():
+                span.set_attributes(
+                    _shape_attributes(request, shaped, 0 if skip else len(scored_set))
+                )
+        return shaped, scored_set, tail, skip
+
+    def _blend(self, request: Request, scored_set: list[Candidate]) -> Callable[[], Blend]:
+        return self.blends.settle(
+            request.blend,
+            lambda: self.scorer.kind,
+            lambda: self.scorer.model,
+            lambda: dominant_script(request.query, (c.text for c in scored_set)),
+        )
+
+    def _without_weight(
+        self, request: Request, blend: Callable[[], Blend], scored_set: list[Candidate]
+    ) -> Degraded | None:
+        """NO_RERANKER_WEIGHT when no score could change the answer. A profile is chosen
+        by the model's name: until the backend has told it, the pairs are sent (and the
+        profile is chosen once their answers are in)."""
+        if request.always_score or not (self.scorer.model or request.blend not in REQUEST_WIDE):
+            return None
+        return _no_reranker_weight(request, blend(), scored_set)
+
+    async def _chunk(
+        self,
+        request: Request,
+        scored_set: list[Candidate],
+        deadline_remaining_s: float | None,
+        started: float,
+    ) -> list[str]:
+        with self.telemetry.step("rerank.chunk") as span:
+            documents, chunked, fell_back = await choose_chunks(
+                request, scored_set, deadline_remaining_s, started
+            )
+            if fell_back:
+                span.set_attribute("rerank.chunk_fallback", True)
+            span.set_attributes(
+                {"rerank.max_chunk_chars": request.max_chunk_chars, "rerank.chunked": chunked}
+            )
+        return documents
+
+    def _scope(self, request: Request) -> Scope:
+        """What a cached score is keyed by besides its text."""
+        return Scope(
+            self.scorer.kind,
+            self.scorer.model,
+            request.instruction,
+            request.query,
+            request.max_tokens_per_doc,
+            self.scorer.variant,
+        )
+
+    def _budget(
+        self,
+        request: Request,
+        started: float,
+        now: float,
+        deadline_remaining_s: float | None,
+    ) -> float:
+        """Seconds the scoring may take. Counted from the request's arrival: chunking (a
+        large request's can wait behind another's on the one chunking thread) and the
+        cache lookup took their part of the deadline and of the timeout already, and a
+        request that spent 0.6 s before scoring must not answer 0.6 s after a 1 s
+        deadline."""
+        elapsed = now - started
+        return budget_s(
+            request.timeout_s - elapsed,
+            None if deadline_remaining_s is None else deadline_remaining_s - elapsed,
+            self._loop_lag(),
+            self.active,
+        )
+
+    def _store(self, scope: Scope, looked_up: Lookup, fresh: dict[int, float]) -> None:
+        """The fresh scores into the cache, keyed by the model known now: a backend that
+        names its model only in its answers (llama-server without --model) would
+        otherwise store under "". Not stored when the variant changed meanwhile:
+        `rerank` answers read as probabilities before the switch to logits would land
+        under the logits' key."""
+        if self.scorer.variant != scope.variant:
+            return
+        model = self.scorer.model
+        self.cache.store(
+            looked_up,
+            scope if model == scope.model else dataclasses.replace(scope, model=model),
+            fresh,
+        )
+
+    def _settle(
+        self, emitter: Emitter, ranking: IncrementalRanking, blend: Callable[[], Blend]
+    ) -> tuple[list[RankedCandidate], Blend]:
+        """What is left to release once scoring is over, and the blend it settled on."""
+        with self.telemetry.step("rerank.blend") as span:
             final = emitter.take(ranking.release())
             settled = blend()
             span.set_attributes(
@@ -286,17 +320,7 @@ class Reranker:
             )
             if ranking.reranker_weight is not None:
                 span.set_attribute("rerank.reranker_weight", ranking.reranker_weight)
-        if final:
-            yield final
-        yield self._summary(
-            request,
-            shaped,
-            settled,
-            ranking,
-            outcome,
-            overloaded or outcome.degraded() or capped(scored_set, tail),
-            started,
-        )
+        return final, settled
 
     def _summary(
         self,
@@ -329,6 +353,48 @@ class Reranker:
             blend_profile=blend.profile,
             reranker_weight=ranking.reranker_weight if outcome.scored else None,
         )
+
+
+def _emitter(request: Request, scored_set: list[Candidate], documents: list[str]) -> Emitter:
+    """Releases results in their final order; with `return_text`, each with the text
+    the model read."""
+    return Emitter(
+        request.top_k,
+        {c.index: d for c, d in zip(scored_set, documents, strict=True)}
+        if request.return_text
+        else None,
+    )
+
+
+def _resolve_hits(
+    hits: dict[int, float],
+    scored_set: list[Candidate],
+    ranking: IncrementalRanking,
+    emitter: Emitter,
+    outcome: ScoringOutcome,
+) -> None:
+    """Pairs the cache knows are resolved before anything is sent."""
+    ranking.resolve_all((scored_set[i].index, score) for i, score in hits.items())
+    emitter.mark_cached(scored_set[i].index for i in hits)
+    outcome.cached = len(hits)
+
+
+def _count(
+    arrived: list[PairOutcome],
+    pending: list[int],
+    scored_set: list[Candidate],
+    outcome: ScoringOutcome,
+    fresh: dict[int, float],
+) -> list[tuple[int, float | None]]:
+    """A group of outcomes counted, its scores kept for the cache; each candidate's
+    index with its score (None: failed) for the ranking."""
+    resolved = []
+    for pair in arrived:
+        i = pending[pair.pair]
+        resolved.append((scored_set[i].index, pair.score))
+        if outcome.count(pair) and pair.score is not None:
+            fresh[i] = pair.score
+    return resolved
 
 
 def _no_reranker_weight(
