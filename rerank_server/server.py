@@ -229,6 +229,7 @@ async def build_server(
         if settings.http_port:
             app = create_app(
                 reranker,
+                telemetry=telemetry,
                 tokens=tokens,
                 inflight=inflight,
                 backend_up=lambda: monitor.backend_up,

@@ -172,6 +172,7 @@ class GrpcEdge:
         )
         service = RerankService(
             reranker,
+            telemetry,
             settings.batch_concurrency,
             inflight or InflightBytes(settings.max_inflight_bytes),
             settings.max_message_bytes,

@@ -29,7 +29,8 @@ from google.protobuf.message import DecodeError
 
 from ..domain import RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
-from ..observability.logs import rpc_answered, rpc_cancelled, rpc_failed
+from ..observability.logs import rpc_cancelled, rpc_failed
+from ..observability.telemetry import Telemetry
 from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
@@ -99,11 +100,13 @@ class RerankService:
     def __init__(
         self,
         reranker: Reranker,
+        telemetry: Telemetry,
         batch_concurrency: int,
         inflight: InflightBytes,
         max_message_bytes: int | None = None,
     ) -> None:
         self._reranker = reranker
+        self._telemetry = telemetry
         self._batch_concurrency = batch_concurrency
         self.inflight = inflight
         self._max_message_bytes = max_message_bytes
@@ -152,9 +155,7 @@ class RerankService:
         return len(results) * names > self._max_message_bytes // 4
 
     def _finish(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
-        """The canonical log line and the metrics of one answered rerank request."""
-        rpc_answered(rpc, summary, returned, **extra)
-        self._reranker.telemetry.metrics.record_rerank(summary)
+        self._telemetry.answered(rpc, summary, returned, **extra)
 
     @contextlib.asynccontextmanager
     async def _admitted(
@@ -204,7 +205,7 @@ class RerankService:
             # RerankStream: a stream cancelled while gRPC waits to send ends its server
             # span before the pipeline is closed, and the scoring's counts would be lost.
             results, summary = await self._reranker.answer(
-                query, _deadline(context), self._reranker.telemetry.request_span()
+                query, _deadline(context), self._telemetry.request_span()
             )
             measured = query.return_text or self._lists_may_overflow(query, results)
         return self._answer("Rerank", results, summary, measured)

@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..domain import Candidate, RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
-from ..observability.logs import rpc_answered, rpc_failed
+from ..observability.logs import rpc_failed
+from ..observability.telemetry import Telemetry
 from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from ..security.tokens import TokenSet
@@ -68,6 +69,7 @@ class HttpError(Exception):
 def create_app(
     reranker: Reranker,
     *,
+    telemetry: Telemetry,
     tokens: TokenSet,
     inflight: InflightBytes,
     backend_up: BackendState,
@@ -87,7 +89,6 @@ def create_app(
         # in plain text, and stop the gate from giving back what it counted.
         max_body_size=None,
     )
-    telemetry = reranker.telemetry
     app.mount(
         DOCS_ASSETS,
         StaticFiles(directory=str(files("fastapi_offline") / "static")),
@@ -168,8 +169,7 @@ def create_app(
         try:
             check_unicode(query, field)
             results, summary = await reranker.answer(query, None, telemetry.request_span())
-            rpc_answered(rpc, summary, len(results))
-            reranker.telemetry.metrics.record_rerank(summary)
+            telemetry.answered(rpc, summary, len(results))
             if summary.degraded is not None:
                 response.headers[DEGRADED_HEADER] = summary.degraded.code.value
             return results, summary

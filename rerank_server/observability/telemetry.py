@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
@@ -43,9 +44,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from .. import __version__
+from ..domain import RerankSummary
 from ..errors import BindError
 from ..settings import Settings, host_port
 from .lean_spans import lean_tracer
+from .logs import rpc_answered
 from .metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -104,6 +107,12 @@ class Telemetry:
         if self.tracer_provider is None or self.trace_steps:
             return None
         return trace.get_current_span()
+
+    def answered(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
+        """How both edges finish an answered rerank request: its canonical log line
+        (`logs.rpc_answered`) and its metrics."""
+        rpc_answered(rpc, summary, returned, **extra)
+        self.metrics.record_rerank(summary)
 
     @property
     def metrics_port(self) -> int | None:
