@@ -191,8 +191,9 @@ async def build_server(
         lag = LoopLag()
         lag.start()
         stack.push_async_callback(lag.stop)
+        rules = request_rules(settings)
         reranker = Reranker(
-            request_rules(settings),
+            rules,
             scorer,
             telemetry,
             cache,
@@ -205,6 +206,7 @@ async def build_server(
             settings,
             reranker,
             telemetry,
+            rules,
             tokens,
             inflight=inflight,
             tls=CertificateFiles.from_paths(
@@ -230,6 +232,8 @@ async def build_server(
             app = create_app(
                 reranker,
                 telemetry=telemetry,
+                rules=rules,
+                scorer=scorer,
                 tokens=tokens,
                 inflight=inflight,
                 backend_up=lambda: monitor.backend_up,

@@ -21,6 +21,7 @@ from ..errors import BindError
 from ..observability.telemetry import Telemetry
 from ..ranking.inflight_bytes import InflightBytes
 from ..ranking.pipeline import Reranker
+from ..ranking.request import RequestRules
 from ..security.tls import CertificateFiles
 from ..security.tokens import TokenSet
 from ..settings import Settings, host_port
@@ -146,6 +147,7 @@ class GrpcEdge:
         settings: Settings,
         reranker: Reranker,
         telemetry: Telemetry,
+        rules: RequestRules,
         tokens: TokenSet | None = None,
         tls: CertificateFiles | None = None,
         inflight: InflightBytes | None = None,
@@ -173,6 +175,7 @@ class GrpcEdge:
         service = RerankService(
             reranker,
             telemetry,
+            rules,
             settings.batch_concurrency,
             inflight or InflightBytes(settings.max_inflight_bytes),
             settings.max_message_bytes,

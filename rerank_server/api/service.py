@@ -101,12 +101,14 @@ class RerankService:
         self,
         reranker: Reranker,
         telemetry: Telemetry,
+        rules: RequestRules,
         batch_concurrency: int,
         inflight: InflightBytes,
         max_message_bytes: int | None = None,
     ) -> None:
         self._reranker = reranker
         self._telemetry = telemetry
+        self._rules = rules
         self._batch_concurrency = batch_concurrency
         self.inflight = inflight
         self._max_message_bytes = max_message_bytes
@@ -170,8 +172,8 @@ class RerankService:
         try:
             request = parse_request(raw, field)
             del raw
-            seen.request_id = self._reranker.rules.echoable_id(request.request_id)
-            _check_counts(request, self._reranker.rules)
+            seen.request_id = self._rules.echoable_id(request.request_id)
+            _check_counts(request, self._rules)
             yield convert.query_from_pb(request)
         finally:
             self.inflight.give_back(size)

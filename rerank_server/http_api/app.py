@@ -31,6 +31,8 @@ from ..observability.logs import rpc_failed
 from ..observability.telemetry import Telemetry
 from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
+from ..ranking.request import RequestRules
+from ..scoring.base import Scorer
 from ..security.tokens import TokenSet
 from . import models as m
 from .convert import (
@@ -70,6 +72,8 @@ def create_app(
     reranker: Reranker,
     *,
     telemetry: Telemetry,
+    rules: RequestRules,
+    scorer: Scorer,
     tokens: TokenSet,
     inflight: InflightBytes,
     backend_up: BackendState,
@@ -106,7 +110,7 @@ def create_app(
         )
 
     def model() -> str:
-        return reranker.scorer.model or UNKNOWN_MODEL
+        return scorer.model or UNKNOWN_MODEL
 
     app.add_middleware(
         Gate,
@@ -114,7 +118,7 @@ def create_app(
         max_active=max_active,
         inflight=inflight,
         max_body_bytes=max_body_bytes,
-        rules=reranker.rules,
+        rules=rules,
         tracer=telemetry.tracer if telemetry.tracing else None,
     )
 
@@ -176,7 +180,7 @@ def create_app(
         except InvalidRequest as exc:
             rpc_failed(
                 rpc,
-                reranker.rules.echoable_id(query.request_id),
+                rules.echoable_id(query.request_id),
                 started,
                 "422",
                 exc,
@@ -186,7 +190,7 @@ def create_app(
         except Overloaded as exc:
             rpc_failed(
                 rpc,
-                reranker.rules.echoable_id(query.request_id),
+                rules.echoable_id(query.request_id),
                 started,
                 "429",
                 exc,
@@ -307,6 +311,6 @@ def create_app(
         responses={401: {"model": m.Error}},
     )
     async def list_models() -> m.ModelList:
-        return m.ModelList(data=[m.ModelCard(id=model(), backend=reranker.scorer.kind)])
+        return m.ModelList(data=[m.ModelCard(id=model(), backend=scorer.kind)])
 
     return app
