@@ -206,7 +206,7 @@ class HttpBackend:
             self._calls[task] = loop.time()
             tasks.on_wire(task, self._abandon)
             try:
-                body = await self._call(path, payload, pairs, decode)
+                body = await self._send_reporting(path, payload, pairs, decode)
             except BackendCallError:
                 if tasks.is_let_go(task):  # a failure nobody waits for: no split, no retry
                     raise asyncio.CancelledError from None
@@ -220,7 +220,7 @@ class HttpBackend:
                 # would go on to score, in tasks of its own that are not let go).
                 raise asyncio.CancelledError
             return body
-        call = loop.create_task(self._call(path, payload, pairs, decode))
+        call = loop.create_task(self._send_reporting(path, payload, pairs, decode))
         self._calls[call] = loop.time()
         # Released when the call ends however it ends, even cancelled before it started.
         call.add_done_callback(self._forget)
@@ -249,7 +249,7 @@ class HttpBackend:
         balancing compares (a hung instance full of abandoned calls is not idle)."""
         return (len(self._calls) + self.waiting) / self.concurrency
 
-    async def _call(
+    async def _send_reporting(
         self, path: str, payload: Any, pairs: int, decode: Decode = orjson.loads
     ) -> Any:
         """One call, from holding its slot to releasing it; reports how it ended."""
@@ -259,7 +259,7 @@ class HttpBackend:
         ended: tuple[BackendCallError | None] | None = None  # None: not to be reported
         try:
             try:
-                body = await self._traced_post(path, payload, pairs, decode)
+                body = await self._send_measured(path, payload, pairs, decode)
             except MalformedResponse:
                 # An answer, if not a usable one: the instance answered (as when the
                 # scorer's parser finds the shape wrong, after the call).
@@ -385,7 +385,9 @@ class HttpBackend:
             1, {**self.instance.attributes, ERROR_TYPE: ERROR_TYPES[Failure.MALFORMED]}
         )
 
-    async def _traced_post(self, path: str, payload: Any, pairs: int, decode: Decode) -> Any:
+    async def _send_measured(self, path: str, payload: Any, pairs: int, decode: Decode) -> Any:
+        """One call timed into `http.client.request.duration`, with a client span under
+        `--trace-backend-calls`, and the trace context sent along."""
         attributes = self.instance.attributes
         started = time.perf_counter()
         status: int | None = None
@@ -413,7 +415,7 @@ class HttpBackend:
         else:
             propagated = trace_context.headers_for(span) if span.is_recording() else None
         try:
-            body, status = await self._post(path, payload, propagated, decode)
+            body, status = await self._send_single_request(path, payload, propagated, decode)
             return body
         except BackendCallError as exc:
             error_type = ERROR_TYPES[exc.failure]
@@ -433,13 +435,15 @@ class HttpBackend:
                 time.perf_counter() - started, self.instance, status, error_type
             )
 
-    async def _post(
+    async def _send_single_request(
         self,
         path: str,
         payload: Any,
         propagated: trace_context.TraceHeaders | None,
         decode: Decode = orjson.loads,
     ) -> tuple[Any, int]:
+        """The request itself, as bytes on the lean transport or through httpx's; a
+        refusal or a failure classified (`BackendCallError`), the answer decoded."""
         content = orjson.dumps(payload)
         try:
             if self._lean is not None:
@@ -461,7 +465,7 @@ class HttpBackend:
                     "content-type": "application/json",
                     **(propagated[0] if propagated else {}),
                 }
-                status, body = await self._streamed_post(path, content, headers)
+                status, body = await self._send_via_httpx(path, content, headers)
         except httpx.TimeoutException as exc:
             raise BackendCallError(Failure.TIMEOUT, type(exc).__name__) from None
         except httpx.TransportError as exc:
@@ -494,7 +498,7 @@ class HttpBackend:
             # reports it as a decoding error.
             raise BackendCallError(Failure.MALFORMED, "response is not JSON", status) from None
 
-    async def _streamed_post(
+    async def _send_via_httpx(
         self, path: str, content: bytes, headers: dict[str, str]
     ) -> tuple[int, bytes]:
         """A POST on httpx's own transport (https, proxies), its answer read raw and
