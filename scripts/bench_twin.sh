@@ -23,12 +23,18 @@ mkdir -p "$out"
 pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; true' EXIT  # no llama-server outlives us
 
+twin() {  # the twin's file for a head, named where `prepare` names it
+  .venv/bin/python -c "import sys; from pathlib import Path
+from rerank_server.managed.converted import speed_twin_path
+print(speed_twin_path(Path(sys.argv[1]), sys.argv[2], 'q8_0'))" "$cache" "$1"
+}
+
 while read -r name path llama; do
   [ -z "$name" ] && continue
-  model="$cache/models/qwen3-reranker-0.6b-speed-twin2-lm.q8_0.gguf"
+  model=$(twin lm)
   slots=$(echo "$llama" | sed -n 's/.*-np \([0-9]*\).*/\1/p')
   if [ "$path" = rerank ]; then
-    model="$cache/models/qwen3-reranker-0.6b-speed-twin2-rank.q8_0.gguf"
+    model=$(twin rank)
     llama="$llama --rerank"
   fi
   # shellcheck disable=SC2086  # the settings are words

@@ -115,7 +115,7 @@ async def map_pairs(
     count: int,
     one: Callable[[int], Awaitable[PairOutcome]],
     emit: Emit,
-    calls: CallTasks | None = None,
+    calls: CallTasks,
 ) -> None:
     """Run `one(i)` for every pair concurrently, emitting each outcome as it lands.
 
@@ -128,7 +128,6 @@ async def map_pairs(
     """
     if not count:
         return
-    registry = calls if calls is not None else CallTasks()
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
     left = count
@@ -137,7 +136,7 @@ async def map_pairs(
         nonlocal left
         me = asyncio.current_task()
         assert me is not None
-        registry.own(me)  # here, not after create_task: an eager task factory runs it first
+        calls.own(me)  # here, not after create_task: an eager task factory runs it first
         try:
             emit(await one(i))
         except Exception as exc:  # a bug: the scorer crashes, as a task group would
@@ -146,7 +145,7 @@ async def map_pairs(
             else:
                 finished.set_exception(exc)
         finally:
-            registry.done(me)
+            calls.done(me)
             left -= 1
             if not left and not finished.done():
                 finished.set_result(None)
@@ -156,7 +155,7 @@ async def map_pairs(
         await finished
     finally:
         for task in tasks:
-            registry.let_go(task)
+            calls.let_go(task)
 
 
 def failed_all(indexes: Sequence[int], exc: BackendCallError, emit: Emit) -> None:
