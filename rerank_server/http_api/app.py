@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from importlib.resources import files
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -46,6 +46,7 @@ from .convert import (
     validation_message,
 )
 from .gate import DOCS_ASSETS, Gate
+from .route import DecodedBodyRoute
 
 # Said on every rerank answer that was not fully reranked, in every shape: TEI's answer is
 # a bare list, so a header is its only place for it.
@@ -238,25 +239,24 @@ def create_app(
 
         return rerank
 
+    refusals: dict[int | str, dict[str, Any]] = {
+        401: {"model": m.Error},
+        422: {"model": m.Error},
+        429: {"model": m.Error},
+    }
     for version in ("1", "2"):
-        app.post(
+        app.router.add_api_route(
             f"/v{version}/rerank",
+            cohere(version),
+            methods=["POST"],
             response_model=m.CohereRerankResponse,
             response_model_exclude_none=True,
             tags=["rerank"],
             summary=f"Rerank, Cohere/Jina API v{version} shape",
-            responses={401: {"model": m.Error}, 422: {"model": m.Error}, 429: {"model": m.Error}},
-        )(cohere(version))
+            responses=refusals,
+            route_class_override=DecodedBodyRoute,
+        )
 
-    @app.post(
-        "/rerank",
-        response_model=list[m.TeiResult] | m.CohereRerankResponse,
-        response_model_exclude_none=True,
-        tags=["rerank"],
-        summary="Rerank: text-embeddings-inference's shape (`texts`), or the "
-        "Cohere-style one Infinity and vLLM clients send here (`documents`)",
-        responses={401: {"model": m.Error}, 422: {"model": m.Error}, 429: {"model": m.Error}},
-    )
     async def root_rerank(
         body: m.RootRerankRequest, response: Response
     ) -> list[m.TeiResult] | m.CohereRerankResponse:
@@ -280,6 +280,19 @@ def create_app(
             )
             for r, relevance in zip(results, relevance_scores(results), strict=True)
         ]
+
+    app.router.add_api_route(
+        "/rerank",
+        root_rerank,
+        methods=["POST"],
+        response_model=list[m.TeiResult] | m.CohereRerankResponse,
+        response_model_exclude_none=True,
+        tags=["rerank"],
+        summary="Rerank: text-embeddings-inference's shape (`texts`), or the "
+        "Cohere-style one Infinity and vLLM clients send here (`documents`)",
+        responses=refusals,
+        route_class_override=DecodedBodyRoute,
+    )
 
     @app.get(
         "/health",

@@ -102,10 +102,6 @@ def validation_message(errors: Sequence[Any]) -> str:
     if loc[-1:] == ("str",) and isinstance(first.get("input"), dict):
         first = next((e for e in errors if "Document" in e.get("loc", ())), first)
         loc = tuple(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error", "")
-        at = f" at character {loc[1]}" if len(loc) > 1 else ""
-        return f"body: not valid JSON{at}" + (f" ({reason})" if reason else "")
     return f"{_field(loc)}: {first['msg']}"
 
 

@@ -2,8 +2,10 @@
 
 Token and concurrency cap from the headers, before any byte of the body; then the body,
 read whole here, counted against `--max-inflight-bytes` as it arrives (429), against
-`--max-message-bytes` (413) and within `BODY_TIMEOUT_S` (408). Refusals are JSON
-`{"message": ...}` and are logged as the routes' answers are (docs/http.md).
+`--max-message-bytes` (413) and within `BODY_TIMEOUT_S` (408), and decoded once
+(`wire.py`: 422 for a body of the wrong shape) for the route to validate (`route.py`).
+Refusals are JSON `{"message": ...}` and are logged as the routes' answers are
+(docs/http.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.request import RequestRules
 from ..security.tokens import TokenSet
 from . import wire
+from .route import DECODED
 
 # Open without a token: load balancers and probes carry none; the API description says
 # nothing about the deployment (docs/security.md).
@@ -143,16 +146,15 @@ class Gate:
         try:
             if await self._busy(scope, send):  # others came in while this body arrived
                 return
-            try:
-                shaped = (
-                    wire.checked(path, body, self._rules) if scope["method"] == "POST" else body
-                )
-            except wire.ShapeError as exc:
-                await self._refuse(scope, send, 422, str(exc), {})
-                return
+            if scope["method"] == "POST":
+                try:
+                    scope[DECODED] = wire.decoded(path, body, self._rules)
+                except wire.ShapeError as exc:
+                    await self._refuse(scope, send, 422, str(exc), {})
+                    return
             self.active += 1
             try:
-                await self._app(scope, _replay(shaped, receive), send)
+                await self._app(scope, _replay(body, receive), send)
             finally:
                 self.active -= 1
         finally:

@@ -1,26 +1,24 @@
-"""A rerank body's JSON, checked for shape before FastAPI parses it.
+"""A rerank body's JSON, parsed once and checked for shape on the way.
 
-FastAPI parses a body with the standard library's `json.loads`, which builds every value
-the body holds before pydantic looks at any of them. A 16 MiB body of small nested
-arrays (`"documents": [[[[1]]]], ...`, or the same under a field the API ignores) became
-711 MB of Python lists in 14.6 s of blocked event loop, only to be refused. Here msgspec
-decodes the body against the request's shape first, in C, and stops at the first value
-that cannot belong (an array or object where a scalar goes), having built nothing of
-the rest; unknown fields are skipped without being built. What passes is encoded again
-from the known fields only, so FastAPI's own parse (and its validation messages) sees
-no more than the shape allows. A legitimate body costs tens of microseconds more.
+msgspec decodes the body against the request's shape, in C, and stops at the first value
+that cannot belong (an array or object where a scalar goes), having built nothing of the
+rest; fields the API does not know are skipped without being built. The standard
+library's parser would build every value the body holds first: a 16 MiB body of small
+nested arrays (`"documents": [[[[1]]]], ...`, or the same under an ignored field) is
+hundreds of MB of Python lists and seconds of blocked event loop, only to be refused.
+What passes is handed to FastAPI as the parsed body (`route.py`), which validates it
+against the pydantic models (their messages name the field); it is not parsed again.
 
 Scalars are left loose (any of string, number, boolean, null) so that pydantic still
 reports a wrong type in its own words; containers are what this layer bounds. Document
 objects hold scalar fields only (their extra fields feed `rank_fields`, read as text), at
-most `MAX_DOCUMENT_FIELDS` of them: one 15 MiB document object of 1.3 million fields
-passed, and cost 333 MiB and 3 s of blocked loop as the standard library and pydantic
-built it twice more. Too many documents are refused here too, by count, before
-pydantic builds them (`--max-request-candidates`).
+most `MAX_DOCUMENT_FIELDS` of them. Too many documents are refused here, by count,
+before pydantic builds them (`--max-request-candidates`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any
 
@@ -88,7 +86,6 @@ _WHOLE: _Decoders = {
 # A UTF-16 surrogate escape; in a copy only ever checked for shape, so an escaped
 # backslash before one (literal text) changing too does no harm.
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_ENCODER = msgspec.json.Encoder()
 _AT = re.compile(r" - at `\$(.*)`$")
 _MALFORMED = re.compile(r"^JSON is malformed: (.*) \(byte (\d+)\)$")
 
@@ -97,11 +94,11 @@ class ShapeError(ValueError):
     """The body cannot be this route's request: `str(exc)` is `field: problem`."""
 
 
-def checked(path: str, body: bytes, rules: RequestRules) -> bytes:
-    """`body` cut to the known fields of `path`'s request, as JSON; ShapeError when it
-    is not JSON, holds a container where the request has a scalar, a document object
-    of more than `MAX_DOCUMENT_FIELDS` fields, or more documents than `rules` allow
-    (counted here, before pydantic builds them: 5.6 million `{}` took it 34 s)."""
+def decoded(path: str, body: bytes, rules: RequestRules) -> dict[str, Any]:
+    """`body` as `path`'s request: its known fields, as the standard library's parser
+    would give them. ShapeError when it is not JSON, holds a container where the request
+    has a scalar, a document object of more than `MAX_DOCUMENT_FIELDS` fields, or more
+    documents than `rules` allow (counted before pydantic builds any)."""
     try:
         request = _DECODERS[path].decode(body)
     except msgspec.ValidationError as exc:
@@ -112,13 +109,20 @@ def checked(path: str, body: bytes, rules: RequestRules) -> bytes:
         if whole is None:
             raise ShapeError(_malformed(str(exc))) from None
         _count(whole, rules)
-        return body
+        # The shape holds, nothing else is beside it: the standard library reads the
+        # surrogates msgspec cannot hold, and the app names the field that has one.
+        parsed: dict[str, Any] = json.loads(body)
+        return parsed
     except UnicodeDecodeError:
         raise ShapeError(f"body: not valid UTF-8 at byte {_bad_utf8_at(body)}") from None
     except RecursionError:  # skipping an unknown field nested a thousand deep
         raise ShapeError("body: nested too deeply") from None
     _count(request, rules)
-    return _ENCODER.encode(request)
+    return {
+        name: value
+        for name in request.__struct_fields__
+        if (value := getattr(request, name)) is not _UNSET
+    }
 
 
 def _count(request: _Cohere, rules: RequestRules) -> None:
@@ -146,9 +150,7 @@ def _bad_utf8_at(body: bytes) -> int | str:
 def _with_surrogates(path: str, body: bytes) -> _Cohere | None:
     """`body`, which msgspec refused for a lone surrogate escape, decoded with the
     surrogates blanked when it may go on as it is (None when not): it has that request's
-    shape and nothing beside (no unknown field whose contents would be built unchecked).
-    The standard library's parser then reads the surrogate, and the app names the field
-    that holds it (`is not valid Unicode`), as before this layer existed."""
+    shape and nothing beside (no unknown field whose contents would be built unchecked)."""
     try:
         whole: _Cohere = _WHOLE[path].decode(_SURROGATE.sub(rb"\\u0020", body))
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):

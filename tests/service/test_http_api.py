@@ -176,6 +176,40 @@ async def test_return_documents_gives_each_document_back_as_sent(
     assert lone.json()["message"] == "documents[0].url: is not valid Unicode (a lone surrogate)"
 
 
+async def test_a_rerank_body_is_parsed_once(
+    http_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate's decode (msgspec) is the body's only parse: FastAPI validates what it
+    decoded instead of reading the bytes again. A body with a lone surrogate escape,
+    which msgspec cannot hold, is read by the standard library once, after its shape."""
+    bodies = {
+        "/v1/rerank": json.dumps({"query": "cats", "documents": DOCS, "top_n": 2}),
+        "/v2/rerank": json.dumps({"query": "cats", "documents": DOCS}),
+        "/rerank": json.dumps({"query": "cats", "texts": DOCS}),
+    }
+    lone = '{"query": "q", "documents": [{"text": "a", "url": "\\ud800"}, "b"]}'
+    parsed: list[str] = []
+    loads = json.loads
+
+    def counting(text: str | bytes, *args: Any, **kwargs: Any) -> Any:
+        as_text = text.decode() if isinstance(text, bytes) else text
+        if as_text in (*bodies.values(), lone):
+            parsed.append(as_text)
+        return loads(text, *args, **kwargs)
+
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    async with httpx.AsyncClient(base_url=base_url(http_server), headers=headers) as http:
+        monkeypatch.setattr(json, "loads", counting)
+        answers = [await http.post(path, content=body) for path, body in bodies.items()]
+        surrogate = await http.post("/v1/rerank", content=lone)
+        monkeypatch.undo()
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert answers[0].json()["results"][0]["index"] == 0
+    assert len(answers[2].json()) == len(DOCS)
+    assert surrogate.status_code == 200, surrogate.json()
+    assert parsed == [lone]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
