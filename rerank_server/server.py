@@ -298,9 +298,9 @@ async def serve(
 def freeze_startup_objects() -> None:
     """Put what startup built (modules, the servers, the app) beyond the cyclic garbage
     collector: its full collections then walk only what requests allocate. Tracing keeps
-    every span alive until its batch is exported, which triggers full collections; with
-    the startup objects in them they cost 0.3 ms per request, about a quarter of what
-    tracing added (docs/observability.md, "What telemetry costs").
+    every span alive until its batch is exported, which triggers full collections, and
+    with the startup objects in them those were a large part of what tracing costs
+    (docs/observability.md, "What telemetry costs").
 
     The youngest generation is collected every 10,000 net allocations instead of 700: a
     request allocates thousands of containers (a `completion` answer alone decodes into

@@ -148,11 +148,10 @@ async def _load(
     pairs at once, one limit of `slots` for them all, as rerank-server's `--concurrency`
     is) and through rerank-server (a connection per client). Each path runs for `seconds`
     in two halves, in the order direct, through, through, direct: a backend that slows
-    down over a run (llama-server's `/v1/rerank` did on a GPU, by more than half in 10 s) then
-    weighs on both alike instead of on whichever came second. A request still running
-    when the time is up counts when it ends, over the time it took. Only pairs scored
-    count; those that were not (a failed call, a degraded answer) are reported beside
-    the rates, and a failed request does not stop the run."""
+    down over a run then weighs on both alike instead of on whichever came second. A
+    request still running when the time is up counts when it ends, over the time it
+    took. Only pairs scored count; those that were not (a failed call, a degraded
+    answer) are reported beside the rates, and a failed request does not stop the run."""
 
     async def rate(
         one: Callable[[int, int], Awaitable[int]], span: float

@@ -173,8 +173,8 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
         environ=os.environ,
         amx_free_build=llama_build.is_amx_free_build(binary, cache),
     )
-    # As managed mode runs it: without the host-memory prompt cache, which grew the
-    # stand-in to 3.5 GB over one streaming scenario (and slows every task as it grows).
+    # As managed mode runs it: without the host-memory prompt cache, which grows
+    # without bound over a run and slows every task as it grows (docs/decisions.md).
     proc = subprocess.Popen(
         [
             str(binary),

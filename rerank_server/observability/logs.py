@@ -63,9 +63,9 @@ class _LineWriter:
 
 
 def _json_line(event: Any, **options: Any) -> str:
-    """An event as compact JSON, by orjson: for the `rpc` line the standard library's
-    encoder took 5.3 µs in a loop, orjson 0.4. `options` carries structlog's `default`
-    for objects JSON cannot hold (rendered with `repr`)."""
+    """An event as compact JSON, by orjson (an order of magnitude faster than the
+    standard library's encoder on the `rpc` line). `options` carries structlog's
+    `default` for objects JSON cannot hold (rendered with `repr`)."""
     try:
         return orjson.dumps(
             event, default=options.get("default"), option=orjson.OPT_NON_STR_KEYS

@@ -92,8 +92,8 @@ class Telemetry:
 
     def step(self, name: str) -> AbstractContextManager[trace.Span]:
         """The span of one CPU-only step of a request, current inside the `with` block,
-        with `--trace-steps`. Otherwise nothing: even OpenTelemetry's no-op tracer built
-        two context managers and switched the context for each, about 10 µs a step."""
+        with `--trace-steps`. Otherwise nothing: even OpenTelemetry's no-op tracer builds
+        two context managers and switches the context for each step."""
         if self.tracer_provider is None or not self.trace_steps:
             return _UNTRACED
         return self.tracer.start_as_current_span(name)

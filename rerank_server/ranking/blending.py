@@ -182,7 +182,7 @@ class Settled:
     def finals(self, ranked: Iterable[tuple[int, float | None]]) -> list[float]:
         """`final` of each (rank, score): `normalized` and the blend inline, one loop for
         a whole request's scores (the clip as comparisons, `retrieval_input` as
-        `1.0 / rank`: 0.35 against 0.8 µs a score)."""
+        `1.0 / rank`), which is what the pipeline's hot loop calls."""
         weight, low, span = self.weight, self.low, self.high - self.low
         keep = 1.0 - weight
         flat = span <= _FLAT

@@ -46,7 +46,8 @@ _WRAP_AT = (" ", "\t", "\u3000", "\u00a0")
 _TIE = 1e-9
 PIECES_PER_WINDOW = 16
 # Longer texts to cut than this in one request are cut off the event loop (`pipeline`):
-# 128 KiB is 20-50 ms of work here, depending on how many query words the text holds.
+# below it the work is too short to be worth a thread's hand-off, above it long enough
+# to hold up other requests (docs/decisions.md, "Figures behind the code's bounds").
 CHUNK_ON_LOOP_CHARS = 128 * 1024
 
 
@@ -132,10 +133,9 @@ def best_chunk(text: str, max_chars: int, weights: Mapping[str, float]) -> str:
         return text[:max_chars]
     counts = _piece_counts(text, pieces, weights)
     # The window's score is kept up to date as pieces enter and leave it, term by term:
-    # the work is the document's matching words, once in and once out. Scoring the whole
-    # window afresh at each step cost pieces x distinct terms, and a hostile document of
-    # short sentences made of a long query's words (26,000 pieces, 1,000 terms) held the
-    # event loop for 90 s.
+    # the work is the document's matching words, once in and once out, where scoring the
+    # whole window afresh at each step is pieces x distinct terms, which a hostile
+    # document of short sentences made of a long query's words makes huge.
     log1p = math.log1p
     best_score, best_span = -1.0, pieces[0]
     window: dict[str, int] = {}

@@ -47,7 +47,8 @@ class RequestRules:
 
     def echoable_id(self, request_id: str) -> str:
         """`request_id` as a refusal may log or echo it: "" when it is over its limit
-        (which may be why the request is refused; a 10 MB id made a 10 MB log line)."""
+        (which may be why the request is refused: an id of any size would otherwise go
+        into the log line whole)."""
         return request_id if len(request_id) <= self.max_id_chars else ""
 
 

@@ -283,8 +283,9 @@ class ScoreCache:
 
     def _purge(self, now: float) -> None:
         """Delete the expired rows on the writer thread, at most every `PURGE_EVERY_S`:
-        the file would otherwise only grow (about 60 bytes a pair) between restarts, and
-        at start-up the scan (about 0.7 s a million rows) would hold up the event loop."""
+        the file would otherwise only grow between restarts, and the start-up scan that
+        grows with it would hold up the event loop (docs/decisions.md, "Figures behind
+        the code's bounds")."""
         if self._disk is None or self._writer is None or now - self._purged < PURGE_EVERY_S:
             return
         self._purged = now

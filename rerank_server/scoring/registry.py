@@ -51,8 +51,8 @@ def build_scorer(settings: Settings, pool: BackendPool) -> Scorer:
                 max_batch=s.max_batch,
             )
         case BackendKind.EMBEDDING:
-            # Imported here: it brings numpy, 15 MB and 65 ms of start-up in every
-            # server process, which only this backend uses.
+            # Imported here: it brings numpy, memory and start-up time in every server
+            # process, which only this backend uses.
             from .backends.embedding import EmbeddingScorer
 
             return EmbeddingScorer(pool, model=s.model, max_batch=s.max_batch)

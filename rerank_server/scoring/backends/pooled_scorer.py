@@ -66,8 +66,8 @@ MAX_MODEL_CHARS = 256
 
 def model_name(reported: str) -> str:
     """llama-server reports the model's file path; callers need only its name. At most
-    MAX_MODEL_CHARS of it: the name goes into every answer, log line and cache key, and a
-    backend that named its model with 20 MB made every answer too large to send."""
+    MAX_MODEL_CHARS of it: the name goes into every answer, log line and cache key, and
+    a backend's name of any length would make every answer too large to send."""
     return reported.rsplit("/", 1)[-1][:MAX_MODEL_CHARS]
 
 
