@@ -16,10 +16,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
-from ..managed import amx, assets, llama_build
+from ..managed import assets, foreground, llama_build
 from ..managed.child_process import free_port
+from ..managed.foreground import stop, wait_healthy
 from ..managed.llama_server import RAM_CACHE_OFF
 from ..settings import load
 
@@ -40,20 +39,6 @@ def cpu_ns(pid: int) -> int:
     )
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
-
-
 def _wait_port(
     port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30, name: str = "rerank-server"
 ) -> None:
@@ -66,14 +51,6 @@ def _wait_port(
                 return
         time.sleep(0.1)
     raise RuntimeError(f"{name} did not start listening")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @contextmanager
@@ -91,7 +68,7 @@ def fake_backend(latency_ms: float = 0.0) -> Iterator[str]:
         ]
     )
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)
@@ -165,37 +142,10 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
     cache = settings.cache_dir
     binary = llama_build.resolve_llama_server(None, cache, build=False, amx_mode=settings.llama_amx)
     model = assets.resolve_model(None, cache, fetch_missing=False)
-    port = free_port()
-    # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
-    decision = amx.decide(
-        settings.llama_amx,
-        args=extra,
-        environ=os.environ,
-        amx_free_build=llama_build.is_amx_free_build(binary, cache),
-    )
     # As managed mode runs it: without the host-memory prompt cache, which grows
     # without bound over a run and slows every task as it grows (docs/decisions.md).
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "-m",
-            str(model),
-            "--port",
-            str(port),
-            "-np",
-            str(slots),
-            "-c",
-            str(slots * 2048),
-            "--no-webui",
-            *RAM_CACHE_OFF,
-            *extra,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=decision.env(os.environ),
-    )
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
+    args = ["-np", str(slots), "-c", str(slots * 2048), *RAM_CACHE_OFF, *extra]
+    with foreground.llama_server(
+        binary, model, args, cache=cache, amx_mode=settings.llama_amx
+    ) as served:
+        yield served.url

@@ -200,7 +200,7 @@ def _prepare(
                 "made_by": "rerank_server/managed/speed_twin.py: Qwen3-0.6B sizes, "
                 "random weights (seed 0), SmolLM2's tokenizer",
             }
-            for path in prepare_speed_twin(cache, speed_twin, binary)
+            for path in prepare_speed_twin(cache, speed_twin, binary, amx_mode)
         }
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

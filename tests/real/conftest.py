@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,7 @@ import httpx
 import pytest
 
 from rerank_server import settings
-from rerank_server.managed import amx, assets, converted, downloads, llama_build
-from rerank_server.managed.child_process import free_port
+from rerank_server.managed import assets, converted, downloads, foreground, llama_build
 from rerank_server.managed.llama_server import ManagedLlamaServer
 
 SLOTS = 4
@@ -102,50 +100,16 @@ def real_rank_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLla
 def _serve(
     binary: Path, model: Path, tmp_path_factory: pytest.TempPathFactory, args: list[str]
 ) -> Iterator[RealLlama]:
-    port = free_port()
     log = tmp_path_factory.mktemp("llama") / "llama-server.log"
     loaded = settings.load([])
-    # As managed mode starts it: on a CPU with AMX, kept out of llama.cpp's AMX kernels.
-    decision = amx.decide(
-        loaded.llama_amx,
-        args=args,
-        environ=os.environ,
-        amx_free_build=llama_build.is_amx_free_build(binary, loaded.cache_dir),
-    )
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(binary),
-                "-m",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--no-webui",
-                *args,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=decision.env(os.environ),
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"llama-server exited ({proc.returncode}): {log.read_text()[-2000:]}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("llama-server did not become ready in 120 s")
-    yield RealLlama(url, binary, model, proc)
-    proc.terminate()
-    proc.wait(10)
+            with foreground.llama_server(
+                binary, model, args, cache=loaded.cache_dir, amx_mode=loaded.llama_amx, output=out
+            ) as served:
+                yield RealLlama(served.url, binary, model, served.proc)
+        except foreground.NotReady as exc:
+            pytest.fail(f"llama-server {exc}: {log.read_text()[-2000:]}")
 
 
 async def healthy(managed: ManagedLlamaServer, not_pid: int) -> bool:
