@@ -21,7 +21,7 @@ there is nothing to find out there:
   source, built here into the managed build's folder (a minute, once).
 
 `.gpu/` is ignored by git. `scripts/gpu_run.sh` runs the steps there; docs/benchmarks.md
-("For the session that is lent a GPU") gives the three calls.
+("On a GPU: through rerank-server against direct") gives the three calls.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One step of the GPU measurement, on the `device` machine (docs/benchmarks.md, "For the
-# session that is lent a GPU"); `scripts/gpu_pack.py` prepared what the calls carry.
+# One step of the GPU measurement, on the `device` machine (docs/benchmarks.md, "On a
+# GPU: through rerank-server against direct"); `scripts/gpu_pack.py` prepared what the
+# calls carry.
 #
 #   bash scripts/gpu_run.sh build       carry .gpu/a: CUDA build of the pinned llama-server
 #   bash scripts/gpu_run.sh chat        carry .gpu/b: SmolLM2 chat, direct and through
