@@ -299,8 +299,8 @@ def freeze_startup_objects() -> None:
     """Put what startup built (modules, the servers, the app) beyond the cyclic garbage
     collector: its full collections then walk only what requests allocate. Tracing keeps
     every span alive until its batch is exported, which triggers full collections, and
-    with the startup objects in them those were a large part of what tracing costs
-    (docs/observability.md, "Cost").
+    with the startup objects in them those would be a large part of what tracing costs
+    (docs/decisions.md).
 
     The youngest generation is collected every 10,000 net allocations instead of 700: a
     request allocates thousands of containers (a `completion` answer alone decodes into

@@ -96,7 +96,7 @@ class Settings:
             minimum=1,
             maximum=2**31 - 1,
         ),
-    )  # gRPC takes a 32-bit int: more was an OverflowError
+    )  # gRPC takes a 32-bit int: more is an OverflowError
     tls_cert: str = field(
         default="",
         metadata=_opt(
@@ -155,7 +155,7 @@ class Settings:
             minimum=1024,
             maximum=2**31 - 1,
         ),
-    )  # gRPC takes a 32-bit int: more was an OverflowError
+    )  # gRPC takes a 32-bit int: more is an OverflowError
     max_inflight_bytes: int = field(
         default=64 * 1024 * 1024,
         metadata=_opt(

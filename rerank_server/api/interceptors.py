@@ -2,8 +2,8 @@
 authentication, load shedding, RPC metrics.
 
 The server span (with tracing on) is ours rather than OpenTelemetry's gRPC interceptor:
-a second interceptor layer cost half of what tracing added per request (about 0.5 ms,
-docs/observability.md, "Cost"). It follows the same conventions: named after the full
+a second interceptor layer would be half of what tracing adds to a request
+(docs/decisions.md). It follows the same conventions: named after the full
 method (`/rerank.v1.Reranker/Rerank`), kind SERVER, `rpc.system`, `rpc.service`,
 `rpc.method` and `rpc.grpc.status_code`, a child of the caller's span when the metadata
 carries a W3C `traceparent`. Health and reflection calls (`grpc.*`) are not traced.

@@ -125,8 +125,8 @@ class RerankService:
         """The response, logged and counted; AnswerTooLarge if gRPC could not send it.
         Only answers that can grow past the request are measured (measuring costs about
         a serialization): those with texts, and those whose lists' names may add up
-        (`_lists_may_overflow`: each result names every list it was found in; 8 lists
-        of 512-character names over 100 ids made a 13.6 KB request's answer 415 KB).
+        (`_lists_may_overflow`: each result names every list it was found in, so long
+        list names multiply by the results).
         Without, a response's size is bounded far below the limit by the request's own
         caps."""
         response = convert.response_to_pb(results, summary)

@@ -71,7 +71,7 @@ class Gate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
-        elif self._tracer is not None and scope["path"] in RERANK_PATHS:
+        elif self._tracer is not None and route_path(scope) in RERANK_PATHS:
             await self._traced(self._tracer, scope, receive, send)
         else:
             await self._gated(scope, receive, send)
@@ -83,7 +83,7 @@ class Gate:
         of the caller's span when its headers carry one (`traceparent`), refusals
         included. Current throughout, so the request's scoring reports into it
         (`Telemetry.request_span`) and its log line carries its ids."""
-        method, route = scope["method"], scope["path"]
+        method, route = scope["method"], route_path(scope)
         opened = open_server_span(
             tracer,
             f"{method} {route}",
@@ -91,7 +91,7 @@ class Gate:
             {
                 "http.request.method": method,
                 "http.route": route,
-                "url.path": route,
+                "url.path": scope["path"],
                 "url.scheme": scope.get("scheme", "http"),
             },
         )
@@ -116,7 +116,7 @@ class Gate:
     async def _gated(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[ARRIVED] = time.perf_counter()
         headers = Headers(scope=scope)
-        path = scope["path"]
+        path = route_path(scope)
         if (
             path not in OPEN_PATHS
             and not path.startswith(f"{DOCS_ASSETS}/")
@@ -231,7 +231,7 @@ class Gate:
         """A rerank request refused before the app saw it, with its `rpc` log line (its
         `total_ms` from the head's arrival: a 408 or 422 can follow a slow body)."""
         rpc_failed(
-            f"{scope['method']} {scope['path']}",
+            f"{scope['method']} {route_path(scope)}",
             "",
             scope[ARRIVED],
             str(status),
@@ -242,6 +242,18 @@ class Gate:
 
 
 ARRIVED = "rerank.arrived"  # the scope's key for when the gate first saw the request
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app's router matches: without the `root_path` an ASGI server or a
+    mount puts in front (as Starlette's router reads it), so a rerank route is never
+    reached around the gate."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
+        return path[len(root) :]
+    return path
+
 
 # After a refusal mid-body the rest of it would still be read and thrown away: hang up.
 _CLOSE = {"Connection": "close"}

@@ -45,7 +45,7 @@ HEAD_TIMEOUT_S = 10.0  # from connecting, or from the previous response, to a wh
 SEND_STALL_S = 30.0  # an answer its client takes nothing of for this long: connection closed
 # A connection over the cap is answered 503 and read (its bytes dropped) this long before
 # it is closed: closing with its request unread would reset it, and the client would see
-# the reset instead of the 503 (it did, for every request with a 100 KB body).
+# the reset instead of the 503 (as it does when a request's body is still arriving).
 REFUSED_LINGER_S = 1.0
 MAX_LINGERING = 64  # refused connections lingering at once, per server; past it: closed at once
 TLS_SHUTDOWN_S = 5.0  # asyncio waits 30 s for a client's close_notify, the connection held

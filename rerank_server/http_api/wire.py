@@ -126,8 +126,8 @@ def decoded(path: str, body: bytes, rules: RequestRules) -> dict[str, Any]:
 
 
 def _count(request: _Cohere, rules: RequestRules) -> None:
-    """The candidate cap (`check_candidate_count`), before any document is built: the
-    only place a JSON request's documents are counted."""
+    """The candidate cap (`check_candidate_count`), before any document is built
+    (validation applies it again to the request it builds, as for gRPC)."""
     for field in ("texts", "documents"):
         documents = getattr(request, field, _UNSET)
         if documents is not _UNSET:

@@ -135,7 +135,7 @@ def prepare_model(
     """The stand-in GGUF in `cache/models`, verified by size and sha256 when extracted;
     one already there by its size, and with `verify` (`rerank-server prepare`) by its
     sha256 too, extracted again when it does not match (a file of the right size with a
-    damaged header was "ready", and llama-server then exited with code 1)."""
+    damaged header would pass the size check and fail in llama-server)."""
     target = cache / "models" / model.name
     if target.exists() and target.stat().st_size == model.size:
         if not verify or sha256_of(target) == model.sha256:

@@ -9,6 +9,7 @@ itself supervises its child asynchronously (`llama_server.py`).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import subprocess
 import time
@@ -46,7 +47,7 @@ def wait_healthy(
         if proc.poll() is not None:
             raise NotReady(how_it_ended(proc.returncode))
         with (
-            contextlib.suppress(OSError),
+            contextlib.suppress(OSError, http.client.HTTPException),
             urllib.request.urlopen(url, timeout=1) as answer,
         ):
             if answer.status == 200:

@@ -1,15 +1,16 @@
 """The server's metric instruments, made through OpenTelemetry's SDK or straight in the
 Prometheus endpoint's registry.
 
-A record through the SDK costs 2-8 µs: it copies, checks and hashes the attributes of
-every measurement, then looks up the stream under a lock. A rerank request makes about
-ten (the RPC's duration and in-flight count, the request's counts and durations), a
-`chat` request forty more (one per backend call), and on a batching backend that was
-4-5% of a request's CPU. When metrics go only to the Prometheus endpoint (the default),
+A record through the SDK copies, checks and hashes the attributes of every measurement,
+then looks up the stream under a lock. A rerank request makes about ten (the RPC's
+duration and in-flight count, the request's counts and durations), a `chat` request
+forty more (one per backend call), which on a batching backend is a visible share of a
+request's CPU (docs/decisions.md). When metrics go only to the Prometheus endpoint (the
+default),
 each instrument is instead a prometheus_client family in that endpoint's registry,
 under the name, unit, labels and buckets OpenTelemetry's exporter gives the same
 instrument (`tests/unit/test_metrics.py` holds the two renderings equal): a record is
-then a tuple, a dict lookup and an increment, about 1 µs. With OTLP metrics on, the SDK
+then a tuple, a dict lookup and an increment. With OTLP metrics on, the SDK
 records, so both exports carry every measurement.
 
 The direct families declare their attribute keys up front (the exporter gives a family

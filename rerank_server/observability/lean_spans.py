@@ -1,18 +1,15 @@
 """The server's spans, recorded without the SDK's per-span generality.
 
-Measured (issue 17, docs/observability.md "Cost"): with tracing on, a `rerank` request at
-40 candidates cost 5% more instructions than without, and every one of them was the
-request's one server span: the SDK's `start_span` and `end` with our wrappers took about
-295,000 instructions (valgrind), most of it checking and copying attributes one by one
-(an ABC `isinstance` per value, a lock per attribute set) and building lists for events
-and links no span of ours has. The time cost was larger still (8-13% of the request's
-CPU): at the bound issue 17 sets for telemetry.
+With tracing on, a request's one server span is most of what tracing costs when made
+through the SDK's `start_span` and `end`: checking and copying attributes one by one (an
+ABC `isinstance` per value, a lock per attribute set) and building lists for events and
+links no span of ours has (docs/decisions.md has the figures).
 
 A `LeanSpan` keeps what a span means and drops that generality:
 - Kept from the SDK's provider: the sampler (`OTEL_TRACES_SAMPLER[_ARG]` and parent
   sampling), the id generator, the resource, and the span processors; a lean span ends as
-  the same `ReadableSpan` an SDK span hands its processors, so every exporter works as it
-  did.
+  the same `ReadableSpan` an SDK span hands its processors, so every exporter works as
+  with SDK spans.
 - Dropped: checking and copying each attribute through the SDK's bounded mapping (a
   str, bool, int or float is stored as it is; only other values go through it), the
   sampler's result objects when the sampler is the default one (the same decision, made

@@ -6,7 +6,7 @@ lets that reserve grow with the lag, so an admitted request is still answered be
 deadline when the loop is slow.
 
 Sampling costs a wake-up of the loop each time, which an idle sidecar should not pay 20
-times a second (it was two thirds of an idle server's wake-ups). So the sampler takes a
+times a second (it would be most of an idle server's wake-ups). So the sampler takes a
 sample every `INTERVAL_S` while requests read the lag, and every `IDLE_INTERVAL_S` once
 none has for `WINDOW_S`. It does not stop: the loop can fall behind while this server
 has nothing to do (a llama-server on the same cores working for someone else, a

@@ -92,9 +92,9 @@ def _pieces(text: str, max_chars: int) -> list[tuple[int, int]]:
     the window is hard-wrapped at word boundaries.
 
     Windows thus start within a sixteenth of a sentence start, and a document has about
-    16 x its length / max_chars pieces whatever its sentence count. (One piece per
-    sentence made a document of 131,072 characters in "w123. " sentences 21,845 pieces,
-    each found by a match in Python; the regex engine now skips the short ones.)"""
+    16 x its length / max_chars pieces whatever its sentence count: a document of many
+    tiny sentences does not become as many pieces, and the regex engine, not Python,
+    skips the short ones."""
     floor = max(1, max_chars // PIECES_PER_WINDOW)
     out: list[tuple[int, int]] = []
     ends = _SENTENCE_END_WIDE if _HAS_WIDE_END.search(text) else _SENTENCE_END

@@ -287,7 +287,7 @@ def apply_threshold(
             reached_floor = True
             break
         # The last step lands on the floor itself: stepping only by whole steps, a floor
-        # between two of them was never tried, and what passed it was dropped.
+        # between two of them would never be tried, and what passes it would be dropped.
         t, steps = max(round(t - step, 9), floor), steps + 1
     kept = passing(t)
     if not kept and ordered:

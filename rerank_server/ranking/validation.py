@@ -232,8 +232,8 @@ def _validate_threshold(query: RerankQuery, t: ThresholdSpec) -> None:
         if value is not None and not (math.isfinite(value) and 0 <= value <= 1):
             raise InvalidRequest(f"options.threshold.{name}", "must be between 0 and 1")
     if t.step is not None and t.step < MIN_THRESHOLD_STEP:
-        # Each step is a pass over the candidates; a step below 5e-10 did not even move
-        # the threshold (rounded to 9 places), and the request spun the event loop for good.
+        # Each step is a pass over the candidates, and a step below 5e-10 does not move
+        # the threshold (rounded to 9 places): the request would spin the loop for good.
         raise InvalidRequest("options.threshold.step", f"must be at least {MIN_THRESHOLD_STEP}")
     if t.target_fraction is not None and t.target_fraction <= 0:
         raise InvalidRequest("options.threshold.target_fraction", "must be greater than 0")

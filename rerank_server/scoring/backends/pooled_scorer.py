@@ -67,7 +67,7 @@ MAX_MODEL_CHARS = 256
 def model_name(reported: str) -> str:
     """llama-server reports the model's file path; callers need only its name. At most
     MAX_MODEL_CHARS of it: the name goes into every answer, log line and cache key, and
-    a backend's name of any length would make every answer too large to send."""
+    a name of unbounded length could make every answer too large to send."""
     return reported.rsplit("/", 1)[-1][:MAX_MODEL_CHARS]
 
 

@@ -92,8 +92,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.busy or len(self.buffer) + len(data) > _MAX_BUFFERED:
             # Bytes on an idle connection answer nothing, and more than an answer can
-            # be is not one: the connection is done. (A server that kept writing to an
-            # idle connection grew this buffer by hundreds of MB a second.)
+            # be is not one: the connection is done, before a server that keeps writing
+            # can grow this buffer without bound.
             self.overrun = True
             self.close()
             self.wakeup.wake()
