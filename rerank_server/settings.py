@@ -700,7 +700,7 @@ class Settings:
             and self.metrics_host in ("", self.host)
             and self.metrics_port in (self.port, self.http_port)
         ):
-            # Else the clash was reported as another program holding --port.
+            # Else the clash would be reported as another program holding --port.
             raise ConfigError(
                 "--metrics-port / RERANK_METRICS_PORT: must differ from --port and --http-port"
             )

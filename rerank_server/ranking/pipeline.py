@@ -143,7 +143,7 @@ class Reranker:
     ) -> AsyncGenerator[list[RankedCandidate] | RerankSummary, None]:
         """The results in lists, as each group's places become certain (never an empty
         list), then the summary. Lists rather than one result at a time: a generator
-        resumption per result was the pipeline's largest fixed cost per candidate."""
+        resumption per result would be the pipeline's largest fixed cost per candidate."""
         started = time.perf_counter()
         request = self.resolve(query)
         shaped, scored_set, tail, skip = self._shape(request)
