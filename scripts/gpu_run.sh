@@ -39,7 +39,7 @@ python_path() {
 serve() {  # MODEL ARGS...: llama-server on $PORT, waited for
   local model=$1; shift
   # --cache-ram 0 as managed mode runs it (docs/backends.md, "llama-server's prompt cache
-  # in memory"); the first GPU run, 2026-11-26, had llama-server's default.
+  # in memory"); CACHE_RAM=8192 gives llama-server's own default, for comparison.
   "$W/build/bin/llama-server" -m "$model" --host 127.0.0.1 --port "$PORT" -ngl 99 \
     --cache-ram "${CACHE_RAM:-0}" "$@" \
     > "$OUT/${LOG_DIR:-$step}/llama-server.log" 2>&1 &

@@ -20,6 +20,10 @@ from ..scoring.backends import prompt
 from ..settings import DEFAULT_INSTRUCTION
 from .common import SLOTS
 
+# Both paths' limit on one call: a request, a direct batch, and rerank-server's own calls
+# to the backend (`model_scenario`), so that a slow CPU fails neither path alone.
+CALL_TIMEOUT_S = 120
+
 
 async def _answered(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> bool:
     """One direct call: whether the backend answered it with a 2xx."""
@@ -165,7 +169,7 @@ async def through(client: AsyncRerankClient, query: str, docs: Sequence[str]) ->
     degraded answer comes back fast and in retrieval order, so timing it as if scored
     would flatter rerank-server; the scenarios count such pairs and say so."""
     try:
-        answer = await client.rerank(query, docs, timeout=120)
+        answer = await client.rerank(query, docs, timeout=CALL_TIMEOUT_S)
     except RerankError:
         return len(docs)
     return len(docs) - answer.summary.scored

@@ -18,7 +18,7 @@ from rerank_client import AsyncRerankClient
 
 from . import physical
 from .common import SLOTS, passages, pct
-from .direct import direct_call, rendered_prompts, through
+from .direct import CALL_TIMEOUT_S, direct_call, rendered_prompts, through
 from .processes import rerank_server
 
 
@@ -61,11 +61,9 @@ async def model(
         "--max-batch",
         str(batch),
         "--timeout-ms",
-        "120000",
-        # The direct client's own call timeout: a batch a slow CPU takes longer than the
-        # default 30 s over would fail through rerank-server alone.
+        str(CALL_TIMEOUT_S * 1000),
         "--backend-timeout-ms",
-        "120000",
+        str(CALL_TIMEOUT_S * 1000),
         "--blend-strategy",
         "position_aware",
         "--max-candidates",
@@ -76,7 +74,7 @@ async def model(
     with rerank_server(args) as (port, _):
         async with (
             AsyncRerankClient(f"127.0.0.1:{port}") as client,
-            httpx.AsyncClient(timeout=120) as http,
+            httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as http,
         ):
             for r in range(rounds + 1):
                 order = ("direct", "through") if r % 2 == 0 else ("through", "direct")
@@ -174,7 +172,7 @@ async def _load(
 
     direct = direct_call(kind, slots, batch, shared=asyncio.Semaphore(slots))
     async with contextlib.AsyncExitStack() as stack:
-        http = await stack.enter_async_context(httpx.AsyncClient(timeout=120))
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=CALL_TIMEOUT_S))
         connections = [
             await stack.enter_async_context(
                 AsyncRerankClient(f"127.0.0.1:{port}", own_connection=True)
