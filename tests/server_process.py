@@ -38,7 +38,8 @@ async def server_process(
     **env: str,
 ) -> AsyncIterator[tuple[int, subprocess.Popen[bytes]]]:
     """(gRPC port, process) of a server using `backend_url`, `env` added to its
-    environment; terminated (SIGTERM) on exit if still running."""
+    environment, once every port it was given listens (the JSON edge starts after the
+    gRPC one); terminated (SIGTERM) on exit if still running."""
     port = free_port()
     full = {
         **os.environ,
@@ -58,6 +59,8 @@ async def server_process(
     )
     try:
         await wait_listening(port, proc)
+        if int(full["RERANK_HTTP_PORT"]):
+            await wait_listening(int(full["RERANK_HTTP_PORT"]), proc)
         yield port, proc
     finally:
         await stop_process(proc, 15)
