@@ -248,6 +248,7 @@ async def build_server(
                 ),
                 reuse_port=reuse_port,
             )
+        await edge.serving()
         return RunningServer(
             edge, reranker, settings, monitor, pool, telemetry, managed, stack.pop_all(), http
         )

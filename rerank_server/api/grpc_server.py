@@ -203,9 +203,15 @@ class GrpcEdge:
         if port == 0:
             raise BindError("--port / RERANK_PORT", settings.address)
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, _SERVING)
+        for name in ("", SERVICE_NAME):  # until `serving`: the other edges may not listen yet
+            await health_servicer.set(name, _NOT_SERVING)
         return cls(server, health_servicer, port, settings.grace_period_s, service)
+
+    async def serving(self) -> None:
+        """SERVING: called once every edge of the server listens, so that a readiness probe
+        on this port speaks for the JSON port too."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _SERVING)
 
     async def report_backend(self, component: str, up: bool) -> None:
         """The backend monitor's callback (`scoring.monitor.Report`)."""
