@@ -299,7 +299,7 @@ async def serve(
 def freeze_startup_objects() -> None:
     """Put what startup built (modules, the servers, the app) beyond the cyclic garbage
     collector: its full collections then walk only what requests allocate. Tracing keeps
-    every span alive until its batch is exported, which triggers full collections, and
+    every span alive while its batch waits for export, which triggers full collections, and
     with the startup objects in them those would be a large part of what tracing costs
     (docs/decisions.md).
 

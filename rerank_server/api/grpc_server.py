@@ -203,7 +203,8 @@ class GrpcEdge:
         if port == 0:
             raise BindError("--port / RERANK_PORT", settings.address)
         await server.start()
-        for name in ("", SERVICE_NAME):  # until `serving`: the other edges may not listen yet
+        # NOT_SERVING: the server's other edges may not listen yet; `serving` says SERVING.
+        for name in ("", SERVICE_NAME):
             await health_servicer.set(name, _NOT_SERVING)
         return cls(server, health_servicer, port, settings.grace_period_s, service)
 

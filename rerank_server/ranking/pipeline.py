@@ -234,8 +234,8 @@ class Reranker:
         self, request: Request, blend: Callable[[], Blend], scored_set: list[Candidate]
     ) -> Degraded | None:
         """NO_RERANKER_WEIGHT when no score could change the answer. A profile is chosen
-        by the model's name: until the backend has told it, the pairs are sent (and the
-        profile is chosen once their answers are in)."""
+        by the model's name: while the backend has not told it, the pairs are sent (and
+        the profile is chosen once their answers are in)."""
         if request.always_score or not (self.scorer.model or request.blend not in REQUEST_WIDE):
             return None
         return _no_reranker_weight(request, blend(), scored_set)

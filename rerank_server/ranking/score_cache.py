@@ -369,8 +369,8 @@ class _Disk:
     def _set_up(self) -> None:
         """WAL and the table. Workers opening a new file together contend for it, and
         SQLite's busy timeout does not wait out the switch to WAL: a busy or locked
-        database is tried again until BUSY_TIMEOUT_S has passed (failing at once would
-        leave the worker without the disk cache until it is restarted)."""
+        database is tried again for up to BUSY_TIMEOUT_S (failing at once would leave
+        the worker without the disk cache for the rest of its life)."""
         deadline = time.monotonic() + self.BUSY_TIMEOUT_S
         while True:
             try:
