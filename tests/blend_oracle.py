@@ -27,3 +27,12 @@ def final_scores(
     if strategy in REQUEST_WIDE:
         return adaptive_scores(ranks, scores, params)
     return [blend(strategy, r, p) for r, p in zip(ranks, scores, strict=True)]
+
+
+def order_key(
+    strategy: BlendStrategy, rank: int, index: int, final: float, score: float | None
+) -> tuple[bool, float, int, int]:
+    """Where a scored-set candidate belongs in the final order: by final score, then
+    retrieval rank and position; under `rerank_only` a pair the model did not score
+    follows every scored one."""
+    return (strategy is BlendStrategy.RERANK_ONLY and score is None, -final, rank, index)

@@ -50,8 +50,8 @@ from ..ranking.blending import (
     Settled,
     adaptive_scores,
     blend,
+    evidence,
     retrieval_input,
-    spread,
 )
 from ..ranking.scripts import reads
 
@@ -131,7 +131,7 @@ class ScoredQuery:
 
     @property
     def spread(self) -> float:
-        return spread(self.present)
+        return evidence(self.present)
 
     @property
     def top(self) -> float:
@@ -156,7 +156,7 @@ class Curve:
         present = query.present
         # Fewer than two scores: the weight is min_weight (`adaptive_weight`); a spread
         # below every threshold gives that. Untrusted: a best score below every gate too.
-        self.spread = spread(present) if len(present) >= 2 and trusted else -1.0
+        self.spread = evidence(present) if len(present) >= 2 and trusted else -1.0
         self.top = max(present, default=0.0) if trusted else -1.0
         # final_i(w) = r_i + w * (n_i - r_i): n is the normalized score, r = 1/rank
         # (`blending.Settled`; the weight does not change n).

@@ -33,8 +33,9 @@ LINEAR_RETRIEVAL_WEIGHT = 0.40
 class AdaptiveParams:
     """The request-wide blend's parameters.
 
-    The reranker's weight rises from `min_weight` at a score spread (population standard
-    deviation) of `spread_noise` or less to `max_weight` at `spread_decisive` or more; all
+    The reranker's weight rises from `min_weight` at a score spread (the population
+    standard deviation as it would be at 20 candidates: `evidence`) of `spread_noise` or
+    less to `max_weight` at `spread_decisive` or more; all
     of it is then scaled by a gate on the request's best score, 0 at `top_floor` or below
     and 1 at `top_full` or above. The gate is what an absolute score adds to the spread: a
     scorer reading text it does not understand (an English model on Arabic) can spread its
@@ -103,8 +104,8 @@ def retrieval_weight(strategy: BlendStrategy, rank: int) -> float:
 def blend(strategy: BlendStrategy, rank: int, reranker_score: float | None) -> float:
     """Final score under a fixed strategy. `None` (pair failed) is ordered as if the
     reranker agreed with retrieval, except under `rerank_only`, which orders by the
-    reranker's scores alone: there a failed pair scores 0 and so follows every scored one
-    but one scored 0, in retrieval order (as a pair beyond the cap does). The request-wide
+    reranker's scores alone: there a failed pair scores 0 and follows every scored one,
+    in retrieval order (`ordering`), as a pair beyond the cap does. The request-wide
     strategies blend a whole request at once (`adaptive_blend`)."""
     if strategy in REQUEST_WIDE:
         raise ValueError(f"the {strategy} blend needs the whole request: use adaptive_blend")
@@ -127,14 +128,44 @@ def spread(scores: Sequence[float]) -> float:
     return math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / n)
 
 
+# The list length the spread thresholds are read at: blend profiles are fitted on 20
+# candidates, and `evidence` gives a longer list the spread it would have there.
+REFERENCE_DEPTH = 20
+
+
+def evidence(scores: Sequence[float]) -> float:
+    """How clearly the model tells this request's candidates apart: the spread of
+    `scores` as it would be at `REFERENCE_DEPTH` candidates, the best one among them.
+
+    Up to that depth it is the spread itself. Past it, it is the population standard
+    deviation of the best score with `REFERENCE_DEPTH - 1` others distributed as the rest
+    (their mean `m`, variance `v`), `sqrt((R-1)/R * v + (R-1)/R**2 * (best - m)**2)`:
+    at R candidates exactly the spread. One clear favourite among many equal scores
+    spreads a long list by about 1/sqrt(n) of its lead, which would fall under any fixed
+    threshold at some length; here its evidence is the same at 20 candidates or 1,000,
+    while noise gains little (its best over its mean grows like sqrt(2 ln n): 12% more
+    evidence at 100 candidates than at 20, 21% at 1,000)."""
+    n = len(scores)
+    if n <= REFERENCE_DEPTH:
+        return spread(scores)
+    best = max(scores)
+    total = math.fsum(scores)
+    rest_mean = (total - best) / (n - 1)
+    # The rest's variance, the best taken out once (ties leave the others in).
+    squares = math.fsum((s - rest_mean) ** 2 for s in scores) - (best - rest_mean) ** 2
+    rest_var = max(squares, 0.0) / (n - 1)
+    r = REFERENCE_DEPTH
+    return math.sqrt((r - 1) / r * rest_var + (r - 1) / r**2 * (best - rest_mean) ** 2)
+
+
 def adaptive_weight(scores: Sequence[float], params: AdaptiveParams = ADAPTIVE) -> float:
-    """The reranker's weight for one request, from the spread and the best of its
-    `scores`; with the defaults 0 at or below a spread of 0.06, 1 at or above 0.10,
+    """The reranker's weight for one request, from the `evidence` and the best of its
+    `scores`; with the defaults 0 at or below an evidence of 0.06, 1 at or above 0.10,
     linear between. Fewer than two scores carry no evidence: the weight is `min_weight`
     (still gated by the best score)."""
     if len(scores) < 2:
         return params.min_weight * ramp(max(scores, default=0.0), params.top_floor, params.top_full)
-    return params.weight(spread(scores), max(scores))
+    return params.weight(evidence(scores), max(scores))
 
 
 _FLAT = 1e-12  # a normalization range no wider than this is no range (`Settled`)

@@ -2,8 +2,11 @@
 
 The final order is: the scored set (the best `max_candidates` by retrieval rank) sorted by
 (blended score descending, retrieval rank, index), then every other candidate in
-retrieval order. While pairs are outstanding, the best resolved candidate can be released
-once no outstanding candidate could still beat it, that is once its score is above every
+retrieval order. Under `rerank_only` the pairs the model did not score follow every
+scored one, in retrieval order, so that the answer is the model's order.
+
+While pairs are outstanding, the best resolved candidate can be released once no
+outstanding candidate could still beat it, that is once its score is above every
 outstanding candidate's upper bound (`blending.upper_bound`), or equal to it with the
 better retrieval position. The request-wide blends weigh and normalize on every score
 (`blending.Settled`), so until the last one is in neither a place nor a final score is
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Mapping
-from operator import attrgetter
 from typing import NamedTuple
 
 from ..domain import BlendStrategy, Candidate, RankedCandidate
@@ -31,14 +33,16 @@ class Placed(NamedTuple):
     """A candidate whose final position is known.
 
     Its first three fields are its place in the final order, so a list of them sorts
-    into that order as it is: blended score descending (stored negated), retrieval rank,
-    then position in the request, which is unique, so a comparison never reaches the
-    candidate. One tuple per candidate, built with `tuple.__new__` (`_placed`): a named
-    tuple's own constructor costs twice as much, and this is built for every candidate
-    of every request."""
+    into that order as it is: blended score descending (stored negated), its place
+    among equal scores (`tier_rank`), then position in the request, which is unique, so a
+    comparison never reaches the candidate. One tuple per candidate, built with
+    `tuple.__new__` (`_placed`): a named tuple's own constructor costs twice as much,
+    and this is built for every candidate of every request."""
 
     neg_score: float
-    retrieval_rank: int
+    # The retrieval rank; under `rerank_only`, a pair the model did not score comes after
+    # every scored one, one it scored 0 included (`UNSCORED`).
+    tier_rank: int
     index: int  # type: ignore[assignment]  # shadows tuple.index, which nothing calls
     candidate: Candidate
     reranker_score: float | None
@@ -53,8 +57,14 @@ def _placed(score: float, c: Candidate, reranker_score: float | None) -> Placed:
     return _new(Placed, (-score, c.retrieval_rank, c.index, c, reranker_score))
 
 
+def _unscored(c: Candidate) -> Placed:
+    """A pair the model did not score under `rerank_only`: score 0, after every scored
+    candidate (scores lie on 0..1, so a scored 0 ties it otherwise), in retrieval order."""
+    return _new(Placed, (-0.0, UNSCORED + c.retrieval_rank, c.index, c, None))
+
+
 _new = tuple.__new__
-_BY_RANK = attrgetter("retrieval_rank", "index")  # retrieval order, ties by position
+UNSCORED = 1 << 62  # added to an unscored pair's rank: past every real rank (int64)
 
 
 class IncrementalRanking:
@@ -116,8 +126,12 @@ class IncrementalRanking:
             if len(held) > before and (not pending or self._params().max_weight == 0.0):
                 self._settle()
             return
+        rerank_only = self._strategy is BlendStrategy.RERANK_ONLY
         for candidate_index, reranker_score in outcomes:
             c = pending.pop(candidate_index)
+            if rerank_only and reranker_score is None:
+                heapq.heappush(self._resolved, _unscored(c))
+                continue
             score = (
                 self._settled.final(c.retrieval_rank, reranker_score)
                 if self._settled

@@ -6,18 +6,21 @@ import random
 import statistics
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rerank_server.domain import BlendStrategy
+from rerank_server.ranking import blend_profiles
 from rerank_server.ranking.blending import (
     ADAPTIVE,
+    REFERENCE_DEPTH,
     REQUEST_WIDE,
     AdaptiveParams,
     Settled,
     adaptive_scores,
     adaptive_weight,
     blend,
+    evidence,
     retrieval_input,
     scores_can_matter,
     spread,
@@ -315,3 +318,95 @@ def test_a_settled_blend_scores_a_request_at_once_as_one_by_one(
             for r, p in ranked
         ]
     )
+
+
+def _shipped(name: str) -> AdaptiveParams:
+    return next(p.params for p in blend_profiles.load().profiles if p.name == name)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(2, 1000),
+    st.data(),
+    st.floats(0.0, 0.3),
+    st.floats(0.4, 0.69),
+    st.randoms(use_true_random=False),
+)
+def test_a_clear_favourite_comes_first_at_any_list_length(
+    n: int, data: st.DataObject, base: float, lead: float, rnd: random.Random
+) -> None:
+    """One document the model clearly prefers (a lead of 0.4 or more over the rest, which
+    are nearly equal) comes first from any retrieval position, among 2 or 1,000
+    candidates, under `adaptive` and under the shipped MiniLM profile: its evidence does
+    not shrink with the length of the list."""
+    needle = data.draw(st.integers(0, n - 1), label="needle position")
+    scores = [base + rnd.uniform(0.0, 0.01) for _ in range(n)]
+    scores[needle] = base + lead
+    ranks = list(range(1, n + 1))
+    for params in (ADAPTIVE, _shipped("minilm-l6")):
+        finals = adaptive_scores(ranks, list(scores), params)
+        assert max(range(n), key=lambda i: (finals[i], -ranks[i])) == needle
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 1000), st.randoms(use_true_random=False))
+def test_compressed_noise_leaves_the_retrieval_order_at_any_list_length(
+    n: int, rnd: random.Random
+) -> None:
+    """Scores like the weak stand-in's (0.50..0.56) give the model no weight however many
+    candidates there are: the retrieval order."""
+    noise = [rnd.uniform(0.50, 0.56) for _ in range(n)]
+    for params in (ADAPTIVE, _shipped("minilm-l6")):
+        assert adaptive_weight(noise, params) == 0.0
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=REFERENCE_DEPTH))
+def test_evidence_is_the_spread_up_to_the_reference_depth(scores: list[float]) -> None:
+    assert evidence(scores) == spread(scores)
+
+
+@given(
+    st.floats(0.0, 0.5),
+    st.floats(0.0, 0.5),
+    st.integers(REFERENCE_DEPTH, 2000),
+    st.integers(REFERENCE_DEPTH, 2000),
+)
+def test_one_favourite_among_equals_has_the_same_evidence_at_any_length(
+    base: float, lead: float, n: int, m: int
+) -> None:
+    """At the reference depth the evidence is the spread; past it, one favourite among
+    equal scores keeps exactly that evidence (the spread itself falls like 1/sqrt(n))."""
+
+    def favourite(length: int) -> list[float]:
+        return [base] * (length - 1) + [base + lead]
+
+    assert evidence(favourite(n)) == pytest.approx(evidence(favourite(m)), abs=1e-12)
+    assert evidence(favourite(n)) == pytest.approx(spread(favourite(REFERENCE_DEPTH)), abs=1e-12)
+
+
+def test_noise_gains_little_evidence_from_a_longer_list() -> None:
+    """Independent noise: the evidence grows with the list only as its best grows over
+    its mean, under a quarter more at 1,000 candidates than at 20 (median of 200)."""
+    rnd = random.Random(11)
+
+    def median_evidence(n: int) -> float:
+        return statistics.median(
+            evidence([rnd.gauss(0.5, 0.055) for _ in range(n)]) for _ in range(200)
+        )
+
+    at_20, at_100, at_1000 = median_evidence(20), median_evidence(100), median_evidence(1000)
+    assert at_20 < at_100 < at_1000 < 1.25 * at_20
+
+
+@given(
+    st.lists(st.floats(0.0, 1.0), min_size=REFERENCE_DEPTH + 1, max_size=200),
+    st.floats(1.0, 5.0),
+    st.floats(-0.5, 0.5),
+)
+def test_evidence_grows_with_a_stretch_and_ignores_an_offset(
+    scores: list[float], stretch: float, shift: float
+) -> None:
+    mean = sum(scores) / len(scores)
+    wider = [mean + (s - mean) * stretch for s in scores]
+    assert evidence(wider) >= evidence(scores) - 1e-9
+    assert evidence([s + shift for s in scores]) == pytest.approx(evidence(scores), abs=1e-9)

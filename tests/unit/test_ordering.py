@@ -11,7 +11,7 @@ from rerank_server.domain import BlendStrategy, Candidate
 from rerank_server.ranking import blending
 from rerank_server.ranking.blending import AdaptiveParams
 from rerank_server.ranking.ordering import IncrementalRanking
-from tests.blend_oracle import final_scores
+from tests.blend_oracle import final_scores, order_key
 
 
 def _cands(n: int) -> list[Candidate]:
@@ -58,7 +58,12 @@ def test_released_order_equals_full_sort(
         released += ranking.release()
     released += ranking.release()
     finals = final_scores(strategy, [c.retrieval_rank for c in scored], scores, params)
-    expected = sorted(scored, key=lambda c: (-finals[c.index], c.retrieval_rank, c.index))
+    expected = sorted(
+        scored,
+        key=lambda c: order_key(
+            strategy, c.retrieval_rank, c.index, finals[c.index], scores[c.index]
+        ),
+    )
     assert [p.candidate for p in released] == expected + tail
 
 
