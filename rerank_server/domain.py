@@ -195,3 +195,13 @@ class RerankSummary:
     blend_profile: str = ""
     # The reranker's weight in a request-wide blend (adaptive, profile); None otherwise.
     reranker_weight: float | None = None
+    # Every reason the answer was not fully reranked, `degraded` first (PARTIAL and
+    # CAPPED can both hold); empty when `degraded` is None.
+    degraded_reasons: tuple[Degraded, ...] = ()
+
+    @property
+    def reasons(self) -> tuple[Degraded, ...]:
+        """Every reason the answer degraded, `degraded` first; () when it did not."""
+        if self.degraded_reasons:
+            return self.degraded_reasons
+        return (self.degraded,) if self.degraded is not None else ()

@@ -239,6 +239,7 @@ async def build_server(
                 backend_up=lambda: monitor.backend_up,
                 max_body_bytes=settings.max_message_bytes,
                 max_active=settings.max_concurrent_rpcs,
+                default_blend=settings.http_blend_strategy,
             )
             http = edges.http = await HttpEdge.start(
                 app,

@@ -310,6 +310,15 @@ class Settings:
         default=BlendStrategy.PROFILE,
         metadata=_opt("Default blend of reranker score and retrieval rank.", group="ranking"),
     )
+    http_blend_strategy: BlendStrategy = field(
+        default=BlendStrategy.RERANK_ONLY,
+        metadata=_opt(
+            "Blend of the JSON rerank API when a request names none: rerank_only answers in "
+            "the model's order with its scores as relevance_score, as Cohere, Jina and TEI "
+            "do; any other strategy makes relevance_score the blended score (docs/http.md).",
+            group="ranking",
+        ),
+    )
     blend_profile: str = field(
         default="",
         metadata=_opt(

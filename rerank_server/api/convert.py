@@ -14,6 +14,7 @@ from ..domain import (
     NO_METADATA,
     BlendStrategy,
     Candidate,
+    Degraded,
     DegradedCode,
     RankedCandidate,
     RankedList,
@@ -239,10 +240,13 @@ def _summary_fields(s: RerankSummary) -> dict[str, object]:
             threshold=t.threshold, steps=t.steps, passed=t.passed, reached_floor=t.reached_floor
         )
     if s.degraded is not None:
-        fields["degraded"] = pb.DegradedReason(
-            code=_DEGRADED_TO_PB[s.degraded.code], message=s.degraded.message
-        )
+        fields["degraded"] = _degraded_to_pb(s.degraded)
+        fields["degraded_reasons"] = [_degraded_to_pb(d) for d in s.reasons]
     return fields
+
+
+def _degraded_to_pb(d: Degraded) -> pb.DegradedReason:
+    return pb.DegradedReason(code=_DEGRADED_TO_PB[d.code], message=d.message)
 
 
 def summary_to_pb(s: RerankSummary) -> pb.RerankSummary:

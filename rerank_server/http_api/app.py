@@ -11,7 +11,6 @@ token, 429 when the server is busy, 413 for a body over `--max-message-bytes`.
 runtime, and some name closures.)
 """
 
-import os
 import time
 from collections.abc import Awaitable, Callable
 from importlib.resources import files
@@ -25,7 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from .. import __version__
-from ..domain import Candidate, RankedCandidate, RerankQuery, RerankSummary
+from ..domain import BlendStrategy, RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_failed
 from ..observability.telemetry import Telemetry
@@ -42,15 +41,20 @@ from .convert import (
     check_echoed,
     check_unicode,
     cohere_query,
-    relevance_scores,
+    degraded_header,
+    relevance,
+    tei_query,
+    tei_results,
     validation_message,
 )
 from .gate import DOCS_ASSETS, Gate
 from .route import DecodedBodyRoute
 
 # Said on every rerank answer that was not fully reranked, in every shape: TEI's answer is
-# a bare list, so a header is its only place for it.
+# a bare list, so a header is its only place for it. Every reason, comma-separated.
 DEGRADED_HEADER = "X-Rerank-Degraded"
+# The blend behind `relevance_score` / `score`, on every rerank answer (TEI's too).
+BLEND_HEADER = "X-Rerank-Blend"
 UNKNOWN_MODEL = "unknown"  # until the backend names its model (`/v1/models`, `/info`)
 
 BackendState = Callable[[], bool | None]  # True up, False down, None not known yet
@@ -80,13 +84,15 @@ def create_app(
     backend_up: BackendState,
     max_body_bytes: int,
     max_active: int = 256,
+    default_blend: BlendStrategy = BlendStrategy.RERANK_ONLY,
 ) -> FastAPI:
     app = FastAPI(
         title="rerank-server",
         version=__version__,
         description="Cohere/Jina- and TEI-compatible rerank API over rerank-server's "
-        "pipeline: results are the model's scores blended with the retrieval "
-        "order, and a failing model degrades an answer instead of failing it.",
+        "pipeline: results in the model's order with its scores (or a blend with the "
+        "retrieval order, on request), and a failing model degrades an answer instead "
+        "of failing it.",
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
@@ -175,8 +181,9 @@ def create_app(
             check_unicode(query, field)
             results, summary = await reranker.answer(query, None, telemetry.request_span())
             telemetry.answered(rpc, summary, len(results))
-            if summary.degraded is not None:
-                response.headers[DEGRADED_HEADER] = summary.degraded.code.value
+            if (reasons := degraded_header(summary)) is not None:
+                response.headers[DEGRADED_HEADER] = reasons
+            response.headers[BLEND_HEADER] = summary.blend.value
             return results, summary
         except InvalidRequest as exc:
             rpc_failed(
@@ -206,7 +213,7 @@ def create_app(
         `/rerank`, where Infinity's and vLLM's clients parse `document` differently)."""
         echoed = bool(body.return_documents) and echo
         try:
-            query = cohere_query(body)
+            query = cohere_query(body, default_blend)
             if echoed:
                 check_echoed(body.documents)
         except InvalidRequest as exc:
@@ -218,7 +225,7 @@ def create_app(
             results=[
                 m.CohereResult(
                     index=r.candidate.index,
-                    relevance_score=relevance,
+                    relevance_score=relevance(r),
                     document=as_sent(documents[r.candidate.index])
                     if documents is not None
                     else None,
@@ -226,7 +233,7 @@ def create_app(
                     reranker_score=r.reranker_score,
                     retrieval_rank=r.candidate.retrieval_rank,
                 )
-                for r, relevance in zip(results, relevance_scores(results), strict=True)
+                for r in results
             ],
             meta=answer_meta(summary, version, model()),
         )
@@ -262,24 +269,10 @@ def create_app(
     ) -> list[m.TeiResult] | m.CohereRerankResponse:
         if isinstance(body, m.CohereRerankRequest):
             return await cohere_answer("POST /rerank", body, "1", response, echo=False)
-        query = RerankQuery(
-            request_id=os.urandom(16).hex(),
-            query=body.query,
-            candidates=tuple(
-                Candidate(id=str(i), text=t, index=i, retrieval_rank=i + 1)
-                for i, t in enumerate(body.texts)
-            ),
-            always_score=True,
+        results, _summary = await run(
+            "POST /rerank", tei_query(body, default_blend), "texts", response
         )
-        results, _summary = await run("POST /rerank", query, "texts", response)
-        return [
-            m.TeiResult(
-                index=r.candidate.index,
-                score=relevance,
-                text=r.candidate.text if body.return_text else None,
-            )
-            for r, relevance in zip(results, relevance_scores(results), strict=True)
-        ]
+        return tei_results(results, body.return_text)
 
     app.router.add_api_route(
         "/rerank",

@@ -2,7 +2,7 @@
 
 The Cohere/Jina and TEI shapes (`models.py`) become one `RerankQuery`; the core's errors
 name fields as the client wrote them (`documents[3].text`, TEI's `texts[3]`); a ranked
-answer becomes each shape's results, with `relevance_scores` as its relevance.
+answer becomes each shape's results, its final score as their relevance.
 """
 
 from __future__ import annotations
@@ -16,17 +16,13 @@ from ..errors import InvalidRequest
 from . import models as m
 
 
-def relevance_scores(results: Sequence[RankedCandidate]) -> list[float]:
-    """What a JSON client reads as relevance, result by result in the answer's order: the
-    model's own score, lowered where needed to the one before it (a running minimum), so
-    that the results are sorted by it and no document scores above what the model said
-    of it, whatever its retrieval rank; 0 for a document the model did not score."""
-    out: list[float] = []
-    ceiling = 1.0
-    for r in results:
-        ceiling = min(ceiling, r.reranker_score if r.reranker_score is not None else 0.0)
-        out.append(ceiling)
-    return out
+def relevance(result: RankedCandidate) -> float:
+    """What a JSON client reads as relevance: the final score the results are sorted by.
+    Under `rerank_only` (the JSON default) that is the model's own score, and 0 for a
+    document it did not score, placed after every scored one (`ranking.ordering`), so a
+    threshold keeps exactly what the model scored at or above it; under a blend it is
+    the blended score."""
+    return result.score
 
 
 def as_written(exc: InvalidRequest, documents: str) -> str:
@@ -170,7 +166,11 @@ def _default_ids(documents: Sequence[str | m.Document]) -> list[str]:
     return ids
 
 
-def cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
+def _blend(name: str | None, default: BlendStrategy) -> BlendStrategy:
+    return BlendStrategy(name) if name else default
+
+
+def cohere_query(body: m.CohereRerankRequest, default_blend: BlendStrategy) -> RerankQuery:
     candidates = []
     ids = _default_ids(body.documents)
     for i, doc in enumerate(body.documents):
@@ -193,13 +193,42 @@ def cohere_query(body: m.CohereRerankRequest) -> RerankQuery:
         candidates=tuple(candidates),
         top_k=body.top_n or 0,
         instruction=body.instruction,
-        blend=BlendStrategy(body.blend_strategy) if body.blend_strategy else None,
+        blend=_blend(body.blend_strategy, default_blend),
         max_candidates=body.max_candidates,
         timeout_s=body.timeout_ms / 1000 if body.timeout_ms else None,
-        # Every document gets the model's judgement (`relevance_scores`), whatever the blend.
         max_tokens_per_doc=body.max_tokens_per_doc,
+        # Every document gets the model's judgement (`reranker_score`), whatever the blend.
         always_score=True,
     )
+
+
+def tei_query(body: m.TeiRerankRequest, default_blend: BlendStrategy) -> RerankQuery:
+    return RerankQuery(
+        request_id=os.urandom(16).hex(),
+        query=body.query,
+        candidates=tuple(
+            Candidate(id=str(i), text=t, index=i, retrieval_rank=i + 1)
+            for i, t in enumerate(body.texts)
+        ),
+        blend=default_blend,
+        always_score=True,
+    )
+
+
+def tei_results(results: Sequence[RankedCandidate], return_text: bool) -> list[m.TeiResult]:
+    return [
+        m.TeiResult(
+            index=r.candidate.index,
+            score=relevance(r),
+            text=r.candidate.text if return_text else None,
+        )
+        for r in results
+    ]
+
+
+def degraded_header(s: RerankSummary) -> str | None:
+    """`X-Rerank-Degraded`: every reason's code, the main one first ("partial, capped")."""
+    return ", ".join(d.code.value for d in s.reasons) or None
 
 
 def answer_meta(s: RerankSummary, version: str, model: str) -> m.Meta:
@@ -210,6 +239,8 @@ def answer_meta(s: RerankSummary, version: str, model: str) -> m.Meta:
         degraded=m.Degraded(code=s.degraded.code.value, message=s.degraded.message)
         if s.degraded
         else None,
+        degraded_reasons=[m.Degraded(code=d.code.value, message=d.message) for d in s.reasons]
+        or None,
         backend=s.backend,
         model=model,
         blend_strategy=s.blend.value,

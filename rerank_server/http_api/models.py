@@ -61,7 +61,8 @@ class Extras(BaseModel):
     blend_strategy: BlendName | None = Field(
         None,
         description="How the model's score and the retrieval rank combine "
-        "(docs/blending.md); default: the server's.",
+        "(docs/blending.md); default: the server's `--http-blend-strategy`, `rerank_only` "
+        "unless set: the model's order, `relevance_score` the model's score.",
     )
     request_id: str | None = Field(None, description="Echoed as `id`; generated if unset.")
     max_candidates: Count | None = Field(None, ge=1, description="Documents scored at most.")
@@ -100,9 +101,10 @@ class CohereRerankRequest(Extras):
 
 
 RELEVANCE = (
-    "The model's judgement of the document on 0..1, never above the model's own "
-    "score and never above the result before it, so results are sorted by it; 0 "
-    "for a document the model did not score (docs/http.md)."
+    "Results are sorted by it. Under `rerank_only` (the default) the model's own score "
+    "on 0..1, so a threshold keeps exactly what the model scored at or above it; 0 for a "
+    "document the model did not score, which follows every scored one. Under another "
+    "blend (`meta.blend_strategy`) the blended score (docs/http.md)."
 )
 
 
@@ -143,6 +145,11 @@ class Meta(BaseModel):
         description="Extra: false means the results are in retrieval order; `degraded` says why."
     )
     degraded: Degraded | None = None
+    degraded_reasons: list[Degraded] | None = Field(
+        None,
+        description="Extra: every reason the answer degraded, `degraded` first "
+        "(an answer can be both `partial` and `capped`).",
+    )
     backend: str
     model: str
     blend_strategy: str

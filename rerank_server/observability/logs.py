@@ -167,8 +167,9 @@ def rpc_answered(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
         failed=s.failed,
         returned=returned,
         reranked=s.reranked,
-        degraded=s.degraded.code.value if s.degraded else None,
-        degraded_detail=s.degraded.message if s.degraded else None,
+        # Every reason, comma-separated ("partial,capped"), the first the main one.
+        degraded=",".join(d.code.value for d in s.reasons) if s.degraded else None,
+        degraded_detail="; ".join(d.message for d in s.reasons) if s.degraded else None,
         failures=dict(s.failures) or None,
         blend=s.blend.value,
         blend_profile=s.blend_profile or None,

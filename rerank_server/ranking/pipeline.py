@@ -155,7 +155,7 @@ class Reranker:
             ranking.fail_outstanding()
             if released := Emitter(request.top_k).take(ranking.release()):
                 yield released
-            yield self._summary(request, shaped, blend(), ranking, outcome, skip, started)
+            yield self._summary(request, shaped, blend(), ranking, outcome, (skip,), started)
             return
 
         documents = await self._chunk(request, scored_set, deadline_remaining_s, started)
@@ -203,8 +203,8 @@ class Reranker:
         final, settled = self._settle(emitter, ranking, blend)
         if final:
             yield final
-        degraded = overloaded or outcome.degraded() or capped(scored_set, tail)
-        yield self._summary(request, shaped, settled, ranking, outcome, degraded, started)
+        reasons = (overloaded, outcome.degraded(), capped(scored_set, tail))
+        yield self._summary(request, shaped, settled, ranking, outcome, reasons, started)
 
     def _shape(
         self, request: Request
@@ -329,13 +329,17 @@ class Reranker:
         blend: Blend,
         ranking: IncrementalRanking,
         outcome: ScoringOutcome,
-        degraded: Degraded | None,
+        reasons: tuple[Degraded | None, ...],
         started: float,
     ) -> RerankSummary:
+        """The request's summary; `reasons`: each reason it degraded, or None, in the
+        order they are said (every one that holds, the first as `degraded`)."""
+        said = tuple(r for r in reasons if r is not None)
         return RerankSummary(
             request_id=request.request_id,
             reranked=outcome.scored > 0,
-            degraded=degraded,
+            degraded=said[0] if said else None,
+            degraded_reasons=said,
             backend=self.scorer.kind,
             model=self.scorer.model,
             blend=blend.strategy,

@@ -153,3 +153,21 @@ async def test_an_answer_that_is_not_json_does_not_count_as_answered(
         answer = await client.rerank("q", DOCS, blend_strategy="rerank_only")
     _assert_retrieval_order(answer, "malformed_response")
     assert endpoint.failures_in_row == (0 if answered else 1)
+
+
+async def test_a_capped_and_partial_answer_says_every_reason(
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
+    """Pairs failed among those scored and candidates past `max_candidates`: both reasons
+    are said, the failure first (it is `degraded_code`)."""
+    fake_llama.failing_markers = ("document b",)
+    server = await start_server()
+    async with client_of(server) as client:
+        answer = await client.rerank("q", DOCS, blend_strategy="rerank_only", max_candidates=3)
+    s = answer.summary
+    assert s.degraded_code == "partial"
+    assert [code for code, _ in s.degraded_reasons] == ["partial", "capped"]
+    assert "1 of 3 pairs failed" in s.degraded_reasons[0][1]
+    assert "2 of 5 candidates were not scored" in s.degraded_reasons[1][1]
+    # The scored pairs, then the failed one, then the capped ones in retrieval order.
+    assert [r.id for r in answer.results][2:] == list("bde")

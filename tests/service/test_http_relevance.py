@@ -4,12 +4,13 @@ TEI's, Infinity's and vLLM's bodies, one model name, and `/docs` without a CDN."
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import httpx
 import pytest
 
-from rerank_server.http_api.app import DEGRADED_HEADER
+from rerank_server.http_api.app import BLEND_HEADER, DEGRADED_HEADER
 from rerank_server.managed.child_process import free_port
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
@@ -34,29 +35,128 @@ async def http_server(
     return await start_server(http_port=free_port())
 
 
+def _said(index: int) -> float:
+    """What the fake model scores `DOCS[index]`."""
+    return next(p for marker, p in SCORES.items() if marker in DOCS[index])
+
+
 async def _post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
         return await http.post(path, json=body)
 
 
-@pytest.mark.parametrize("blend", [None, "position_aware", "linear", "adaptive"])
-async def test_an_irrelevant_document_never_scores_high_for_its_rank(
-    http_server: RunningServer, blend: str | None
+async def test_by_default_the_answer_is_the_models_order_and_scores(
+    http_server: RunningServer,
 ) -> None:
-    """Whatever the blend puts first, no document's relevance passes the model's own
-    score of it, and the results are sorted by relevance, in the server's order."""
-    body: dict[str, Any] = {"query": "what do cats eat?", "documents": DOCS}
-    if blend:
-        body["blend_strategy"] = blend
-    answer = (await _post(http_server, "/v2/rerank", body)).json()
+    """As Cohere, Jina and TEI answer: sorted by the model's score, `relevance_score` that
+    score, whatever retrieval rank a document came with; the answer says which blend."""
+    response = await _post(
+        http_server, "/v2/rerank", {"query": "what do cats eat?", "documents": DOCS}
+    )
+    answer = response.json()
     results = answer["results"]
-    relevance = [r["relevance_score"] for r in results]
-    assert relevance == sorted(relevance, reverse=True)
+    assert [r["index"] for r in results] == [2, 3, 1, 0]
     for r in results:
-        assert r["relevance_score"] <= r["reranker_score"]
-    by_index = {r["index"]: r["relevance_score"] for r in results}
-    # (The fake's P(yes) goes through a logprob: within a rounding of what it was told.)
-    assert by_index[0] <= SCORES["stock"] + 1e-4 and by_index[1] <= SCORES["Weather"] + 1e-4
+        assert r["relevance_score"] == r["reranker_score"]
+        # (The fake's P(yes) goes through a logprob: within a rounding of what it was told.)
+        assert r["relevance_score"] == pytest.approx(_said(r["index"]), abs=1e-4)
+    assert answer["meta"]["blend_strategy"] == "rerank_only"
+    assert response.headers[BLEND_HEADER] == "rerank_only"
+
+
+@pytest.mark.parametrize("blend", ["position_aware", "linear", "adaptive", "profile"])
+async def test_a_blend_asked_for_gives_its_blended_score_and_says_so(
+    http_server: RunningServer, blend: str
+) -> None:
+    """A request that names a blend is ordered by it, `relevance_score` the blended score
+    the results are sorted by, `reranker_score` still the model's own."""
+    body: dict[str, Any] = {
+        "query": "what do cats eat?",
+        "documents": DOCS,
+        "blend_strategy": blend,
+    }
+    response = await _post(http_server, "/v2/rerank", body)
+    answer = response.json()
+    relevance = [r["relevance_score"] for r in answer["results"]]
+    assert relevance == sorted(relevance, reverse=True)
+    assert answer["meta"]["blend_strategy"] in (blend, "adaptive")  # profile: none fits the fake
+    assert response.headers[BLEND_HEADER] == answer["meta"]["blend_strategy"]
+    for r in answer["results"]:
+        assert r["reranker_score"] == pytest.approx(_said(r["index"]), abs=1e-4)
+
+
+async def test_an_operator_may_make_a_blend_the_json_default(
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
+    fake_llama.scores = dict(SCORES)
+    server = await start_server(http_port=free_port(), http_blend_strategy="position_aware")
+    response = await _post(server, "/rerank", {"query": "what do cats eat?", "texts": DOCS})
+    assert response.headers[BLEND_HEADER] == "position_aware"
+    # position_aware protects retrieval rank 1 against a model that scores it 0.02.
+    assert response.json()[0]["index"] == 0
+
+
+async def test_failed_pairs_change_no_other_documents_score_or_place(
+    http_server: RunningServer, fake_llama: FakeLlamaServer
+) -> None:
+    """40% of pairs failing, in every shape: the scored documents come first, sorted, each
+    with its own score; the failed follow at 0 in retrieval order; a threshold keeps
+    exactly what the model scored at or above it; the answer says it is partial."""
+    rng = random.Random(3)
+    docs = [f"passage {i} on subject {i}" for i in range(50)]
+    failing = set(rng.sample(range(50), 20))
+    fake_llama.scores = {f"passage {i} on": round(rng.uniform(0.01, 0.99), 2) for i in range(50)}
+    fake_llama.failing_markers = tuple(f"passage {i} on" for i in failing)
+    fake_llama.mode_for_marked = HTTP_500
+    for path, body, score in (
+        ("/v2/rerank", {"query": "q", "documents": docs}, "relevance_score"),
+        ("/v1/rerank", {"query": "q", "documents": docs, "top_n": 40}, "relevance_score"),
+        ("/rerank", {"query": "q", "texts": docs}, "score"),
+    ):
+        response = await _post(http_server, path, body)
+        assert response.status_code == 200, response.text
+        assert response.headers[DEGRADED_HEADER] == "partial"
+        results = response.json() if path == "/rerank" else response.json()["results"]
+        scored = [r for r in results if r["index"] not in failing]
+        assert results[: len(scored)] == scored, "a failed document came before a scored one"
+        expected = sorted(
+            (i for i in range(50) if i not in failing),
+            key=lambda i: -fake_llama.scores[f"passage {i} on"],
+        )
+        assert [r["index"] for r in scored] == expected[: len(scored)]
+        for r in scored:
+            assert r[score] == pytest.approx(
+                fake_llama.scores[f"passage {r['index']} on"], abs=1e-4
+            )
+        unscored = results[len(scored) :]
+        assert [r["index"] for r in unscored] == sorted(failing)[: len(unscored)]
+        assert all(r[score] == 0.0 for r in unscored)
+        # Thresholds between the model's scores (which are whole hundredths).
+        for t in (0.255, 0.505, 0.905):
+            kept = {r["index"] for r in results if r[score] >= t}
+            said = {i for i in expected if fake_llama.scores[f"passage {i} on"] >= t}
+            assert (
+                kept == said
+                if path != "/v1/rerank"
+                else kept == said & {r["index"] for r in results}
+            )
+
+
+async def test_a_capped_and_partial_answer_says_both(
+    http_server: RunningServer, fake_llama: FakeLlamaServer
+) -> None:
+    fake_llama.failing_markers = ("Weather",)
+    fake_llama.mode_for_marked = HTTP_500
+    docs = [*DOCS, "Dogs eat anything.", "Parrots eat seeds."]
+    response = await _post(
+        http_server, "/v2/rerank", {"query": "cats", "documents": docs, "max_candidates": 4}
+    )
+    meta = response.json()["meta"]
+    assert response.headers[DEGRADED_HEADER] == "partial, capped"
+    assert meta["degraded"]["code"] == "partial"
+    assert [d["code"] for d in meta["degraded_reasons"]] == ["partial", "capped"]
+    assert "1 of 4 pairs failed" in meta["degraded_reasons"][0]["message"]
+    assert "2 of 6 candidates were not scored" in meta["degraded_reasons"][1]["message"]
 
 
 async def test_an_answer_the_model_did_not_score_says_so_in_every_shape(

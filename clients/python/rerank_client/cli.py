@@ -113,8 +113,11 @@ def _summary_line(s: Summary) -> str:
         f"{blend}: scored {s.scored}/{s.submitted} of {s.candidates} "
         f"candidates in {s.total_ms:.0f} ms"
     )
-    if s.degraded_code:
-        line += f"\ndegraded: {s.degraded_code}: {s.degraded_message}"
+    reasons = s.degraded_reasons or (
+        ((s.degraded_code, s.degraded_message or ""),) if s.degraded_code else ()
+    )
+    for code, message in reasons:
+        line += f"\ndegraded: {code}: {message}"
     return line
 
 

@@ -199,6 +199,9 @@ class Summary:
     threshold: ThresholdReport | None = None
     # The fitted blend profile that blended the request ("" when none did).
     blend_profile: str = ""
+    # Every reason the answer was not fully reranked as (code, message), `degraded_code`
+    # first: an answer can be both "partial" and "capped".
+    degraded_reasons: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_pb(cls, s: pb.RerankSummary | pb.RerankResponse) -> Summary:
@@ -231,6 +234,10 @@ class Summary:
             if s.HasField("threshold")
             else None,
             blend_profile=s.blend_profile,
+            degraded_reasons=tuple(
+                (_DEGRADED_NAMES.get(d.code, f"unknown_{d.code}"), d.message)
+                for d in s.degraded_reasons
+            ),
         )
 
 

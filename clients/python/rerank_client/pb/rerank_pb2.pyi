@@ -899,6 +899,7 @@ class RerankSummary(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     THRESHOLD_FIELD_NUMBER: _builtins.int
     BLEND_PROFILE_FIELD_NUMBER: _builtins.int
+    DEGRADED_REASONS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reranked: _builtins.bool
     """True when reranker scores decided the order of at least the scored candidates."""
@@ -926,6 +927,13 @@ class RerankSummary(_message.Message):
     def threshold(self) -> Global___ThresholdReport:
         """Set when the request asked for a threshold."""
 
+    @_builtins.property
+    def degraded_reasons(self) -> _containers.RepeatedCompositeFieldContainer[Global___DegradedReason]:
+        """Every reason the answer was not fully reranked, `degraded` first: an answer can be
+        both PARTIAL (pairs failed) and CAPPED (candidates past `max_candidates`). Empty
+        when `degraded` is unset.
+        """
+
     def __init__(
         self,
         *,
@@ -939,10 +947,11 @@ class RerankSummary(_message.Message):
         timings: Global___Timings | None = ...,
         threshold: Global___ThresholdReport | None = ...,
         blend_profile: _builtins.str = ...,
+        degraded_reasons: _abc.Iterable[Global___DegradedReason] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_profile", b"blend_profile", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_profile", b"blend_profile", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "degraded_reasons", b"degraded_reasons", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -964,6 +973,7 @@ class RerankResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     THRESHOLD_FIELD_NUMBER: _builtins.int
     BLEND_PROFILE_FIELD_NUMBER: _builtins.int
+    DEGRADED_REASONS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reranked: _builtins.bool
     """Same fields as in the summary; see `RerankSummary`."""
@@ -989,6 +999,8 @@ class RerankResponse(_message.Message):
 
     @_builtins.property
     def threshold(self) -> Global___ThresholdReport: ...
+    @_builtins.property
+    def degraded_reasons(self) -> _containers.RepeatedCompositeFieldContainer[Global___DegradedReason]: ...
     def __init__(
         self,
         *,
@@ -1004,10 +1016,11 @@ class RerankResponse(_message.Message):
         error: Global___RequestError | None = ...,
         threshold: Global___ThresholdReport | None = ...,
         blend_profile: _builtins.str = ...,
+        degraded_reasons: _abc.Iterable[Global___DegradedReason] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "degraded", b"degraded", "error", b"error", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_profile", b"blend_profile", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "error", b"error", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "results", b"results", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blend_profile", b"blend_profile", "blend_strategy", b"blend_strategy", "counts", b"counts", "degraded", b"degraded", "degraded_reasons", b"degraded_reasons", "error", b"error", "model", b"model", "request_id", b"request_id", "reranked", b"reranked", "results", b"results", "threshold", b"threshold", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
