@@ -80,8 +80,11 @@ def markdown(name: str, scores: dict[str, Any], header: str) -> str:
         "",
     ]
     lines += against_baselines(scores)
-    needle = scores.get("needle")
-    if needle:
+    needles = scores.get("needles") or (
+        {str(scores["needle"].get("size", 20)): scores["needle"]} if scores.get("needle") else {}
+    )
+    for size, needle in needles.items():
+        n = int(size)
         rates = needle["rates"]
         base = rates.get("rerank_only")
         shares = ", ".join(
@@ -91,9 +94,9 @@ def markdown(name: str, scores: dict[str, Any], header: str) -> str:
         )
         lines += [
             "",
-            f"Needle case ({needle['queries']} queries: a relevant document at "
-            f"retrieval rank 11-20 under 19 non-relevant ones), how often it "
-            f"reaches the top {needle['top']}: {shares}.",
+            f"Needle case at {n} candidates ({needle['queries']} queries: a relevant "
+            f"document at retrieval rank {n // 2 + 1}-{n} under {n - 1} non-relevant "
+            f"ones), how often it reaches the top {needle['top']}: {shares}.",
         ]
     fitted = scores.get("fit")
     if fitted:

@@ -118,9 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--needle",
         action="store_true",
         help="also run the needle case: a relevant document placed in the second "
-        "half of 20 non-relevant ones; how often it reaches the top 3",
+        "half of non-relevant ones; how often it reaches the top 3",
+    )
+    p.add_argument(
+        "--needle-sizes",
+        type=_sizes,
+        default=(),
+        metavar="N,N",
+        help="candidates per needle request, comma-separated (default: --rerank-depth); "
+        "the first is what `rerank-server fit` holds a profile to",
     )
     return p
+
+
+def _sizes(raw: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not whole numbers: {raw!r}") from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError("each size must be at least 2")
+    return sizes
 
 
 async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +176,7 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
     backend = model = ""
     scored: dict[str, ScoredQuery] = {}
     blended_by: dict[str, str] = {}
-    needle = None
+    needles: dict[int, dict[str, Any]] = {}
     try:
         async with AsyncRerankClient(target) as client:
             for strategy in strategies(args):
@@ -176,7 +194,8 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
                 scored = scored or done.scored
                 blended_by[strategy] = done.blended_by
             if args.needle:
-                needle = await needle_rates(client, dataset, hits, args)
+                for size in args.needle_sizes or (args.rerank_depth,):
+                    needles[size] = await needle_rates(client, dataset, hits, args, size)
     finally:
         if server is not None:
             await server.stop(grace=0)
@@ -200,7 +219,11 @@ async def evaluate_dataset(args: argparse.Namespace) -> dict[str, Any]:
         "requests": outcome,
         "blended_by": blended_by,
         "fit": fitted,
-        "needle": needle,
+        # The first size's, with the scores a fit replays; then every size's rates.
+        "needle": next(iter(needles.values()), None),
+        "needles": {
+            str(size): {k: v for k, v in n.items() if k != "scored"} for size, n in needles.items()
+        },
         # The model's raw scores per reranked query and their judgements: what a profile
         # is fitted on, kept so that `rerank-server fit` replays fits across data sets.
         "scored": {qid: sq.to_json() for qid, sq in scored.items()},

@@ -163,9 +163,10 @@ async def needle_rates(
     dataset: Dataset,
     hits: dict[str, list[Hit]],
     args: argparse.Namespace,
+    size: int,
 ) -> dict[str, Any]:
-    """The needle case under every strategy evaluated (`needle.py`)."""
-    cases = needles(dataset, hits)
+    """The needle case at `size` candidates under every strategy evaluated (`needle.py`)."""
+    cases = needles(dataset, hits, size)
     rates: dict[str, float] = {}
     scored: dict[str, dict[str, Any]] = {}
     for strategy in strategies(args):
@@ -173,7 +174,7 @@ async def needle_rates(
             client, dataset, cases, strategy, args.concurrency, args.timeout_s
         )
         rates[strategy] = rate([c.needle for c in cases], answers)
-    return {"queries": len(cases), "top": 3, "rates": rates, "scored": scored}
+    return {"queries": len(cases), "size": size, "top": 3, "rates": rates, "scored": scored}
 
 
 def ranking_run(ordered: Sequence[str]) -> dict[str, float]:
