@@ -349,14 +349,21 @@ def test_eval_needle_reports_each_strategy_against_rerank_only(
             "--blend",
             "rerank_only,position_aware,adaptive",
             "--needle",
+            "--needle-sizes",
+            f"{SIZE},25",
             "--out",
             str(out),
         ]
     )
     assert code == 0
-    needle = json.loads((out / "eval-n.json").read_text())["needle"]
+    result = json.loads((out / "eval-n.json").read_text())
+    needle = result["needle"]
     assert needle["queries"] == 2
     assert needle["rates"]["rerank_only"] == 1.0 and needle["rates"]["adaptive"] == 1.0
     scored = needle["scored"]["q1"]
     assert scored["script"] == "Latin" and len(scored["scores"]) == SIZE
-    assert "Needle case (2 queries" in (out / "eval-n.md").read_text()
+    longer = result["needles"]["25"]
+    assert longer["queries"] == 2 and longer["rates"]["adaptive"] == 1.0
+    table = (out / "eval-n.md").read_text()
+    assert f"Needle case at {SIZE} candidates (2 queries" in table
+    assert "Needle case at 25 candidates (2 queries" in table
