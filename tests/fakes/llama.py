@@ -4,6 +4,12 @@ It serves `/health` and `/v1/chat/completions` with the exact response shape of
 llama-server (choices[0].logprobs.content[0].top_logprobs[] of {id, token, bytes,
 logprob}). Scores, latency and failures are configurable per test, and it records what it
 received, how many calls were in flight at once, and how many finished.
+
+Calls at once are counted two ways. `max_in_flight`: calls open on the wire, a hung call
+no longer once its caller hung up. `max_in_hand`: calls the backend is working on, as a
+model server counts them: from the body read until the answer is ready, whether or not
+the caller is still connected (llama-server finishes a non-streamed task whose client hung
+up), and a hung call until it is released. `--concurrency` bounds the second.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ class FakeLlamaServer:
     # Set when a scoring request arrives (tests that need one in progress wait on it).
     received: threading.Event = field(default_factory=threading.Event)
     max_in_flight: int = 0
+    # Calls being worked on, whoever hung up (the module docstring).
+    in_hand: int = 0
+    max_in_hand: int = 0
     completed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Connections of HANG calls still counted in flight.
@@ -164,6 +173,7 @@ class FakeLlamaServer:
     def _handle_chat(self, handler: Any, body: dict[str, Any]) -> None:
         doc = document_of(body)
         counted = True  # in `in_flight` (the call is on the wire) until it is answered
+        in_hand = True  # in `in_hand` (being worked on) until its answer is ready
 
         def uncount() -> None:
             nonlocal counted
@@ -171,9 +181,16 @@ class FakeLlamaServer:
                 self.in_flight -= counted
                 counted = False
 
+        def ready() -> None:
+            nonlocal in_hand
+            with self._lock:
+                self.in_hand -= in_hand
+                in_hand = False
+
         def reply(status: int, payload: Any, raw: bytes | None = None) -> None:
             # Uncounted before the answer goes out: the caller may send its next call as
             # soon as it has read this one, before this thread runs again.
+            ready()
             uncount()
             handler._send(status, payload, raw)
 
@@ -186,8 +203,10 @@ class FakeLlamaServer:
                 self.in_flight -= 1
             self.requests.append(body)
             self.in_flight += 1
+            self.in_hand += 1
             self.received.set()
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.max_in_hand = max(self.max_in_hand, self.in_hand)
         try:
             delay = self.latency_for(doc)
             time.sleep(self.latency_s if delay is None else delay)
@@ -209,6 +228,9 @@ class FakeLlamaServer:
                     else:
                         counted = False  # a later arrival uncounted it
                 handler.close_connection = True
+                # Off the wire, still in hand: a model server's slot stays busy with a
+                # call whose caller hung up, until the work ends (here: `unhang`, `stop`).
+                self.released.wait()
                 return
             if mode == EXCEEDS_CONTEXT:
                 reply(
@@ -226,6 +248,7 @@ class FakeLlamaServer:
                 )
                 return
             if mode == DROP_CONNECTION:
+                ready()
                 uncount()
                 handler.close_connection = True
                 handler.connection.shutdown(2)
@@ -247,6 +270,7 @@ class FakeLlamaServer:
                 return
             reply(200, self._chat_response(doc, mode))
         finally:
+            ready()
             uncount()
             with self._lock:
                 self.completed += 1

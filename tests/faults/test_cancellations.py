@@ -48,7 +48,7 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
         until = time.monotonic() + 4
         await asyncio.gather(*(churn(client, until) for _ in range(24)))
         assert cancelled > 300, cancelled
-        assert fake_llama.max_in_flight <= 4, "abandoned calls went past --concurrency"
+        assert fake_llama.max_in_hand <= 4, "abandoned calls went past --concurrency"
         http = server.pool.endpoints[0].http
         assert await eventually(
             lambda: http.abandoned == 0 and not _tracked(server.pool.calls), 3
@@ -57,8 +57,8 @@ async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
         answers = [await client.rerank(f"normal {i}", DOCS, timeout=5) for i in range(20)]
     assert all(a.reranked and a.summary.failed == 0 for a in answers)
     print(
-        f"cancellations: {cancelled} in 4 s, backend max in flight "
-        f"{fake_llama.max_in_flight} (--concurrency 4), 20/20 reranked afterwards"
+        f"cancellations: {cancelled} in 4 s, backend max in hand "
+        f"{fake_llama.max_in_hand} (--concurrency 4), 20/20 reranked afterwards"
     )
     reply = await server.edge.health.Check(
         health_pb2.HealthCheckRequest(service=BACKEND_HEALTH), None
@@ -225,7 +225,47 @@ async def test_a_cancellation_storm_never_gives_the_backend_more_than_concurrenc
         fake_llama.unhang()
     print(
         f"latency {latency_s} s {mode}: {gave_up} given up, {answered} answered, backend "
-        f"max in flight {fake_llama.max_in_flight} (--concurrency 4)"
+        f"max in hand {fake_llama.max_in_hand} (--concurrency 4)"
     )
     assert gave_up > 20
-    assert fake_llama.max_in_flight <= 4, "the backend was handed more than --concurrency"
+    assert fake_llama.max_in_hand <= 4, "the backend was handed more than --concurrency"
+
+
+async def test_cancelled_calls_over_four_channels_never_give_the_backend_more_than_concurrency(
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
+    """32 clients over 4 channels, each `Rerank` of 10 candidates cancelled 20-120 ms after
+    it was sent, a backend that takes 100 ms a call and finishes a call whose caller hung
+    up: counted as the backend counts (from the body read to the answer ready), it never
+    holds more than --concurrency calls."""
+    fake_llama.latency_s = 0.1
+    server = await start_server(concurrency=4, health_interval_s=0.5)
+    docs = [f"candidate {i}" for i in range(10)]
+    rng = random.Random(13)
+    cancelled = 0
+
+    async def churn(client: AsyncRerankClient, until: float) -> None:
+        nonlocal cancelled
+        while time.monotonic() < until:
+            call = asyncio.ensure_future(client.rerank(f"q {rng.random()}", docs))
+            await asyncio.sleep(rng.uniform(0.02, 0.12))
+            if not call.done():
+                call.cancel()
+                cancelled += 1
+            await asyncio.gather(call, return_exceptions=True)
+
+    channels = [client_of(server, own_connection=True) for _ in range(4)]
+    try:
+        until = time.monotonic() + 4
+        await asyncio.gather(*(churn(channels[i % 4], until) for i in range(32)))
+    finally:
+        for channel in channels:
+            await channel.close()
+    http = server.pool.endpoints[0].http
+    assert await eventually(lambda: http.abandoned == 0 and not http._calls, 3)
+    print(
+        f"4 channels, 32 clients: {cancelled} cancelled, {len(fake_llama.requests)} calls, "
+        f"backend max in hand {fake_llama.max_in_hand} (--concurrency 4)"
+    )
+    assert cancelled > 300, cancelled
+    assert fake_llama.max_in_hand <= 4, "the backend was handed more than --concurrency"
