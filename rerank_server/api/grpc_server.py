@@ -46,14 +46,18 @@ def backend_health_name(component: str) -> str:
 
 def _handlers(service: RerankService) -> grpc.GenericRpcHandler:
     """The Reranker methods, taking raw request bytes: `service` parses them itself (so a
-    message that does not decode is INVALID_ARGUMENT, and its size is known up front)."""
+    message that does not decode is INVALID_ARGUMENT). All are registered as
+    request-streaming, so that `service` reads the one request of `Rerank` and
+    `RerankStream` itself, once the byte budget has room for it: grpc.aio reads a unary
+    request whole before the handler (and any refusal) runs. On the wire a unary call
+    and a request stream of one message are the same; clients see no difference."""
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
-            "Rerank": grpc.unary_unary_rpc_method_handler(
+            "Rerank": grpc.stream_unary_rpc_method_handler(
                 service.Rerank, response_serializer=pb.RerankResponse.SerializeToString
             ),
-            "RerankStream": grpc.unary_stream_rpc_method_handler(
+            "RerankStream": grpc.stream_stream_rpc_method_handler(
                 service.RerankStream, response_serializer=pb.RerankStreamMessage.SerializeToString
             ),
             "RerankBatch": grpc.stream_stream_rpc_method_handler(
@@ -168,6 +172,12 @@ class GrpcEdge:
             ("grpc.max_allowed_incoming_connections", settings.max_connections),
             ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
             ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
+            # A call's message not yet asked for holds at most the stream's initial
+            # window (64 KiB). With the BDP probe on, gRPC raised that window to the
+            # link's bandwidth-delay product, several MB on a fast link, and took in
+            # whole the messages of calls waiting for room or about to be refused.
+            # A message being read still gets a window of its whole length.
+            ("grpc.http2.bdp_probe", 0),
         ]
         server = grpc.aio.server(
             interceptors=_interceptors(settings, telemetry, tokens or TokenSet()), options=options

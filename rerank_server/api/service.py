@@ -7,8 +7,12 @@ never a status: it is a degraded answer.
 
 Requests arrive as raw bytes (`grpc_server` registers no deserializer) and are parsed
 here, so a truncated message or invalid UTF-8 in a string field is INVALID_ARGUMENT with a
-plain message, not UNKNOWN with a Python exception name; and their size is known before
-any work, for the in-flight byte budget.
+plain message, not UNKNOWN with a Python exception name. The handlers read them too
+(`grpc_server` registers every method as request-streaming; grpc.aio reads a unary
+request whole before its handler runs): a message is read only once room for the
+largest one is held in the in-flight byte budget (`_receive`), so a call the budget has
+no room for is refused before its message is read, and the memory of messages being
+received is bounded by the budget, whatever the number of senders.
 
 Each RPC writes one canonical log line (event `rpc`) with ids, counts, outcome and
 timings, and never the query or document text.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import traceback
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
@@ -57,14 +62,27 @@ class _Progress:
         self.answered = False
 
 
+# A request message not in whole this long after the call asked for it is refused, and
+# the room held for it given back: a client that starts a message and stops holds room
+# for the largest one. The JSON edge gives a body as long (`gate.BODY_TIMEOUT_S`).
+RECEIVE_TIMEOUT_S = 30.0
+# A RerankBatch stream whose client sends nothing for this long gives back the room held
+# for its next request: a stream kept open for later requests holds none meanwhile.
+BATCH_QUIET_S = 1.0
+
+
 class AnswerTooLarge(Exception):
     """An answer over the largest message gRPC will send (`--max-message-bytes`)."""
+
+
+class ReceiveStalled(Exception):
+    """The request message did not arrive within `RECEIVE_TIMEOUT_S`."""
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, Overloaded | AnswerTooLarge):
+    if isinstance(exc, Overloaded | AnswerTooLarge | ReceiveStalled):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"
 
@@ -160,6 +178,42 @@ class RerankService:
     def _finish(self, rpc: str, summary: RerankSummary, returned: int, **extra: Any) -> None:
         self._telemetry.answered(rpc, summary, returned, **extra)
 
+    def _room(self) -> int:
+        """The room held for a message before it is read: the largest gRPC accepts (the
+        whole budget at most, which a message alone may still pass)."""
+        largest = self._max_message_bytes or self.inflight.limit
+        return min(largest, self.inflight.limit)
+
+    async def _receive(self, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """The call's one request message, read once room for the largest message is held
+        (Overloaded before it is read when the requests in progress leave none), and
+        counted in flight at its real size: the caller gives it back (`_admitted`)."""
+        room = self._room()
+        try:
+            async with asyncio.timeout(RECEIVE_TIMEOUT_S):
+                await self.inflight.hold(room)
+        except TimeoutError:
+            raise Overloaded(
+                f"server busy: no room in max_inflight_bytes for the request within "
+                f"{RECEIVE_TIMEOUT_S:.0f} s; retry with backoff"
+            ) from None
+        try:
+            async with asyncio.timeout(RECEIVE_TIMEOUT_S):
+                raw = await _read(context)
+        except TimeoutError:
+            self.inflight.release(room)
+            raise ReceiveStalled(
+                f"the request message did not arrive within {RECEIVE_TIMEOUT_S:.0f} s"
+            ) from None
+        except StopAsyncIteration:
+            self.inflight.release(room)
+            raise InvalidRequest("request", "missing: the call carried no message") from None
+        except BaseException:
+            self.inflight.release(room)
+            raise
+        self.inflight.settle(room, len(raw))
+        return raw
+
     @contextlib.asynccontextmanager
     async def _admitted(
         self,
@@ -167,9 +221,9 @@ class RerankService:
         seen: _Seen,
         field: str = "request",
     ) -> AsyncIterator[RerankQuery]:
-        """The request as a domain query, its bytes counted in flight while it runs."""
+        """The request as a domain query; its bytes, counted in flight by the caller,
+        are given back when it is done."""
         size = len(raw)
-        self.inflight.take(size)
         try:
             request = parse_request(raw, field)
             del raw
@@ -186,16 +240,15 @@ class RerankService:
     # a flood of refused large requests would otherwise keep each one alive for seconds.
 
     async def Rerank(
-        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RerankResponse:
         started, seen = time.perf_counter(), _Seen()
         try:
-            return await self._rerank(raw, seen, context)
+            return await self._rerank(await self._receive(context), seen, context)
         except asyncio.CancelledError:
             rpc_cancelled("Rerank", seen.request_id, started, _ended(context))
             raise
         except Exception as exc:
-            del raw
             await self._abort(context, "Rerank", seen.request_id, started, exc)
             raise  # unreachable: abort raises
 
@@ -215,15 +268,14 @@ class RerankService:
 
     async def RerankStream(
         self,
-        raw: bytes,
+        requests: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.RerankStreamMessage]:
         started, seen = time.perf_counter(), _Seen()
         progress = _Progress()
         try:
-            messages = self._stream(raw, seen, context, started, progress)
+            messages = self._stream(await self._receive(context), seen, context, started, progress)
             async with contextlib.aclosing(messages):
-                del raw
                 async for message in messages:
                     yield message
         except (asyncio.CancelledError, GeneratorExit):
@@ -279,11 +331,15 @@ class RerankService:
         tasks: set[asyncio.Task[None]] = set()
         reading, cut = True, False  # cut: reading stopped by the server's shutdown
         position = 0  # requests read
+        begun: set[int] = set()  # positions whose task has run (`unbegun`)
 
-        async def one(raw: bytes, position: int) -> None:
+        async def one(raw: bytes, position: int, counted: bool) -> None:
+            begun.add(position)
             started, seen = time.perf_counter(), _Seen()
             try:
                 try:
+                    if not counted:  # read without room held (`feed`): counted now
+                        await self.inflight.take(len(raw))
                     async with self._admitted(raw, seen, f"requests[{position}]") as query:
                         results, summary = await self._reranker.answer(query, _deadline(context))
                         measured = query.return_text or self._lists_may_overflow(query, results)
@@ -318,14 +374,24 @@ class RerankService:
             finally:
                 slots.release()
 
+        def unbegun(position: int, counted: int, _: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step (the stream ending) never ran: the
+            # bytes counted for its request are given back here instead of by `_admitted`.
+            if position not in begun and counted:
+                self.inflight.give_back(counted)
+            begun.discard(position)
+
         async def feed() -> None:
             nonlocal position, reading
             try:
-                async for raw in requests:
-                    await slots.acquire()
-                    task = asyncio.create_task(one(raw, position))
+                while (read := await self._next_in_batch(context, slots)) is not None:
+                    raw, counted = read
+                    task = asyncio.create_task(one(raw, position, counted))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    task.add_done_callback(
+                        functools.partial(unbegun, position, len(raw) if counted else 0)
+                    )
                     position += 1
             except asyncio.CancelledError:
                 current = asyncio.current_task()
@@ -377,6 +443,43 @@ class RerankService:
             for task in (feeder, *tasks):
                 task.cancel()
 
+    async def _next_in_batch(
+        self, context: grpc.aio.ServicerContext[Any, Any], slots: asyncio.Semaphore
+    ) -> tuple[bytes, bool] | None:
+        """A batch stream's next request and whether it is counted in flight already;
+        None at the stream's end. Read once the stream has a free slot (taken here; the
+        request's task gives it back) and room for the largest message is held, waiting
+        for room rather than refused: a batch's requests wait their turn. A client that
+        sends nothing for `BATCH_QUIET_S` gets the room back meanwhile (a stream kept
+        open holds none); what it sends later is counted once it is in."""
+        await slots.acquire()
+        room = self._room()
+        try:
+            await self.inflight.hold(room, patient=True)
+        except BaseException:
+            slots.release()
+            raise
+        read = asyncio.ensure_future(_read(context))
+        raw: bytes | None = None
+        try:
+            done, _ = await asyncio.wait({read}, timeout=BATCH_QUIET_S)
+            if not done:
+                self.inflight.release(room)
+                room = 0
+            raw = await read
+        except StopAsyncIteration:
+            pass  # the stream's end
+        finally:
+            if raw is None:
+                read.cancel()
+                self.inflight.release(room)
+                slots.release()
+        if raw is None:
+            return None
+        if room:
+            self.inflight.settle(room, len(raw))
+        return raw, room > 0
+
     async def _abort(
         self,
         context: grpc.aio.ServicerContext[Any, Any],
@@ -391,6 +494,18 @@ class RerankService:
             rpc, request_id, started, code.name, exc, internal=code is grpc.StatusCode.INTERNAL
         )
         await context.abort(code, message)
+
+
+async def _read(context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    """The call's next request message; StopAsyncIteration at the end of its requests.
+    Through `context.read()`, which keeps nothing of it: the request iterator grpc hands
+    the handler holds the last message it yielded until the next is asked for, and a
+    failed call's frames keep the iterator (in a cycle, until a full collection)."""
+    raw = await context.read()
+    if raw is grpc.aio.EOF:
+        raise StopAsyncIteration
+    assert isinstance(raw, bytes)  # no deserializer is registered (`grpc_server`)
+    return raw
 
 
 def _check_counts(request: pb.RerankRequest, rules: RequestRules) -> None:

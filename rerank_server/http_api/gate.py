@@ -207,7 +207,7 @@ class Gate:
                             _CLOSE,
                         )
                         break
-                    self._inflight.take(len(chunk), own=size)
+                    await self._inflight.take(len(chunk), own=size)
                     size += len(chunk)
                     chunks.append(chunk)
                     if not message.get("more_body", False):

@@ -1,42 +1,142 @@
-"""The bytes of requests being worked on, server-wide, against `--max-inflight-bytes`.
+"""The bytes of requests in flight, server-wide, against `--max-inflight-bytes`.
 
-Both edges take a request's wire size from the same `InflightBytes` before any work and
-give it back when the answer is out, so `--max-inflight-bytes` bounds the memory of the
-requests in progress over gRPC and HTTP together (docs/reliability.md). Refusing is
-`Overloaded`: RESOURCE_EXHAUSTED on gRPC, 429 on HTTP. Whether a request's pairs go to
-the backend at all is another decision (`pair_admission.py`).
+Both edges count a request's bytes here before they hold them, and give them back when
+the answer is out, so `--max-inflight-bytes` bounds the memory of requests over gRPC and
+HTTP together, whatever the number of senders (docs/reliability.md, "Memory is
+bounded"). The JSON edge counts a body chunk by chunk as it arrives (`take`). gRPC tells
+a message's size only once the message is in whole, so the gRPC edge holds room for the
+largest message before it reads one (`hold`) and counts the real size once it has it
+(`settle`).
+
+A request the bytes being worked on leave no room for is refused (`Overloaded`:
+RESOURCE_EXHAUSTED on gRPC, 429 on HTTP) before its bytes are read. One that finds the
+room held for messages still being read waits for them: reads end in milliseconds, or
+at their edge's timeout, and refusing then would turn a burst of small requests away.
+Whether a request's pairs go to the backend at all is another decision
+(`pair_admission.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 class Overloaded(Exception):
     """The server-wide budget for request bytes in flight is spent."""
 
 
+@dataclass(eq=False)
+class _Waiter:
+    size: int
+    own: int
+    held: bool  # room for a message not yet read (`hold`), not bytes in hand (`take`)
+    patient: bool  # waits for room rather than being refused
+    granted: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
 class InflightBytes:
-    """The bytes of requests being worked on, against a server-wide budget. A request
-    larger than the whole budget is still taken when nothing else is in flight."""
+    """The bytes of requests in flight against a server-wide budget: requests being worked
+    on, bodies arriving, and room held for messages being read. A request larger than
+    the whole budget is still taken when nothing else is in flight."""
 
     def __init__(self, limit: int, released: Callable[[int], None] | None = None) -> None:
         self.limit = limit
-        self.used = 0
-        self._released = released  # told of every size given back (`allocator`)
+        self.used = 0  # all of it: bytes in hand and room held
+        self.held = 0  # of `used`: room held for messages being read (`hold`)
+        self._released = released  # told of every size of real bytes given back
+        self._waiting: collections.deque[_Waiter] = collections.deque()
 
-    def take(self, size: int, own: int = 0) -> None:
-        """Count `size` more bytes; `own` of those in flight are the same request's
-        (taken as its body arrived), so a request alone may still exceed the budget."""
-        if self.used + size > self.limit and self.used > own:
-            raise Overloaded(
-                f"server busy: {self.used // 1024} KiB of requests in progress "
-                f"(max_inflight_bytes {self.limit // 1024} KiB); retry with "
-                "backoff"
-            )
-        self.used += size
+    async def take(self, size: int, own: int = 0) -> None:
+        """Count `size` more bytes in hand; `own` of those in flight are the same
+        request's (taken as its body arrived), so a request alone may still exceed the
+        budget. Waits while room held for messages being read is in the way; Overloaded
+        when the bytes in hand leave no room."""
+        await self._admit(_Waiter(size, own, held=False, patient=False))
+
+    async def hold(self, size: int, patient: bool = False) -> None:
+        """Hold room for a message of at most `size` bytes before reading it; then
+        `settle` it with its real size, or `release` it. Overloaded when the bytes in
+        hand leave no room for it, unless `patient` (a batch stream, whose next request
+        can wait): then it waits for room."""
+        await self._admit(_Waiter(size, 0, held=True, patient=patient))
+
+    def settle(self, held: int, size: int) -> None:
+        """The message `held` was held for has arrived, `size` bytes: they count instead
+        (never refused: the room was held for the largest message allowed)."""
+        self.held -= held
+        self.used += size - held
+        self._wake()
+
+    def release(self, held: int) -> None:
+        """Room held for a message that did not come (or is no longer waited for)."""
+        self.held -= held
+        self.used -= held
+        self._wake()
 
     def give_back(self, size: int) -> None:
         self.used -= size
         if self._released is not None:
             self._released(size)
+        self._wake()
+
+    def _fits(self, waiter: _Waiter) -> bool:
+        return self.used + waiter.size <= self.limit or self.used <= waiter.own
+
+    def _hopeless(self, waiter: _Waiter) -> bool:
+        """No room even once every message being read has arrived (and counted as
+        nothing): the bytes in hand alone leave none."""
+        in_hand = self.used - self.held
+        return not waiter.patient and in_hand + waiter.size > self.limit and in_hand > waiter.own
+
+    def _grant(self, waiter: _Waiter) -> None:
+        self.used += waiter.size
+        if waiter.held:
+            self.held += waiter.size
+
+    def _refusal(self) -> Overloaded:
+        return Overloaded(
+            f"server busy: {(self.used - self.held) // 1024} KiB of requests in progress "
+            f"(max_inflight_bytes {self.limit // 1024} KiB); retry with backoff"
+        )
+
+    async def _admit(self, waiter: _Waiter) -> None:
+        if self._fits(waiter):
+            self._grant(waiter)
+            return
+        if self._hopeless(waiter):
+            raise self._refusal()
+        self._waiting.append(waiter)
+        try:
+            await waiter.granted
+        except asyncio.CancelledError:
+            if waiter.granted.done() and not waiter.granted.cancelled():
+                if waiter.granted.exception() is None:  # granted as it was cancelled
+                    self.used -= waiter.size
+                    if waiter.held:
+                        self.held -= waiter.size
+                    self._wake()
+            elif waiter in self._waiting:  # a wake in between may have dropped it
+                self._waiting.remove(waiter)
+            raise
+
+    def _wake(self) -> None:
+        """Grant what fits now, in order of arrival; refuse what never will."""
+        if not self._waiting:
+            return
+        still: collections.deque[_Waiter] = collections.deque()
+        for waiter in self._waiting:
+            if waiter.granted.done():
+                continue
+            if self._fits(waiter):
+                self._grant(waiter)
+                waiter.granted.set_result(None)
+            elif self._hopeless(waiter):
+                waiter.granted.set_exception(self._refusal())
+            else:
+                still.append(waiter)
+        self._waiting = still
