@@ -191,19 +191,26 @@ def check_deployment(
             )
 
 
-# docs/reliability.md, "Memory is bounded": peak RSS for G gRPC calls arriving at once.
-BASE_MIB, PER_BYTE_HELD, DESIGN_CONCURRENT_MESSAGES, HEADROOM = 100, 3.5, 16, 1.25
+# docs/reliability.md, "Memory is bounded": the peak RSS settings allow, any number of
+# senders. A request's bytes are held about 3.5 times over while parsed and converted; a
+# gRPC call admitted and not yet read holds its HTTP/2 stream window (64 KiB) and its
+# own state in gRPC, about 84 KiB measured.
+BASE_MIB, PER_BYTE_HELD, UNREAD_CALL_BYTES, HEADROOM = 100, 3.5, 128 * 2**10, 1.25
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
 
 
 def memory_estimate(env: dict[str, str]) -> float:
-    """The peak RSS, in bytes, of one rerank-server with these settings, for
-    `DESIGN_CONCURRENT_MESSAGES` maximal gRPC messages arriving at once; times its
-    workers (each has its own budget)."""
+    """The peak RSS, in bytes, of one rerank-server with these settings, whatever the
+    number of senders: the request bytes in flight over both edges (worked on, arriving,
+    and room held for gRPC messages being read) are at most the larger of
+    --max-inflight-bytes and --max-message-bytes, and each of --max-concurrent-rpcs
+    gRPC calls holds at most `UNREAD_CALL_BYTES` of a request not yet read (calls past
+    that are refused unread). Times its workers (each has its own budget)."""
     message = int(env.get(env_name("max_message_bytes"), DEFAULTS.max_message_bytes))
     inflight = int(env.get(env_name("max_inflight_bytes"), DEFAULTS.max_inflight_bytes))
+    calls = int(env.get(env_name("max_concurrent_rpcs"), DEFAULTS.max_concurrent_rpcs))
     workers = max(1, int(env.get(env_name("workers"), DEFAULTS.workers)))
-    one = BASE_MIB * 2**20 + PER_BYTE_HELD * max(DESIGN_CONCURRENT_MESSAGES * message, inflight)
+    one = BASE_MIB * 2**20 + PER_BYTE_HELD * max(inflight, message) + calls * UNREAD_CALL_BYTES
     return workers * one
 
 

@@ -68,7 +68,7 @@ class _Progress:
 RECEIVE_TIMEOUT_S = 30.0
 # A RerankBatch stream whose client sends nothing for this long gives back the room held
 # for its next request: a stream kept open for later requests holds none meanwhile.
-BATCH_QUIET_S = 1.0
+BATCH_QUIET_S = 0.25
 
 
 class AnswerTooLarge(Exception):
@@ -339,7 +339,7 @@ class RerankService:
             try:
                 try:
                     if not counted:  # read without room held (`feed`): counted now
-                        await self.inflight.take(len(raw))
+                        self.inflight.take(len(raw))
                     async with self._admitted(raw, seen, f"requests[{position}]") as query:
                         results, summary = await self._reranker.answer(query, _deadline(context))
                         measured = query.return_text or self._lists_may_overflow(query, results)

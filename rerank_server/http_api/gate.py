@@ -207,7 +207,7 @@ class Gate:
                             _CLOSE,
                         )
                         break
-                    await self._inflight.take(len(chunk), own=size)
+                    self._inflight.take(len(chunk), own=size)
                     size += len(chunk)
                     chunks.append(chunk)
                     if not message.get("more_body", False):

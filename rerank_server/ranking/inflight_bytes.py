@@ -5,15 +5,17 @@ the answer is out, so `--max-inflight-bytes` bounds the memory of requests over 
 HTTP together, whatever the number of senders (docs/reliability.md, "Memory is
 bounded"). The JSON edge counts a body chunk by chunk as it arrives (`take`). gRPC tells
 a message's size only once the message is in whole, so the gRPC edge holds room for the
-largest message before it reads one (`hold`) and counts the real size once it has it
+largest message before it reads one (`hold`) and counts its real size once it has it
 (`settle`).
 
-A request the bytes being worked on leave no room for is refused (`Overloaded`:
-RESOURCE_EXHAUSTED on gRPC, 429 on HTTP) before its bytes are read. One that finds the
-room held for messages still being read waits for them: reads end in milliseconds, or
-at their edge's timeout, and refusing then would turn a burst of small requests away.
-Whether a request's pairs go to the backend at all is another decision
-(`pair_admission.py`).
+A request there is no room for is refused (`Overloaded`: RESOURCE_EXHAUSTED on gRPC, 429
+on HTTP) before its bytes are read, with one exception: a gRPC call that finds the room
+held for messages still being read waits for them (they end in milliseconds, or at the
+edge's timeout; refusing would turn a burst of small requests away), and is refused only
+once the bytes in hand alone leave no room. A waiting gRPC call holds at most its
+stream's window in gRPC; a JSON body's connection reads on while its request waits
+(uvicorn reads ahead up to about 320 KiB), so a JSON chunk never waits. Whether a
+request's pairs go to the backend at all is another decision (`pair_admission.py`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ class Overloaded(Exception):
 
 @dataclass(eq=False)
 class _Waiter:
+    """A `hold` waiting for room."""
+
     size: int
-    own: int
-    held: bool  # room for a message not yet read (`hold`), not bytes in hand (`take`)
     patient: bool  # waits for room rather than being refused
     granted: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -51,19 +53,36 @@ class InflightBytes:
         self._released = released  # told of every size of real bytes given back
         self._waiting: collections.deque[_Waiter] = collections.deque()
 
-    async def take(self, size: int, own: int = 0) -> None:
+    def take(self, size: int, own: int = 0) -> None:
         """Count `size` more bytes in hand; `own` of those in flight are the same
         request's (taken as its body arrived), so a request alone may still exceed the
-        budget. Waits while room held for messages being read is in the way; Overloaded
-        when the bytes in hand leave no room."""
-        await self._admit(_Waiter(size, own, held=False, patient=False))
+        budget. Overloaded when there is no room now."""
+        if self.used + size > self.limit and self.used > own:
+            raise self._refusal()
+        self.used += size
 
     async def hold(self, size: int, patient: bool = False) -> None:
         """Hold room for a message of at most `size` bytes before reading it; then
-        `settle` it with its real size, or `release` it. Overloaded when the bytes in
-        hand leave no room for it, unless `patient` (a batch stream, whose next request
-        can wait): then it waits for room."""
-        await self._admit(_Waiter(size, 0, held=True, patient=patient))
+        `settle` it with its real size, or `release` it. Waits while room held for
+        other messages is in the way; Overloaded when the bytes in hand leave no room,
+        unless `patient` (a batch stream, whose next request can wait its turn)."""
+        waiter = _Waiter(size, patient)
+        if self._fits(waiter):
+            self._grant(waiter)
+            return
+        if self._hopeless(waiter):
+            raise self._refusal()
+        self._waiting.append(waiter)
+        try:
+            await waiter.granted
+        except asyncio.CancelledError:
+            granted = waiter.granted
+            if granted.done() and not granted.cancelled():
+                if granted.exception() is None:  # granted as it was cancelled: undone
+                    self.release(size)
+            elif waiter in self._waiting:  # a wake in between may have dropped it
+                self._waiting.remove(waiter)
+            raise
 
     def settle(self, held: int, size: int) -> None:
         """The message `held` was held for has arrived, `size` bytes: they count instead
@@ -85,44 +104,23 @@ class InflightBytes:
         self._wake()
 
     def _fits(self, waiter: _Waiter) -> bool:
-        return self.used + waiter.size <= self.limit or self.used <= waiter.own
+        return self.used + waiter.size <= self.limit or self.used == 0
 
     def _hopeless(self, waiter: _Waiter) -> bool:
-        """No room even once every message being read has arrived (and counted as
-        nothing): the bytes in hand alone leave none."""
+        """No room even once every message being read has arrived and counted as
+        nothing: the bytes in hand alone leave none."""
         in_hand = self.used - self.held
-        return not waiter.patient and in_hand + waiter.size > self.limit and in_hand > waiter.own
+        return not waiter.patient and in_hand + waiter.size > self.limit and in_hand > 0
 
     def _grant(self, waiter: _Waiter) -> None:
         self.used += waiter.size
-        if waiter.held:
-            self.held += waiter.size
+        self.held += waiter.size
 
     def _refusal(self) -> Overloaded:
         return Overloaded(
             f"server busy: {(self.used - self.held) // 1024} KiB of requests in progress "
             f"(max_inflight_bytes {self.limit // 1024} KiB); retry with backoff"
         )
-
-    async def _admit(self, waiter: _Waiter) -> None:
-        if self._fits(waiter):
-            self._grant(waiter)
-            return
-        if self._hopeless(waiter):
-            raise self._refusal()
-        self._waiting.append(waiter)
-        try:
-            await waiter.granted
-        except asyncio.CancelledError:
-            if waiter.granted.done() and not waiter.granted.cancelled():
-                if waiter.granted.exception() is None:  # granted as it was cancelled
-                    self.used -= waiter.size
-                    if waiter.held:
-                        self.held -= waiter.size
-                    self._wake()
-            elif waiter in self._waiting:  # a wake in between may have dropped it
-                self._waiting.remove(waiter)
-            raise
 
     def _wake(self) -> None:
         """Grant what fits now, in order of arrival; refuse what never will."""

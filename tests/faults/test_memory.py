@@ -1,7 +1,9 @@
 """Memory under large requests (docs/reliability.md, "Memory is bounded"): sixteen valid
 12 MB requests at once are worked on as far as --max-inflight-bytes allows, the rest
-refused; floods of maximal requests, refused and valid, on both edges, stay under the
-bound the manifests are sized by and end near where they started."""
+refused before they are read; 256 senders of valid requests at once, on either edge,
+stay under the manifests' limit, each answered; floods of maximal requests, refused and
+valid, on both edges, stay under the bound the manifests are sized by and end near where
+they started."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -76,7 +78,6 @@ async def test_big_requests_at_once_keep_memory_bounded(fake_llama: FakeLlamaSer
             peak = max(peak, rss_mib(proc.pid))
             await asyncio.sleep(0.05)
         await calls
-    grown = peak - before
     print(f"{size_mib:.1f} MB requests, {dict(codes)}, RSS {before:.0f} -> {peak:.0f} MiB")
     assert 11 < size_mib < 16
     assert codes["OK reranked"] > 0, dict(codes)
@@ -85,10 +86,15 @@ async def test_big_requests_at_once_keep_memory_bounded(fake_llama: FakeLlamaSer
         "OK degraded",
         "RESOURCE_EXHAUSTED",
     }, dict(codes)
-    # gRPC receives every message (and copies it once into Python) before the server can
-    # refuse it; what the server then works on is bounded by the budget. Measured: 2.1 to
-    # 2.6 MiB of RSS per MB received. Before the budget: about 50 MiB per such request.
-    assert grown < 3.5 * 16 * size_mib, f"RSS grew {grown:.0f} MiB"
+    # A message is read only once the budget has room for the largest one: those refused
+    # are refused unread, so the bound does not count the messages sent.
+    bound = memory_estimate(
+        {
+            "RERANK_MAX_INFLIGHT_BYTES": str(IN_FLIGHT_MIB * 1024 * 1024),
+            "RERANK_MAX_MESSAGE_BYTES": str(16 << 20),
+        }
+    )
+    assert peak < bound / 2**20, f"peak {peak:.0f} MiB"
 
 
 async def test_request_bytes_past_the_budget_are_refused(
@@ -106,6 +112,147 @@ async def test_request_bytes_past_the_budget_are_refused(
         assert (await client.rerank("q3", docs)).reranked  # the budget is given back
     assert info.value.code == "RESOURCE_EXHAUSTED"
     assert "max_inflight_bytes" in info.value.message
+
+
+async def test_a_batch_stream_kept_open_holds_no_room_while_it_sends_nothing(
+    start_server: StartServer,
+) -> None:
+    """A RerankBatch stream holds room for its next request while it reads it; one whose
+    client sends nothing more gives the room back (after `BATCH_QUIET_S`), so streams kept
+    open for later requests do not keep others waiting. Here the room for one message is
+    the whole budget: a Rerank call sent meanwhile is answered."""
+    server = await start_server(max_inflight_bytes=1 << 20, max_message_bytes=1 << 20)
+    more: asyncio.Queue[pb.RerankRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.RerankRequest]:
+        while (request := await more.get()) is not None:
+            yield request
+
+    small = pb.RerankRequest(
+        request_id="b0", query="q", candidates=[pb.Candidate(id=str(i), text="t") for i in range(3)]
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.RerankerStub(channel)
+        batch = stub.RerankBatch(requests())
+        await more.put(small)
+        first = await asyncio.wait_for(batch.read(), 10)
+        assert first.request_id == "b0" and not first.HasField("error")
+        started = time.monotonic()  # the stream, open, waits for its next request
+        answer = await stub.Rerank(small, timeout=10)
+        waited = time.monotonic() - started
+        await more.put(None)
+        assert await batch.read() is grpc.aio.EOF
+    assert len(answer.results) == 3
+    assert waited < 5, f"the Rerank call waited {waited:.1f} s"
+
+
+SENDERS = 256  # at once, each on its own connection: beyond what the budget takes
+MANIFEST_LIMIT_MIB = 512  # deploy/kubernetes: the rerank-server container's limit
+RETRY_HINT = "retry with backoff"
+
+
+def valid_request() -> pb.RerankRequest:
+    """About 3.7 MB: 100 candidates of 37,000 characters, within every limit."""
+    text = ("The quick brown fox jumps over the lazy dog. " * 900)[:37_000]
+    return pb.RerankRequest(
+        query="fox", candidates=[pb.Candidate(id=str(i), text=text) for i in range(100)]
+    )
+
+
+async def _peak_while(calls: Awaitable[list[str]], pid: int) -> tuple[float, float, list[str]]:
+    """RSS before and at its peak while `calls` run, and their outcomes."""
+    task = asyncio.ensure_future(calls)
+    before = peak = rss_mib(pid)
+    while not task.done():
+        peak = max(peak, rss_mib(pid))
+        await asyncio.sleep(0.02)
+    return before, peak, await task
+
+
+async def test_many_grpc_senders_of_valid_requests_stay_under_the_limit(
+    fake_llama: FakeLlamaServer,
+) -> None:
+    """256 clients, each on its own connection, send a valid 3.7 MB request at once: the
+    budget takes about 17, the rest are refused RESOURCE_EXHAUSTED with a retry hint
+    before their messages are read. Peak RSS stays under the manifests' limit, whatever
+    the number of senders; every admitted answer is complete."""
+    raw = valid_request().SerializeToString()
+    async with server_process(fake_llama.url, RERANK_PROBE="0") as (port, proc):
+        # A channel of its own each: channels in one process otherwise share a connection.
+        channels = [
+            grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+            )
+            for _ in range(SENDERS)
+        ]
+        try:
+            await asyncio.gather(*(channel.channel_ready() for channel in channels))
+
+            async def send(channel: grpc.aio.Channel) -> str:
+                rerank = channel.unary_unary(  # the bytes as they are: encoded once
+                    "/rerank.v1.Reranker/Rerank",
+                    response_deserializer=pb.RerankResponse.FromString,
+                )
+                try:
+                    answer = await rerank(raw, timeout=60)
+                except grpc.aio.AioRpcError as exc:
+                    hinted = RETRY_HINT in (exc.details() or "")
+                    return f"{exc.code().name}{'' if hinted else ' without a retry hint'}"
+                whole = sorted(int(r.id) for r in answer.results) == list(range(100))
+                return "OK" if whole else f"OK with {len(answer.results)} results"
+
+            before, peak, outcomes = await _peak_while(
+                asyncio.gather(*(send(channel) for channel in channels)), proc.pid
+            )
+            alive = proc.poll() is None
+        finally:
+            await asyncio.gather(*(channel.close() for channel in channels))
+    codes = Counter(outcomes)
+    print(f"gRPC, {SENDERS} senders: {dict(codes)}, RSS {before:.0f} -> {peak:.0f} MiB")
+    assert alive
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"] > 0, dict(codes)
+    assert peak < MANIFEST_LIMIT_MIB and peak < _bound_mib(), f"peak {peak:.0f} MiB"
+
+
+async def test_many_json_senders_of_valid_requests_stay_under_the_limit(
+    fake_llama: FakeLlamaServer,
+) -> None:
+    """The same through the JSON API: 256 connections POST a valid 3.7 MB body at once;
+    each is answered 200 with every result, or 429 / 503 with `Retry-After`, and peak
+    RSS stays under the manifests' limit."""
+    text = ("The quick brown fox jumps over the lazy dog. " * 900)[:37_000]
+    body = json.dumps({"query": "fox", "documents": [text] * 100}).encode()
+    http_port = free_port()
+    limits = httpx.Limits(max_connections=SENDERS, max_keepalive_connections=SENDERS)
+    async with (
+        server_process(fake_llama.url, RERANK_PROBE="0", RERANK_HTTP_PORT=str(http_port)) as (
+            _,
+            proc,
+        ),
+        httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_port}", timeout=60, limits=limits
+        ) as http,
+    ):
+
+        async def send() -> str:
+            response = await http.post(
+                "/v2/rerank", content=body, headers={"content-type": "application/json"}
+            )
+            if response.status_code != 200:
+                hinted = "retry-after" in response.headers
+                return f"{response.status_code}{'' if hinted else ' without Retry-After'}"
+            indices = sorted(r["index"] for r in response.json()["results"])
+            return "200" if indices == list(range(100)) else f"200 with {len(indices)} results"
+
+        before, peak, outcomes = await _peak_while(
+            asyncio.gather(*(send() for _ in range(SENDERS))), proc.pid
+        )
+        alive = proc.poll() is None
+    codes = Counter(outcomes)
+    print(f"JSON, {SENDERS} senders: {dict(codes)}, RSS {before:.0f} -> {peak:.0f} MiB")
+    assert alive
+    assert set(codes) <= {"200", "429", "503"} and codes["200"] > 0, dict(codes)
+    assert peak < MANIFEST_LIMIT_MIB and peak < _bound_mib(), f"peak {peak:.0f} MiB"
 
 
 FLOOD_CLIENTS, FLOOD_S = 16, 4.0
