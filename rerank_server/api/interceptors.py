@@ -13,11 +13,14 @@ Authentication (`--auth-tokens`): every method but `grpc.health.v1.Health` needs
 UNAUTHENTICATED before any work. Health stays open for probes; reflection needs a token
 (it describes the service to whoever asks).
 
-Load shedding is done here rather than by grpc's `maximum_concurrent_rpcs` for two
-reasons: grpc refuses those calls before any interceptor runs, so they could not be
-counted, and it would count health checks too, so a busy server would fail its liveness
-probe and be restarted exactly when it is busiest. Here only `rerank.v1.Reranker` calls
-are limited; health and reflection always get through.
+Load shedding is done here rather than by grpc's `maximum_concurrent_rpcs` for three
+reasons: grpc refuses those calls before their handler runs, so they could not be
+counted; its refusal ("Concurrent RPC limit exceeded!") says nothing of retrying; and it
+would count health checks too, so a busy server would fail its liveness probe and be
+restarted exactly when it is busiest. Here only `rerank.v1.Reranker` calls are limited;
+health and reflection always get through. The Reranker methods are registered as
+request-streaming (`grpc_server`), so a call refused here is refused before its message
+is read.
 
 A Reranker stream whose client takes nothing for `SEND_STALL_S` (one message waiting that
 long, plus the time its size needs at a slow client's pace, to go out) is cancelled
