@@ -113,7 +113,9 @@ def parse_request(raw: bytes, field: str = "request") -> pb.RerankRequest:
 
 
 class RerankService:
-    """The three RPCs; each takes the request's raw bytes (see the module docstring)."""
+    """The three RPCs, registered as request-streaming: each reads its requests' raw
+    bytes itself, through its context (`_read`), and leaves the request iterator gRPC
+    passes it unused (see the module docstring)."""
 
     def __init__(
         self,
@@ -449,9 +451,9 @@ class RerankService:
         """A batch stream's next request and whether it is counted in flight already;
         None at the stream's end. Read once the stream has a free slot (taken here; the
         request's task gives it back) and room for the largest message is held, waiting
-        for room rather than refused: a batch's requests wait their turn. A client that
-        sends nothing for `BATCH_QUIET_S` gets the room back meanwhile (a stream kept
-        open holds none); what it sends later is counted once it is in."""
+        for room rather than refused: a batch's requests wait their turn. The room goes
+        back while the client sends nothing for `BATCH_QUIET_S` (a stream kept open
+        holds none); what it sends after that is counted once it is in."""
         await slots.acquire()
         room = self._room()
         try:
