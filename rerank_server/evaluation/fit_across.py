@@ -46,6 +46,13 @@ class Collection:
     queries: tuple[ScoredQuery, ...]
     qrels: Qrels
     needles: tuple[NeedleQuery, ...] = ()
+    # The data set it was drawn from: one data set evaluated at two reranking depths is
+    # two collections, held out together (`fit_across`). Empty: `name`.
+    dataset: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.dataset or self.name
 
     def per_query(self, params: AdaptiveParams, scripts: Sequence[str] = ()) -> list[float]:
         """nDCG@10 of each query under `params`, replayed exactly."""
@@ -119,11 +126,13 @@ def choose(
     best: Mapping[str, float],
     family: Family = Family.GATE,
     constraint: Constraint = Constraint(),
+    tolerance: float = TIE,
 ) -> tuple[AdaptiveParams, int, bool]:
     """The parameters whose worst collection falls least short of its `best` (the better
-    of BM25 and pure reranking there); among equals the best mean over collections; then
-    the most cautious; the first in that order that meets `constraint` (the first of all
-    when none does). Returns them, the grid's size and whether they meet it."""
+    of BM25 and pure reranking there), shortfalls within `tolerance` of the least alike;
+    among equals the best mean over collections; then the most cautious; the first in
+    that order that meets `constraint` (the first of all when none does). Returns them,
+    the grid's size and whether they meet it."""
     candidates = Grid(
         grid(
             [c.spread for x in collections for c in curves[x.name]],
@@ -134,7 +143,7 @@ def choose(
     means = np.stack([candidates.values(curves[x.name]).mean(axis=1) for x in collections], axis=1)
     targets = np.array([best[x.name] for x in collections])
     worst = (targets[None, :] - means).max(axis=1)
-    least = worst <= worst.min() + TIE
+    least = worst <= worst.min() + max(tolerance, TIE)
     # Worst shortfall first (the least ones alike), then the best mean, then cautious.
     order = np.lexsort(
         (np.arange(len(candidates)), -means.mean(axis=1), np.where(least, worst.min(), worst))
@@ -149,6 +158,7 @@ def fit_across(
     collections: Sequence[Collection],
     family: Family = Family.GATE,
     constraint: Constraint = Constraint(),
+    tolerance: float = TIE,
 ) -> CrossFit:
     """Fit on every collection, and on every collection but one for each one; a profile
     whose model reads `constraint.scripts` gives other requests no weight."""
@@ -167,7 +177,7 @@ def fit_across(
     }
 
     def chosen(on: Sequence[Collection]) -> tuple[Choice, int]:
-        params, size, _ = choose(on, curves, best, family, constraint)
+        params, size, _ = choose(on, curves, best, family, constraint, tolerance)
         return Choice(
             params,
             tuple(c.name for c in on),
@@ -175,10 +185,11 @@ def fit_across(
         ), size
 
     everything, size = chosen(collections)
+    # Held out with the other depths of its data set: the profile on data nobody fitted.
     held_out = {
-        c.name: chosen([o for o in collections if o is not c])[0]
+        c.name: chosen([o for o in collections if o.source != c.source])[0]
         for c in collections
-        if len(collections) > 1
+        if len({o.source for o in collections}) > 1
     }
     return CrossFit(
         everything,

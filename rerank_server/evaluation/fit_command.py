@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a choice must bring the needle into the top 3 at least this share "
         "as often as rerank_only, per data set (evaluations with --needle)",
     )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.005,
+        help="nDCG@10: choices whose worst shortfall is within this of the least are "
+        "equal, and the best mean decides among them (0: the least shortfall alone)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--name", default="", help="output name (default: the profile's)")
     return p
@@ -125,7 +133,7 @@ def read(path: Path) -> tuple[Collection, str, str]:
     )
     name = str(data.get("dataset") or path.stem)
     return (
-        Collection(name, queries, data["qrels"], needles),
+        Collection(name, queries, data["qrels"], needles, dataset=name),
         str(data.get("backend", "")),
         str(data.get("model", "")),
     )
@@ -294,6 +302,26 @@ def write_profile(
     return name
 
 
+def _by_depth(
+    inputs: list[tuple[Collection, str, str]],
+) -> list[tuple[Collection, str, str]]:
+    """A data set given at several reranking depths is named `NAME@DEPTH` in each: fitted
+    at both, held out at both."""
+    counts = Counter(c.name for c, _, _ in inputs)
+    return [
+        (
+            dataclasses.replace(
+                c, name=f"{c.name}@{max(len(q.ids) for q in c.queries)}", dataset=c.source
+            )
+            if counts[c.name] > 1
+            else c,
+            backend,
+            model,
+        )
+        for c, backend, model in inputs
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -305,9 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"({', '.join(sorted(f'{b} {m}' for b, m in scorers))}): a "
                 "profile is for one of them"
             )
+        inputs = _by_depth(inputs)
         names = [c.name for c, _, _ in inputs]
         if len(set(names)) != len(names):
-            raise FitError(f"a data set is given twice: {', '.join(names)}")
+            raise FitError(f"a data set is given twice at one depth: {', '.join(names)}")
     except FitError as exc:
         print(f"rerank-server fit: error: {exc}", file=sys.stderr)
         return 1
@@ -315,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     depth = {len(q.ids) for c, _, _ in inputs for q in c.queries}
     collections = [c for c, _, _ in inputs]
     scripts = tuple(s.strip() for s in args.profile_scripts.split(",") if s.strip())
-    result = fit_across(collections, args.family, Constraint(args.needle_share, scripts))
+    result = fit_across(
+        collections, args.family, Constraint(args.needle_share, scripts), args.tolerance
+    )
     rows = report(result, collections)
     title = args.name or args.profile_name or f"{backend}-{model}"
     header = (

@@ -13,6 +13,7 @@ from ranx import Qrels, Run, evaluate
 
 from rerank_server.evaluation.fit import Curve, Family, ScoredQuery, fit, grid, ndcg
 from rerank_server.evaluation.fit_across import Collection, Constraint, NeedleQuery, fit_across
+from rerank_server.evaluation.fit_command import _by_depth
 from rerank_server.ranking.blending import (
     ADAPTIVE,
     AdaptiveParams,
@@ -269,3 +270,35 @@ def test_the_needle_share_rules_out_a_blend_that_keeps_the_needle_down() -> None
     impossible = fit_across([c], Family.RAMP, Constraint(1.5))
     assert not impossible.needle_met
     assert impossible.everything.params == unconstrained.everything.params
+
+
+def test_one_data_set_at_two_depths_is_held_out_at_both() -> None:
+    """A data set evaluated at 20 and at 100 candidates is two collections for the fit,
+    but never fitted on while it is held out: held out, it gets the parameters fitted on
+    the other data sets alone."""
+    shallow = dataclasses.replace(
+        collection("english", 20, readable=True, seed=1), name="english@20", dataset="english"
+    )
+    deep = dataclasses.replace(
+        collection("english", 20, readable=True, seed=4), name="english@100", dataset="english"
+    )
+    other = collection("arabic", 20, readable=False, seed=2)
+    result = fit_across([shallow, deep, other])
+    assert result.held_out["english@20"].fitted_on == ("arabic",)
+    assert result.held_out["english@100"].fitted_on == ("arabic",)
+    assert result.held_out["arabic"].fitted_on == ("english@20", "english@100")
+
+
+def test_a_data_set_given_at_two_depths_is_named_by_depth() -> None:
+    twenty = collection("vaswani", 3, readable=True, seed=1)
+    hundred_queries = tuple(
+        dataclasses.replace(
+            q, ids=q.ids * 5, ranks=tuple(range(1, 5 * len(q.ids) + 1)), scores=q.scores * 5
+        )
+        for q in twenty.queries
+    )
+    hundred = dataclasses.replace(twenty, queries=hundred_queries)
+    alone = collection("trec", 3, readable=True, seed=2)
+    named = _by_depth([(twenty, "b", "m"), (hundred, "b", "m"), (alone, "b", "m")])
+    assert [c.name for c, _, _ in named] == [f"vaswani@{DEPTH}", f"vaswani@{5 * DEPTH}", "trec"]
+    assert {c.source for c, _, _ in named} == {"vaswani", "trec"}
