@@ -41,17 +41,19 @@ def test_shipped_profiles_cover_the_two_measured_models() -> None:
     # what, and how it did on each collection fitted and held out.
     for profile in (minilm, standin):
         collections = profile.fitted["collections"]
-        assert {"trec_dl19_passage_subset", "vaswani_npl"} <= set(collections)
+        assert {"trec_dl19_passage_subset", "vaswani_npl"} <= {c.split("@")[0] for c in collections}
         assert all(c["queries"] > 0 and c["held_out"] is not None for c in collections.values())
-    assert "arcd_arabic" in minilm.fitted["collections"]
+    # MiniLM is fitted at two reranking depths, each a collection (`NAME@DEPTH`).
+    assert {"arcd_arabic@20", "arcd_arabic@100"} <= set(minilm.fitted["collections"])
     # The stand-in has no signal: its profile leaves the retrieval order alone. MiniLM is
     # trusted by its spread on text in the Latin script, and not at all on Arabic.
     assert standin.params.max_weight == 0.0
     assert minilm.params.max_weight == 1.0 and minilm.scripts == ("Latin",)
     assert minilm.reads("Latin") and not minilm.reads("Arabic")
     needle = {
-        c: minilm.fitted["collections"][c]["needle"]
+        f"{c}@{depth}": minilm.fitted["collections"][f"{c}@{depth}"]["needle"]
         for c in ("trec_dl19_passage_subset", "vaswani_npl")
+        for depth in (20, 100)
     }
     assert all(n["fitted_on_all"] >= 0.9 * n["rerank_only"] for n in needle.values())
     assert shipped.find("chat", "Qwen3-Reranker-0.6B.Q8_0.gguf") is None
