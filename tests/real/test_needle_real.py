@@ -28,6 +28,8 @@ SIZES = (20, 50, 100)
 @pytest.fixture(scope="module")
 def cases() -> dict[str, dict[int, list[Needle]]]:
     """Each collection's needle requests at each size, from BM25's top 200."""
+    if not DATA.is_dir():
+        pytest.fail(f"the shared collections are missing: {DATA} (shared/ beside the clone)")
     out: dict[str, dict[int, list[Needle]]] = {}
     for name in ("trec_dl19_passage_subset", "vaswani_npl", "arcd_arabic"):
         data = beir.load(DATA / name)
