@@ -36,7 +36,6 @@ from .observability.loop_lag import LoopLag
 from .observability.telemetry import Telemetry
 from .ranking import blend_profiles
 from .ranking.blend_profiles import BlendResolver
-from .ranking.inflight_bytes import InflightBytes
 from .ranking.pipeline import Reranker
 from .ranking.request import RequestRules
 from .ranking.score_cache import ScoreCache
@@ -44,6 +43,7 @@ from .scoring.base import Scorer
 from .scoring.monitor import BackendMonitor
 from .scoring.registry import build_pool, build_scorer
 from .scoring.transport.pool import BackendPool
+from .security.inflight_bytes import InflightBytes
 from .security.tls import CertificateFiles
 from .security.tokens import TokenSet
 from .settings import Settings, host_port

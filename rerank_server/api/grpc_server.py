@@ -19,9 +19,9 @@ from grpc_reflection.v1alpha import reflection
 
 from ..errors import BindError
 from ..observability.telemetry import Telemetry
-from ..ranking.inflight_bytes import InflightBytes
 from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
+from ..security.inflight_bytes import InflightBytes
 from ..security.tls import CertificateFiles
 from ..security.tokens import TokenSet
 from ..settings import Settings, host_port

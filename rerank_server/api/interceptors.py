@@ -22,7 +22,7 @@ health and reflection always get through. The Reranker methods are registered as
 request-streaming (`grpc_server`), so a call refused here is refused before its message
 is read.
 
-A Reranker stream whose client takes nothing for `SEND_STALL_S` (one message waiting that
+A Reranker stream whose client takes nothing for `timeouts.SEND_STALL_S` (one message waiting that
 long, plus the time its size needs at a slow client's pace, to go out) is cancelled
 (`_SendWatch`): a client that opens streams and never reads them would otherwise hold
 their places and their request bytes for ever.
@@ -43,6 +43,7 @@ from opentelemetry import trace
 
 from ..observability.metrics import RPC_METHOD, RPC_STATUS, RPC_SYSTEM_NAME, Metrics
 from ..observability.server_spans import Opened, close_server_span, open_server_span
+from ..security import timeouts
 from ..security.tokens import TokenSet
 
 log = structlog.get_logger("rerank_server.rpc")
@@ -64,13 +65,14 @@ SERVER_FAULTS = frozenset(
 )
 
 Behavior = Callable[..., Any]
-SEND_STALL_S = 30.0  # a stream message its client has not taken by then ends the call,
-SEND_RATE_FLOOR = 64 * 1024  # plus its size at this many bytes a second
+# A stream message its client has not taken within `timeouts.SEND_STALL_S` plus its size
+# at this many bytes a second ends the call.
+SEND_RATE_FLOOR = 64 * 1024
 
 
 class _SendWatch:
     """Cancels a stream's task when one of its messages has waited to be taken longer
-    than `SEND_STALL_S` plus its size at `SEND_RATE_FLOOR` (a send completes only once
+    than `timeouts.SEND_STALL_S` plus its size at `SEND_RATE_FLOOR` (a send completes only once
     the client has taken all of it beyond the windows and buffers: a 16 MiB answer to a
     client reading steadily at 150 KB/s takes two minutes). One timer for the whole
     stream, re-armed only when it fires: a message costs its size and two clock reads."""
@@ -79,12 +81,12 @@ class _SendWatch:
         self._task = asyncio.current_task()
         self._method = method
         self._since: float | None = None  # when the message now going out was handed over
-        self._allowed = SEND_STALL_S
-        self._timer = asyncio.get_running_loop().call_later(SEND_STALL_S, self._check)
+        self._allowed = timeouts.SEND_STALL_S
+        self._timer = asyncio.get_running_loop().call_later(timeouts.SEND_STALL_S, self._check)
 
     def sending(self, size: int) -> None:
         self._since = time.monotonic()
-        self._allowed = SEND_STALL_S + size / SEND_RATE_FLOOR
+        self._allowed = timeouts.SEND_STALL_S + size / SEND_RATE_FLOOR
 
     def sent(self) -> None:
         self._since = None
@@ -92,7 +94,7 @@ class _SendWatch:
     def _check(self) -> None:
         since = self._since
         waited = 0.0 if since is None else time.monotonic() - since
-        allowed = self._allowed if since is not None else SEND_STALL_S
+        allowed = self._allowed if since is not None else timeouts.SEND_STALL_S
         if waited >= allowed and self._task is not None:
             log.warning("rpc_send_stalled", rpc=self._method, waited_s=round(waited, 1))
             self._task.cancel()

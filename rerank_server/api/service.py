@@ -36,11 +36,12 @@ from ..domain import RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_cancelled, rpc_failed
 from ..observability.telemetry import Telemetry
-from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
 from ..ranking.validation import check_candidate_count, check_list_count
 from ..scoring.budget import StopSignal
+from ..security import timeouts
+from ..security.inflight_bytes import InflightBytes, Overloaded
 from . import convert
 from .pb import rerank_pb2 as pb
 
@@ -62,10 +63,6 @@ class _Progress:
         self.answered = False
 
 
-# A request message not in whole this long after the call asked for it is refused, and
-# the room held for it given back: a client that starts a message and stops holds room
-# for the largest one. The JSON edge gives a body as long (`gate.BODY_TIMEOUT_S`).
-RECEIVE_TIMEOUT_S = 30.0
 # A RerankBatch stream whose client sends nothing for this long gives back the room held
 # for its next request: a stream kept open for later requests holds none meanwhile.
 BATCH_QUIET_S = 0.25
@@ -76,7 +73,7 @@ class AnswerTooLarge(Exception):
 
 
 class ReceiveStalled(Exception):
-    """The request message did not arrive within `RECEIVE_TIMEOUT_S`."""
+    """The request message did not arrive within `timeouts.BODY_TIMEOUT_S`."""
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -192,20 +189,20 @@ class RerankService:
         counted in flight at its real size: the caller gives it back (`_admitted`)."""
         room = self._room()
         try:
-            async with asyncio.timeout(RECEIVE_TIMEOUT_S):
+            async with asyncio.timeout(timeouts.BODY_TIMEOUT_S):
                 await self.inflight.hold(room)
         except TimeoutError:
             raise Overloaded(
                 f"server busy: no room in max_inflight_bytes for the request within "
-                f"{RECEIVE_TIMEOUT_S:.0f} s; retry with backoff"
+                f"{timeouts.BODY_TIMEOUT_S:.0f} s; retry with backoff"
             ) from None
         try:
-            async with asyncio.timeout(RECEIVE_TIMEOUT_S):
+            async with asyncio.timeout(timeouts.BODY_TIMEOUT_S):
                 raw = await _read(context)
         except TimeoutError:
             self.inflight.release(room)
             raise ReceiveStalled(
-                f"the request message did not arrive within {RECEIVE_TIMEOUT_S:.0f} s"
+                f"the request message did not arrive within {timeouts.BODY_TIMEOUT_S:.0f} s"
             ) from None
         except StopAsyncIteration:
             self.inflight.release(room)

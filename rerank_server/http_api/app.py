@@ -28,10 +28,10 @@ from ..domain import BlendStrategy, RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_failed
 from ..observability.telemetry import Telemetry
-from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
 from ..scoring.base import Scorer
+from ..security.inflight_bytes import InflightBytes, Overloaded
 from ..security.tokens import TokenSet
 from . import models as m
 from .convert import (

@@ -2,7 +2,7 @@
 
 Token and concurrency cap from the headers, before any byte of the body; then the body,
 read whole here, counted against `--max-inflight-bytes` as it arrives (429), against
-`--max-message-bytes` (413) and within `BODY_TIMEOUT_S` (408), and decoded once
+`--max-message-bytes` (413) and within `timeouts.BODY_TIMEOUT_S` (408), and decoded once
 (`wire.py`: 422 for a body of the wrong shape) for the route to validate (`route.py`).
 Refusals are JSON `{"message": ...}` and are logged as the routes' answers are
 (docs/http.md).
@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..observability.logs import rpc_failed
 from ..observability.server_spans import close_server_span, open_server_span
-from ..ranking.inflight_bytes import InflightBytes, Overloaded
 from ..ranking.request import RequestRules
+from ..security import timeouts
+from ..security.inflight_bytes import InflightBytes, Overloaded
 from ..security.tokens import TokenSet
 from . import wire
 from .route import DECODED
@@ -33,9 +34,6 @@ OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redir
 # works on a machine without internet, and sends no visitor's browser to a CDN.
 DOCS_ASSETS = "/docs/assets"
 RERANK_PATHS = frozenset({"/v1/rerank", "/v2/rerank", "/rerank"})
-# A rerank body not in by then is refused (408): a client that sends slowly, or stops,
-# holds its bytes (counted against --max-inflight-bytes) and a connection no longer.
-BODY_TIMEOUT_S = 30.0
 
 
 class Gate:
@@ -43,7 +41,7 @@ class Gate:
     checked from the headers, before any byte of the body is read. Then the body is read
     here, whole, before FastAPI sees it: each chunk is counted against
     `--max-inflight-bytes` as it arrives (429 when the server has no room), the total
-    against `--max-message-bytes` (413), and the whole within `BODY_TIMEOUT_S` (408). A
+    against `--max-message-bytes` (413), and the whole within `timeouts.BODY_TIMEOUT_S` (408). A
     request holds one of `max_active` places only once its body is in, so clients that
     send slowly or not at all cannot fill them, and the bytes they hold are in the
     budget."""
@@ -194,7 +192,7 @@ class Gate:
         whole = False  # handed over: the caller gives its bytes back
         refusal: tuple[int, str, dict[str, str]] | None = None
         try:
-            async with asyncio.timeout(BODY_TIMEOUT_S):
+            async with asyncio.timeout(timeouts.BODY_TIMEOUT_S):
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
@@ -214,7 +212,11 @@ class Gate:
                         whole = True
                         return b"".join(chunks)
         except TimeoutError:
-            refusal = (408, f"the body did not arrive within {BODY_TIMEOUT_S:.0f} s", _CLOSE)
+            refusal = (
+                408,
+                f"the body did not arrive within {timeouts.BODY_TIMEOUT_S:.0f} s",
+                _CLOSE,
+            )
         except Overloaded as exc:
             refusal = (429, str(exc), {"Retry-After": "1", **_CLOSE})
         finally:

@@ -1,23 +1,5 @@
-"""The HTTP edge's server: uvicorn, in this process and event loop, beside gRPC.
-
-uvicorn's own signal handling is turned off (`_EmbeddedServer`): rerank-server catches
-SIGTERM/SIGINT itself and stops both edges in order (`server.py`). The listening socket is
-bound before uvicorn starts, so a port in use is a `BindError` naming the flag. With TLS,
-the certificate files are checked every few seconds and reloaded into the live context:
-new connections get the new certificate without a restart.
-
-uvicorn bounds a request's head in size (h11: 16 KiB) but not in time, nor the number of
-connections: a client that connects and sends nothing, or half a head, held its
-connection for ever, and enough of them run the process out of file descriptors. Here
-(`_BoundedH11`) a head must be complete within `HEAD_TIMEOUT_S` of the connection or of
-the previous response, and connections past `--max-connections` are answered 503
-and closed (after reading and dropping what they send for a second, at most
-`MAX_LINGERING` of them at a time, uncounted by the cap). With TLS the handshake has the
-head's deadline too, and a closing connection waits at most `TLS_SHUTDOWN_S` for its
-client's close_notify. A client that takes nothing of its answer for `SEND_STALL_S` loses its
-connection, and the request its place. (The body is bounded by the app's gate:
-`app.BODY_TIMEOUT_S`.)
-"""
+"""The JSON edge's server: uvicorn in this process and event loop, beside gRPC, with
+bounds on connections, request heads and stalled answers (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -34,6 +16,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import BindError
+from ..security import timeouts
 from ..security.tls import CertificateFiles
 from ..settings import Settings, host_port
 
@@ -42,7 +25,6 @@ log = structlog.get_logger(__name__)
 RELOAD_EVERY_S = 5.0
 TICKS_PER_S = 10  # uvicorn's on_tick does its once-a-second work when counter % 10 == 0
 HEAD_TIMEOUT_S = 10.0  # from connecting, or from the previous response, to a whole head
-SEND_STALL_S = 30.0  # an answer its client takes nothing of for this long: connection closed
 # A connection over the cap is answered 503 and read (its bytes dropped) this long before
 # it is closed: closing with its request unread would reset it, and the client would see
 # the reset instead of the 503 (as it does when a request's body is still arriving).
@@ -69,11 +51,11 @@ class _BoundedH11(H11Protocol):
 
     def pause_writing(self) -> None:
         # The client is not taking the answer (the transport's buffer is full): it gets
-        # SEND_STALL_S to take some, or the connection goes, and with it the request's
+        # timeouts.SEND_STALL_S to take some, or the connection goes, and with it the request's
         # place and bytes, which an app waiting to send would hold for ever.
         super().pause_writing()
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(SEND_STALL_S, self._send_stalled)
+            self._send_timer = self.loop.call_later(timeouts.SEND_STALL_S, self._send_stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -83,7 +65,7 @@ class _BoundedH11(H11Protocol):
 
     def _send_stalled(self) -> None:
         self._send_timer = None
-        log.warning("http_send_stalled", waited_s=SEND_STALL_S)
+        log.warning("http_send_stalled", waited_s=timeouts.SEND_STALL_S)
         self.transport.abort()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

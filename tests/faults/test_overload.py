@@ -18,13 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rerank_client import AsyncRerankClient, RerankError
 from rerank_client.types import build_request
 
-from rerank_server.api import grpc_server, interceptors
+from rerank_server.api import grpc_server
 from rerank_server.api.pb import rerank_pb2_grpc as pb_grpc
 from rerank_server.domain import Candidate, DegradedCode, RerankQuery
 from rerank_server.managed.child_process import free_port
 from rerank_server.ranking.pipeline import Reranker
 from rerank_server.scoring.backends.chat import ChatScorer
 from rerank_server.scoring.transport.pool import BackendPool
+from rerank_server.security import timeouts
 from rerank_server.server import request_rules
 from rerank_server.settings import Settings
 from tests.conftest import StartServer, client_of
@@ -199,7 +200,7 @@ async def test_a_stream_its_client_never_reads_gives_its_place_back(
     message has waited SEND_STALL_S to go out, the stream is cancelled and its place
     (here the only one, --max-concurrent-rpcs 1) and request bytes are given back.
     Before, they stayed taken for as long as the client kept the connection."""
-    monkeypatch.setattr(interceptors, "SEND_STALL_S", 1.0)
+    monkeypatch.setattr(timeouts, "SEND_STALL_S", 1.0)
     server = await start_server(
         max_concurrent_rpcs=1, max_candidates=100, max_message_bytes=16 << 20
     )

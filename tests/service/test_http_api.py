@@ -16,9 +16,9 @@ import httpx
 import pytest
 from cohere.core.api_error import ApiError
 
-from rerank_server.http_api import gate as http_gate
 from rerank_server.http_api import server as http_server_module
 from rerank_server.managed.child_process import free_port
+from rerank_server.security import timeouts
 from rerank_server.server import RunningServer
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
@@ -631,7 +631,7 @@ async def test_body_bytes_count_against_the_budget_as_they_arrive(
 async def test_a_body_that_never_arrives_is_refused_in_time(
     start_server: StartServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(http_gate, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(timeouts, "BODY_TIMEOUT_S", 0.5)
     server = await start_server(http_port=free_port(), auth_tokens=TOKEN)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
     writer.write(
@@ -803,7 +803,7 @@ async def test_an_answer_its_client_never_reads_is_not_kept_for_ever(
     small, as a slow or hostile one's is): what the kernel would not take stayed in the
     server's memory for as long as the client kept the connection, 13 MB a connection
     here. Now the connection goes once nothing was taken for SEND_STALL_S."""
-    monkeypatch.setattr(http_server_module, "SEND_STALL_S", 1.0)
+    monkeypatch.setattr(timeouts, "SEND_STALL_S", 1.0)
     server = await start_server(
         http_port=free_port(), max_candidates=100, max_message_bytes=16 << 20
     )

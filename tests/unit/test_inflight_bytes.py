@@ -1,4 +1,4 @@
-"""The in-flight byte budget (`ranking/inflight_bytes.py`): room held for gRPC messages
+"""The in-flight byte budget (`security/inflight_bytes.py`): room held for gRPC messages
 before they are read, bytes counted as JSON bodies arrive, who waits and who is refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rerank_server.ranking.inflight_bytes import InflightBytes, Overloaded
+from rerank_server.security.inflight_bytes import InflightBytes, Overloaded
 
 MIB = 2**20
 
