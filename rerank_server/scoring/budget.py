@@ -1,16 +1,4 @@
-"""Scoring within a time budget: every pair's outcome exactly once, never past the budget.
-
-`score_within` runs a scorer and yields the pairs' `PairOutcome`s as they arrive, all
-that are in at once (a batch lands whole). Pairs the scorer has not reported when the
-budget runs out come back failed as timeouts; a scorer that returns without reporting
-every pair, or crashes, fails the rest as malformed or as a backend error. So the caller
-always gets one outcome per pair and never an exception for backend trouble.
-
-The scorer reports into an `_Inbox`: a list and one future to wake the request, woken
-also by the scorer's end, the budget's timer and the server's `StopSignal`. Waiting costs
-no task and no queue per wait (`asyncio.wait_for` on a queue did both, once per arriving
-pair of a per-pair backend).
-"""
+"""Scoring within a time budget: every pair's outcome exactly once, never past the budget."""
 
 from __future__ import annotations
 
@@ -119,6 +107,9 @@ async def score_within(
     Traced in a `rerank.score` span of its own, or, given `span` (the request's own span,
     current here), in that one: its attributes go there and the backend calls continue
     it, one span fewer per request.
+
+    A scorer that returns without reporting every pair fails the rest as malformed, one
+    that crashes as a backend error: backend trouble never raises here.
 
     The budget bounds only the waits, never the caller's work between yields: a timeout
     that fired while the caller wrote a stream message would cancel the RPC.

@@ -1,18 +1,4 @@
-"""Tasks that make their backend calls themselves, and how they are let go.
-
-A per-pair scorer's tasks (`backends.batching.map_pairs`) and a scorer's own task
-(`budget.score_within`) make their calls in their own task, where every other caller's
-call runs in a task of its own that the caller awaits through a shield (two more tasks,
-a shield and two more trips through the event loop per pair). Such a task cannot be
-shielded from its own cancellation, so its canceller lets it go instead (`let_go`):
-cancelled while it waits for a slot, abandoned (`HttpBackend`'s leash) once its call is
-on the wire; a task let go makes no further call (no retry elsewhere, no second try
-with a shorter document).
-
-One `CallTasks` belongs to a backend pool (`transport.pool`) and is shared by its
-instances, since a task's calls may go to any of them; a scorer exposes its pool's
-(`Scorer.calls`).
-"""
+"""Tasks that make their backend calls themselves, and how they are let go."""
 
 from __future__ import annotations
 
@@ -25,7 +11,13 @@ Task = asyncio.Task[Any]
 
 class CallTasks:
     """The tasks registered with `own`, those of them with a call on the wire now (and
-    how to abandon it), and those let go."""
+    how to abandon it), and those let go.
+
+    Such a task (a per-pair scorer's pair, a scorer's own task) makes its call in its own
+    task rather than in one behind a shield, so it cannot be shielded from its own
+    cancellation: its canceller lets it go instead. One belongs to a backend pool and is
+    shared by its instances, since a task's calls may go to any of them (`Scorer.calls`).
+    """
 
     def __init__(self) -> None:
         self._own: set[Task] = set()

@@ -1,23 +1,6 @@
 """Backend health: a `/health` poll, and a sanity probe each time the backend comes up.
 
-The probe scores one clearly relevant and one clearly irrelevant pair. The monitor reports
-what it finds through a callback, `report(component, up)`, and knows nothing of who
-listens (the gRPC edge turns it into health service names, `api/grpc_server.py`):
-
-- `BACKEND` (""): up while the backend answers and yields scores.
-- `HOST:PORT`: one per instance, up while its `/health` answers 200.
-- `DISCRIMINATES`: up when the probe's relevant pair scored clearly above the irrelevant
-  one. A model that cannot tell them apart, or gives degenerate scores (a GGUF without its
-  classification head gives values like 1e-28), is down here and logged as a warning.
-
-Between polls the monitor sleeps until the pool changes (an instance ejected after failed
-calls, or restored) or an ejected instance's back-off ends, not on a timer: an idle
-server should not wake for nothing. It then reports at once when the pool loses or
-regains its last available instance, and probes each ejected instance whose back-off is
-over with one real scoring call pinned to it (`BackendPool.pinned`): an answer returns it
-to the pool, no answer ejects it again for longer. A backend that answers `/health` but
-hangs on scoring therefore stays out until it scores again. State changes are logged
-once per change, not per poll.
+Reported through a callback, `report(component, up)`; docs/architecture.md has the names.
 """
 
 from __future__ import annotations
@@ -51,7 +34,9 @@ BACKEND = ""
 DISCRIMINATES = "discriminates"
 
 Report = Callable[[str, bool], Awaitable[None]]
-"""`report(component, up)`: `BACKEND`, `DISCRIMINATES`, or an instance's `HOST:PORT`."""
+"""`report(component, up)`: `BACKEND` (up while the backend answers and yields scores),
+`DISCRIMINATES` (while the probe's relevant pair scores clearly above the irrelevant one,
+the scores not degenerate), or an instance's `HOST:PORT` (while its `/health` answers 200)."""
 
 
 def _probe_window_s(endpoint: Endpoint) -> float:
@@ -68,6 +53,8 @@ def _probe_window_s(endpoint: Endpoint) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
+    """The sanity probe's scores of its relevant and irrelevant pair; None where unscored."""
+
     relevant: float | None
     irrelevant: float | None
 

@@ -1,15 +1,4 @@
-"""How scorers fan a request's pairs out: one call per pair, or slices of `--max-batch`.
-
-`map_pairs` runs one call per pair concurrently, each in its pair's own task (chat,
-ollama). `score_in_batches` splits a request's documents into slices, sends each through
-`call(start, documents) -> {index within slice: score | None}`, and emits every pair's
-outcome as its slice lands. A slice whose call fails fails its pairs; a pair its answer
-leaves out fails as malformed. Nothing raises. With `split_too_long`, a slice the backend
-refuses as too long for its context is sent again as two halves, down to single
-documents: one document the context-fit could not cut to size (a server that does not
-say its slot size) fails alone instead of failing its whole slice. The halvings of a
-slice are bounded (`split_allowance`); past them a refused half fails whole.
-"""
+"""How scorers fan a request's pairs out: one call per pair, or slices of `--max-batch`."""
 
 from __future__ import annotations
 
@@ -38,9 +27,15 @@ async def score_in_batches(
     missing: str = "no score for this document",
     split_too_long: bool = False,
 ) -> None:
-    """Score `documents` in slices of `max_batch`; a pair the answer leaves out fails as
-    malformed with the detail `missing`. `split_too_long`: only for a `call` that scores
-    each document on its own (the slice's documents are not read together)."""
+    """Score `documents` in slices of `max_batch`, emitting a slice's outcomes as it lands.
+
+    `call(start, slice)` answers `{index within the slice: score | None}`. A slice whose
+    call fails fails its pairs, and a pair the answer leaves out fails as malformed with
+    the detail `missing`: nothing raises. With `split_too_long`, a slice refused as too
+    long for the context is sent again as two halves, down to single documents, within
+    `split_allowance` halvings (past them a refused half fails whole); only for a `call`
+    that scores each document on its own (the slice's documents are not read together).
+    """
 
     async def one(
         start: int,

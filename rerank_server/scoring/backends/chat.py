@@ -1,9 +1,6 @@
 """`chat` backend: one llama-server `/v1/chat/completions` call per pair, yes/no logprobs.
 
-The request is the Qwen3-Reranker prompt (system, user turn with `<Instruct>`, `<Query>`,
-`<Document>`, and optionally the empty think block as an assistant prefill), asking for
-one token at temperature 0 with the top 20 logprobs. The score is P(yes)
-(`logprobs.p_yes`).
+The Qwen3-Reranker prompt (`prompt.py`), one token at temperature 0, P(yes) (`logprobs.py`).
 """
 
 from __future__ import annotations

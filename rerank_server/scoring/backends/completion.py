@@ -1,19 +1,6 @@
-"""`completion` backend: llama-server `/completion` with an array of prompts per request.
+"""`completion` backend: llama-server `/completion` with an array of prompts per call.
 
-The prompt is rendered with the model's own chat template (`/apply-template`) around
-placeholders for the query and the document, so every pair's prompt is
-`prefix + document + suffix`: the document comes last (after the assistant header only
-the optional think-block prefill follows), and each slot's KV cache reuses the shared
-prefix from its previous prompt (`cache_prompt`). The rendering is kept per instruction
-(the last `FRAMES_KEPT`), and each request puts its query into it: one backend round trip
-fewer per request. A template that does not keep the query placeholder once, before the
-document, is rendered per request instead. One call carries up to `--max-batch`
-prompts; llama-server spreads them over its slots.
-
-"yes" and "no" are matched by token id, not text: the ids of every case and leading-space
-variant that is a single token are resolved once through `/tokenize`. The score is
-P(yes) from the top `n_probs` logprobs of the first generated position, as in the chat
-backend (floor -10 for the missing answer, no score when neither appears).
+The template rendered once per instruction, yes/no matched by token id (docs/backends.md).
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""Documents cut to what the model can read, in tokens (llama-server).
+"""Documents cut to what the model can read, in tokens (llama-server `/props`, `/tokenize`).
 
-A model reads tokens, not characters: a 2,000-character chunk is about 500 tokens of
-English but 2,700 of Chinese for SmolLM2's tokenizer, more than a 2,048-token slot holds.
-So before scoring, each document is cut to its token budget: the smaller of
-`max_tokens_per_doc` and what the slot's context (`/props`: `n_ctx` per slot) leaves
-after the prompt around the document.
-
-Counting is cheap where it can be: a tokenizer makes at most one token per UTF-8 byte (GPT-2
-style byte-level BPE, SentencePiece with byte fallback), so a document of no more bytes
-than the budget fits and is sent as it is; the prompt around it is counted by the same
-bound. Only longer documents are sent to `/tokenize`, and those over the budget are cut at
-a token boundary with `/detokenize` (a character the cut splits is dropped, not sent as
-U+FFFD). A backend without these endpoints (most OpenAI-compatible servers) is asked once;
-from then on documents are cut by bytes: at the budget where the slot's size is known (at
-most a token per byte: safe), else at `BYTES_PER_TOKEN` a token, a rough measure that
-keeps `max_tokens_per_doc` near its meaning (a byte a token cut 64 tokens to about 15).
-`chat` retries a pair the backend refuses as too long once with the document halved
-(`shorter`). A refusal that names a lower limit than the slot's (llama-server's physical
-batch `-ub`, for embeddings: not in `/props`) caps the budget from then on (`cap`).
+How and why: docs/reliability.md, "Long documents never fail".
 """
 
 from __future__ import annotations

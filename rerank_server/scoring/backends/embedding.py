@@ -1,11 +1,6 @@
 """`embedding` backend: bi-encoder similarity through an OpenAI-style `/v1/embeddings`.
 
-The query is embedded once per request; documents go in batches of `--max-batch`, all
-calls at once. The score is the cosine similarity of query and document, clamped to
-0..1 (for sentence-embedding models negative cosines are rare and mean "unrelated").
-A cheap real reranker for CPU deployments: llama-server `--embedding --pooling mean` with
-MiniLM-L6 (`rerank-server prepare --embedding-model` converts one into the cache).
-The instruction is not used: symmetric embedding models take none.
+The score is the cosine clamped to 0..1; the instruction is not used (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -36,6 +31,8 @@ Vector = np.ndarray  # one embedding, float64
 
 
 class EmbeddingScorer(PooledScorer):
+    """Scores pairs by the cosine of query and document embeddings (`/v1/embeddings`)."""
+
     kind = BackendKind.EMBEDDING
 
     def __init__(self, pool: BackendPool, *, model: str = "", max_batch: int = 32) -> None:

@@ -1,12 +1,6 @@
 """`llm` backend: listwise scoring by a general chat model (OpenAI-compatible API).
 
-One `/v1/chat/completions` call per slice of at most `--max-batch` candidates, numbered
-from 1, asking for a JSON array `[{"index": i, "score": s}]` with scores from 0 to 1, at
-temperature 0.1. Each document is cut to `DOCUMENT_CHARS` characters in the prompt to
-bound its length. Answers are read leniently (a code fence or prose around the array is
-ignored) but strictly checked: malformed JSON fails the slice, and an entry that is
-missing, repeated or out of range fails its candidate; all are failed pairs, so the
-request degrades as with any backend.
+One call per slice of `--max-batch`, read leniently, checked strictly (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -109,6 +103,8 @@ def _first_array(content: str) -> list[Any] | None:
 
 
 class LlmScorer(PooledScorer):
+    """Scores slices of candidates listwise through a general chat model's JSON answer."""
+
     kind = BackendKind.LLM
 
     def __init__(self, pool: BackendPool, *, model: str, max_batch: int = 20) -> None:

@@ -1,14 +1,4 @@
-"""P(yes) from the top logprobs of a yes/no answer token.
-
-The score is the softmax over the "yes" and "no" logprobs, i.e.
-P(yes) = e^yes / (e^yes + e^no). Tokens match without regard to case or surrounding
-whitespace ("Yes", " yes", "YES"); several variants of one answer are pooled with
-log-sum-exp. When only one answer appears in the top logprobs the other gets the floor
-logprob -10 (as in Qwen3-Reranker's own logprob recipe), or the lowest logprob listed if
-that is lower: an answer left out of the top list is no likelier than the last one in
-it (with "no" at -12 listed and "yes" not, the floor alone scored the pair 0.88). When
-neither appears the pair has no score: no invented constant.
-"""
+"""P(yes) from the top logprobs of a yes/no answer token."""
 
 from __future__ import annotations
 
@@ -36,7 +26,13 @@ def _logsumexp(values: list[float]) -> float:
 
 
 def p_yes(top_logprobs: Iterable[tuple[str, float]]) -> float | None:
-    """P(yes) from (token, logprob) pairs, or None when neither answer is present."""
+    """P(yes) from (token, logprob) pairs, or None when neither answer is present.
+
+    The softmax over the "yes" and "no" logprobs; tokens match whatever their case and
+    surrounding whitespace, and variants of one answer are pooled (log-sum-exp). An
+    answer missing from the list gets `FLOOR_LOGPROB` (Qwen3-Reranker's recipe), or the
+    lowest logprob listed if lower: it is no likelier than the last one listed.
+    """
     yes: list[float] = []
     no: list[float] = []
     floor = FLOOR_LOGPROB
@@ -81,6 +77,8 @@ class _Choice(msgspec.Struct, gc=False):
 
 
 class ChatAnswer(msgspec.Struct, gc=False):
+    """The fields read of an OpenAI chat answer: its choices' logprobs, and the model."""
+
     choices: list[_Choice]
     model: Any = None
 

@@ -1,9 +1,6 @@
 """`ollama` backend: Ollama's `/api/generate`, the model answering a relevance number.
 
-One of our source plans runs Qwen3-Reranker this way. Each pair is one call with the
-prompt below at temperature 0; the first number in the answer, divided by 10 and clamped
-to 0..1, is the score. An answer without a number is a malformed (failed) pair. Caller
-text is neutralized as in the chat prompt.
+One call per pair; the first number in the answer / 10, clamped to 0..1, is the score.
 """
 
 from __future__ import annotations
@@ -51,6 +48,8 @@ def relevance(body: Any) -> float:
 
 
 class OllamaScorer(PooledScorer):
+    """Scores pairs one call each through Ollama's `/api/generate`, as a number from 0 to 10."""
+
     kind = BackendKind.OLLAMA
 
     def __init__(self, pool: BackendPool, *, model: str) -> None:

@@ -1,9 +1,6 @@
 """What every scorer shares: its backend pool, and the model's name.
 
-The name is the configured `--model` when there is one; otherwise the backend's own, read
-when the backend comes up (OpenAI-style `/v1/models`, or TEI's `/info`) and from the
-`model` field of its answers.
-It goes into responses and into score-cache keys, with the scorer's `variant`.
+The name is `--model`, else the backend's own (`served_model`, and its answers' `model`).
 """
 
 from __future__ import annotations
@@ -15,6 +12,8 @@ from ..transport.pool import BackendPool
 
 
 class PooledScorer:
+    """Every scorer's base: the backend pool it calls through, and the model's name."""
+
     # Pairs per backend call: one for the per-pair backends; the batching ones set their
     # `--max-batch`. Admission needs it: one call of 40 pairs is not spread over the slots.
     _max_batch = 1

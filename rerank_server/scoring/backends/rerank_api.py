@@ -1,21 +1,6 @@
-"""`rerank` backend: the standard rerank endpoint, in its two common shapes.
+"""`rerank` backend: the standard rerank endpoint, as Cohere's or TEI's shape.
 
-- `cohere` (`--rerank-format cohere`, default path `/v1/rerank`): llama-server `--rerank`,
-  vLLM, Infinity, Jina and Cohere. `{model, query, documents, top_n}` in,
-  `{results: [{index, relevance_score}]}` out.
-- `tei`: Hugging Face text-embeddings-inference's `/rerank`. `{query, texts}` in,
-  `[{index, score}]` out.
-
-Large requests are split into calls of at most `--max-batch` documents (hosted APIs cap
-them; TEI's default is 32). Scores outside 0..1 are logits (some servers return raw
-classifier outputs) and go through a sigmoid, so blending sees 0..1 either way. Once
-the backend has sent them in `LOGIT_ANSWERS` answers, all its scores are read as
-logits: a batch whose logits all happen to fall in 0..1 would otherwise be taken as
-probabilities, on another scale than its neighbours (and cached so). Not at the first
-such answer: one broken answer would otherwise put every later probability from every
-instance through the sigmoid (0.2 read as 0.55) for good. A document given two scores
-gets none (so a thousand results for three documents score none of them). The
-standard API has no place for an instruction; the query is sent as it is.
+Slices of `--max-batch`; scores outside 0..1 read as logits (docs/backends.md, "rerank").
 """
 
 from __future__ import annotations
@@ -36,6 +21,8 @@ LOGIT_ANSWERS = 3  # answers with scores outside 0..1 that make every score a lo
 
 
 class RerankApiScorer(PooledScorer):
+    """Scores pairs through a standard rerank endpoint, in Cohere's or TEI's shape."""
+
     kind = BackendKind.RERANK
 
     def __init__(

@@ -1,11 +1,4 @@
-"""How a backend call failed, and what llama-server's error answers say about the input.
-
-A scorer sees every failure as a `BackendCallError` (how it failed, in words without user
-text) or, for an answer it cannot use, a `MalformedResponse`. `too_long` and
-`physical_batch` read an error answer for what the caller can act on: the input was
-longer than the model's context (worth one more try with a shorter document), and the
-limit it named.
-"""
+"""How a backend call failed, and what llama-server's error answers say about the input."""
 
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
 """A pool of backend instances: least-outstanding balancing and outlier ejection.
 
-Every scorer talks to its backend through a `BackendPool`, one instance or many
-(`--backend-url` takes a comma-separated list). Each instance has its own connection pool
-and its own concurrency limit (`--concurrency` per instance).
-
-- Balancing: each call goes to the available instance with the fewest calls in flight
-  (ties rotate), so a slow instance gets less work.
-- Ejection (as Envoy's outlier detection): an instance whose calls fail
-  `--eject-after` times in a row (connect errors, HTTP 5xx, timeouts, and abandoned calls
-  that got no answer within their leash, `backend.py`) is taken out for a back-off period
-  (`--eject-base-s`, doubling per repeated ejection up to `--eject-max-s`). When the
-  period is over, the health monitor sends it a real scoring call (the probe pair, pinned
-  to that instance: `pinned`); only an answer returns it to the pool, since a hung backend
-  may still answer `/health`. An instance whose health polls fail twice in a row with no
-  call answered since is out too (`note_poll`: a saturated llama-server can miss a poll
-  while its calls still succeed).
-- A call refused by one instance (connection failed, HTTP 5xx) is tried once more on
-  another, so losing an instance costs no pair. A timeout is not retried: the budget is
-  spent.
-- With every instance out, calls fail at once (`UNAVAILABLE`) instead of waiting for
-  timeouts, and the request degrades to retrieval order.
-- Admission: `estimate_s(pairs, per_call)` says how long the pairs queued and in flight,
-  then `pairs` more in calls of `per_call`, would take at the recent per-pair latency and
-  the available slots; the pipeline answers OVERLOADED at once when that is past 90% of
-  a request's budget.
-
-State changes are logged once each (`backend_ejected`, `backend_restored`).
+What it promises: docs/backends.md, "Several instances: the pool".
 """
 
 from __future__ import annotations
@@ -60,6 +35,8 @@ _PINNED: ContextVar[Endpoint | None] = ContextVar("rerank_pinned_endpoint", defa
 
 @dataclass(frozen=True, slots=True)
 class Ejection:
+    """When an instance is taken out of the pool, and for how long (`--eject-*`)."""
+
     after: int = 3  # consecutive failures
     base_s: float = 1.0  # first back-off
     max_s: float = 4.0  # longest back-off

@@ -1,11 +1,4 @@
-"""The trace a request's backend calls continue, worked out once per request.
-
-With tracing on, `score_within` stores the W3C `traceparent` (and whatever else the
-configured propagators write) that continue the request's scoring span (its own
-`rerank.score`, or the request's server span) in a context variable the scorer's tasks
-inherit; every backend call sends them as they are, instead of looking the current span
-up and checking it for each of a `chat` request's many calls.
-"""
+"""The trace a request's backend calls continue, worked out once per request."""
 
 from __future__ import annotations
 

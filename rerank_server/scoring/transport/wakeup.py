@@ -1,13 +1,4 @@
-"""`Wakeup`: one coroutine at a time waiting for "something happened".
-
-The lean transport's connections (bytes in, the peer closed) and `score_within`'s inbox
-(an outcome in, the scorer ended, shutdown) wait this way: event-loop callbacks call
-`wake`, and a timer calls `expire`, which also marks the wait as timed out. A future per
-wait is cheaper than an `asyncio.Event` plus `asyncio.timeout`, and the expiry is a flag
-rather than a second look at the clock: uvloop rounds timers to the millisecond, so one
-may fire a little before its deadline, and a waiter that re-read the clock would wait
-again, in zero-length timers, until the clock caught up.
-"""
+"""`Wakeup`: one coroutine at a time waiting for "something happened"."""
 
 from __future__ import annotations
 
@@ -15,6 +6,11 @@ import asyncio
 
 
 class Wakeup:
+    """One waiter, woken by event-loop callbacks (`wake`) and expired by a timer (`expire`).
+
+    A future per wait costs less than an `asyncio.Event` plus `asyncio.timeout`.
+    """
+
     def __init__(self) -> None:
         self.expired = False
         self._waiter: asyncio.Future[None] | None = None
@@ -26,7 +22,12 @@ class Wakeup:
             waiter.set_result(None)
 
     def expire(self) -> None:
-        """The timeout ran out: mark it, and wake the waiter."""
+        """The timeout ran out: mark it, and wake the waiter.
+
+        The mark, not a second look at the clock, says the wait timed out: uvloop rounds
+        timers to the millisecond, so one may fire a little before its deadline, and a
+        waiter that re-read the clock would wait again in zero-length timers.
+        """
         self.expired = True
         self.wake()
 
