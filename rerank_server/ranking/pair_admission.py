@@ -1,14 +1,5 @@
-"""Whether a request's pairs are sent to the backend, or answered at once.
-
-The backend's queue is what decides: `PairAdmission.refuse` compares how long the
-request's pairs would take, behind the work queued and in flight ahead of them, with the
-request's budget. Past it, the pairs are not sent and the request is answered at once in
-retrieval order (OVERLOADED, or TIMEOUT when nothing is ahead), rather than waiting for
-a timeout it cannot beat.
-
-The request bytes every request holds while in the server are a different budget,
-`inflight_bytes.InflightBytes`, taken at the edges.
-"""
+"""Whether a request's pairs are sent to the backend, or answered at once because the
+backend's queue would not score them within the request's budget."""
 
 from __future__ import annotations
 
@@ -36,8 +27,18 @@ class PairAdmission:
         # request's pairs only some turns of the loop after it was admitted: a burst
         # arriving together would each see the same near-empty queue, and all be
         # admitted to time out instead of being answered OVERLOADED at once.
-        self.outstanding = 0
+        self._outstanding = 0
         self._last_unsure = -OWN_TIME_PROBE_S  # when a request too slow alone was sent
+
+    @property
+    def outstanding(self) -> int:
+        """Pairs sent to scoring and not yet come back."""
+        return self._outstanding
+
+    def sent(self, pairs: int) -> SentPairs:
+        """`pairs` go to scoring: counted outstanding until each is `back`, or until the
+        `with` block ends (the request answered, given up or cancelled)."""
+        return SentPairs(self, pairs)
 
     def refuse(self, pairs: int, budget_s: float) -> Degraded | None:
         """Why `pairs` are not sent (None: they are). OVERLOADED when, behind the pairs
@@ -71,6 +72,27 @@ class PairAdmission:
             "nothing ahead: answered at once (one such request in "
             f"{OWN_TIME_PROBE_S:.0f} s is sent, to measure the pace again)",
         )
+
+
+class SentPairs:
+    """One request's pairs on their way to the backend, in `PairAdmission.outstanding`."""
+
+    def __init__(self, admission: PairAdmission, pairs: int) -> None:
+        self._admission = admission
+        self._left = pairs
+
+    def __enter__(self) -> SentPairs:
+        self._admission._outstanding += self._left
+        return self
+
+    def back(self, pairs: int) -> None:
+        """`pairs` came back (scored or failed)."""
+        self._left -= pairs
+        self._admission._outstanding -= pairs
+
+    def __exit__(self, *_: object) -> None:
+        self._admission._outstanding -= self._left
+        self._left = 0
 
 
 def _seconds(value: float) -> str:

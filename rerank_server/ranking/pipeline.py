@@ -182,19 +182,14 @@ class Reranker:
                 [documents[i] for i in pending],
                 request.max_tokens_per_doc,
             )
-            left = len(pending)  # counted in `admission.outstanding` until back
-            self.admission.outstanding += left
-            try:
+            with self.admission.sent(len(pending)) as sent:
                 async for arrived in score_within(
                     self.scorer, pairs, budget, self.telemetry.tracer, self.stopping, request_span
                 ):
-                    self.admission.outstanding -= len(arrived)
-                    left -= len(arrived)
+                    sent.back(len(arrived))
                     ranking.resolve_all(_count(arrived, pending, scored_set, outcome, fresh))
                     if released := emitter.take(ranking.release()):
                         yield released
-            finally:
-                self.admission.outstanding -= left
         outcome.scoring_s = time.perf_counter() - scoring_started
         outcome.scored += len(looked_up.hits)
         self._store(scope, looked_up, fresh)
