@@ -1,19 +1,6 @@
-"""llama.cpp's AMX kernels, kept out of the way on CPUs that have AMX.
+"""llama.cpp's AMX kernels, kept out of the way on CPUs that have AMX (llama.cpp #20824).
 
-On Intel Xeon CPUs of the 4th generation and later, the pinned llama.cpp puts a
-quantized model's weights into its AMX buffer and dies by SIGSEGV in
-`ggml_backend_amx_mul_mat` while loading (llama.cpp issue #20824). Two ways around it,
-chosen by `--llama-amx` (docs/backends.md, "CPUs with AMX"):
-
-- the cache's own build is compiled without the AMX kernels (`build_flags`), which keeps
-  llama.cpp's CPU repacking, the faster path for Q4_0, Q4_K and IQ4_NL on x86;
-- any other llama-server (on PATH, `--llama-server`, the upstream image) is started with
-  `LLAMA_ARG_REPACK=0` where the CPU has AMX: no weights go to the AMX buffer, nor to
-  repacking.
-
-In `auto` mode a child killed by a CPU or memory fault is given that setting from its next
-launch on, once, whatever the CPU says: a hypervisor may hide the flag from
-`/proc/cpuinfo`.
+Chosen by `--llama-amx`; how and why: docs/backends.md, "CPUs with AMX".
 """
 
 from __future__ import annotations

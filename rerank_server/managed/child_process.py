@@ -1,10 +1,4 @@
-"""The llama-server child's process: its port, its process group, its parent's death.
-
-A child runs in a session (and so a process group) of its own; signals go to the whole
-group so a wrapper script's llama-server goes with the wrapper, but only while the group
-is still the child's (`group_ours`). On Linux the child is sent SIGTERM if we die
-without stopping it (PR_SET_PDEATHSIG, set between fork and exec).
-"""
+"""The llama-server child's process: its port, its process group, its parent's death."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Models converted into the cache with llama.cpp's own converter: MiniLM-L6 for the
-`embedding` backend, the same with an untrained rank head for `llama-server --rerank`,
-and the Qwen3-Reranker-0.6B speed twin (`speed_twin.py`).
-
-The converter runs in a virtual environment of its own in the cache (llama.cpp's `gguf`
-package, torch, transformers), never in rerank-server's.
+"""Models converted into the cache by llama.cpp's own converter, in a venv of its own:
+MiniLM-L6 for `embedding`, the same with a rank head, and the speed twin (`speed_twin.py`).
 """
 
 from __future__ import annotations

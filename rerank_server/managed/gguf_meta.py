@@ -1,10 +1,6 @@
 """What a GGUF file says of itself: its header's key/value metadata, without its tensors.
 
-Managed mode reads it to tell a reranker from a chat model (`reranker_kind`). The format
-(ggml's docs/gguf.md): "GGUF", a version (2 or 3), the tensor and key counts, then each
-key as a length-prefixed UTF-8 string, a value type and the value. Arrays are skipped
-unless they are short (a vocabulary is 150,000 strings); strings are kept up to a cap.
-Nothing here trusts the file: a count or length past what the file can hold is an error.
+Managed mode reads it to tell a reranker from a chat model (`reranker_kind`).
 """
 
 from __future__ import annotations
@@ -49,7 +45,13 @@ class Reranker:
 
 
 def read(path: Path) -> dict[str, Any]:
-    """The metadata of the GGUF at `path` (skipped arrays read as None)."""
+    """The metadata of the GGUF at `path` (skipped arrays read as None).
+
+    The format (ggml's docs/gguf.md): "GGUF", a version (2 or 3), the tensor and key
+    counts, then each key as a length-prefixed UTF-8 string, a value type and the value.
+    Arrays are kept only when short (a vocabulary is 150,000 strings), strings up to a
+    cap. Nothing here trusts the file: a count or length past what it can hold is an error.
+    """
     with path.open("rb") as f:
         if f.read(4) != MAGIC:
             raise GgufError(f"{path}: not a GGUF file")

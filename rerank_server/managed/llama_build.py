@@ -1,10 +1,5 @@
 """The llama-server binary: built from the pinned llama.cpp source into the cache, or
 given by path, and checked that it runs.
-
-The build is CPU-only, the `llama-server` target alone, without llama.cpp's AMX kernels
-unless `--llama-amx on` (`amx.py`); the flavour is part of the cache folder, so a build
-of another flavour is never taken for this one. The CMake folder is kept, so an
-interrupted build resumes.
 """
 
 from __future__ import annotations

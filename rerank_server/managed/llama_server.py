@@ -1,29 +1,6 @@
 """Managed mode: start, supervise and stop a local llama-server.
 
-The child listens on a free loopback port that stays the same across restarts, so the
-scorer's URL never changes. If it exits, it is restarted with exponential back-off
-(0.5 s doubling to 30 s, reset once it has stayed up for a minute); meanwhile requests
-degrade with `backend_unavailable`. Two ways of not exiting count as exits: a restart
-that has not answered `/health` within the ready timeout, and a running server whose
-`/health` (answered by its HTTP threads, whatever the model is doing) has gone unanswered
-for a minute, wedged; each is killed and restarted the same way.
-
-The child runs with llama-server's host-memory prompt cache off (`RAM_CACHE_OFF`), where
-the binary knows the flag and `--llama-args` does not set it: see there why. On a CPU with
-AMX it keeps llama.cpp's AMX kernels out of the way as `--llama-amx` says (`amx.py`); in
-`auto` mode a child killed by a CPU fault is started once more with the safe setting,
-which it keeps.
-
-The child runs in its own session so a terminal's Ctrl-C reaches only us (we stop it in
-order), and on Linux it is sent SIGTERM if we die without stopping it
-(PR_SET_PDEATHSIG), so no llama-server outlives the server. Signals go to its whole
-process group, so a wrapper script's llama-server is stopped with the wrapper; the
-parent-death signal reaches the direct child only, so a wrapper should `exec` it.
-
-A restart that cannot be launched (the binary gone mid-upgrade, fork refused) or whose
-port another program took while it was down is retried with the same back-off; the
-supervisor never ends before `stop()`. Health polls to the child never go through a proxy
-named in the environment: it is on loopback.
+What is restarted and when: docs/reliability.md, "What dies, or hangs, is restarted".
 """
 
 from __future__ import annotations
@@ -119,7 +96,10 @@ async def knows_flag(binary: Path, flag: str) -> bool:
 # Loaded here, once: loading a library in the child, between fork and exec, can deadlock
 # on a lock another of our threads held at the fork.
 class ManagedLlamaServer:
-    """One supervised llama-server process."""
+    """One supervised llama-server process, restarted with back-off until `stop()`.
+
+    Its loopback port stays the same across restarts, so the scorer's URL never changes.
+    """
 
     def __init__(
         self,

@@ -1,13 +1,5 @@
 """Where a managed llama-server's output goes: a log file capped in size, and a cap on how
-many such files a cache directory keeps.
-
-llama-server logs about 700 bytes for every pair it scores (seven `slot` lines at its
-default verbosity): at 100 pairs/s that is 6 GB a day, and every start of rerank-server
-began a new file. Its output now goes through a pipe to a thread that copies it into
-`CappedLog`, which rotates at `max_bytes` keeping one predecessor (`NAME.1`), and
-`prune` keeps the newest `KEEP_FILES` logs of a directory. A thread, not the event loop:
-a loop busy with requests must not leave llama-server's output unread (its log thread
-would buffer, or block, behind a full pipe).
+many such files a cache directory keeps (docs/configuration.md, "Managed mode").
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """A speed twin of Qwen3-Reranker-0.6B: its architecture and sizes, random weights.
 
-    python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank}
-
-Run by the converter's environment (`converted.prepare_speed_twin`), which has llama.cpp's
-own `gguf` package and numpy; nothing of rerank-server is imported here.
-
-Qwen3-0.6B: 28 layers, hidden size 1024, 16 query and 8 key/value heads of 128, FFN 3072,
-RMS norm, rope base 1e6, tied embeddings. `lm` keeps the causal LM head (the `chat` and
-`completion` paths); `rank` adds what llama.cpp's converter gives a Qwen3-Reranker: rank
-pooling, the labels "yes" and "no" and a two-row `cls.output` (for `llama-server
---rerank`). The tokenizer is taken whole from TOKENIZER.gguf (SmolLM2's: 49,152 tokens
-against Qwen3's 151,669; the LM head is the only tensor that size changes, one matrix
-product per sequence, a tiny part of a 0.6B pass). Its scores mean nothing, but every
-pair gets one: an anchor puts "yes" and "no" first among the next token's logprobs (see
-`_anchor`), as a trained reranker's would be, so the `chat` and `completion` paths score
-each pair as they would a real model's rather than finding no answer and degrading.
+python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank}
 """
 
 from __future__ import annotations
@@ -116,6 +102,13 @@ def _anchor(embd: np.ndarray, answers: list[int]) -> np.ndarray:
 
 
 def main(tokenizer: str, out: str, kind: str, head: str) -> None:
+    """Write the twin to `out`, `kind` q8_0 or f16, with `tokenizer`'s tokenizer whole.
+
+    `head` `lm` keeps the causal LM head (the `chat` and `completion` paths); `rank` adds
+    what llama.cpp's converter gives a Qwen3-Reranker: rank pooling, the labels "yes" and
+    "no" and a two-row `cls.output` (for `llama-server --rerank`). Run by the converter's
+    environment (`converted.prepare_speed_twin`): nothing of rerank-server is imported here.
+    """
     rng = np.random.default_rng(0)
     writer = GGUFWriter(out, ARCH)
     writer.add_name(f"Qwen3-Reranker-0.6B speed twin ({head}, random weights)")
