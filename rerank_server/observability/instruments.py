@@ -1,24 +1,5 @@
 """The server's metric instruments, made through OpenTelemetry's SDK or straight in the
-Prometheus endpoint's registry.
-
-A record through the SDK copies, checks and hashes the attributes of every measurement,
-then looks up the stream under a lock. A rerank request makes about ten (the RPC's
-duration and in-flight count, the request's counts and durations), a `chat` request
-forty more (one per backend call), which on a batching backend is a visible share of a
-request's CPU (docs/decisions.md). When metrics go only to the Prometheus endpoint (the
-default),
-each instrument is instead a prometheus_client family in that endpoint's registry,
-under the name, unit, labels and buckets OpenTelemetry's exporter gives the same
-instrument (`tests/unit/test_metrics.py` holds the two renderings equal): a record is
-then a tuple, a dict lookup and an increment. With OTLP metrics on, the SDK
-records, so both exports carry every measurement.
-
-The direct families declare their attribute keys up front (the exporter gives a family
-the union of its samples' keys, with "" where a sample has none; Prometheus reads an
-empty label as an absent one), and refuse an undeclared one wherever it appears. They
-have no cardinality limit (the SDK's is 2,000 series a family): every attribute value
-the server records comes from a closed set (methods, status codes, reasons, the
-configured instances).
+Prometheus endpoint's registry (docs/observability.md, "How they are recorded").
 """
 
 from __future__ import annotations
@@ -124,7 +105,13 @@ class _Gauge(_Family):
 
 
 class Instruments:
-    """Makes instruments on `meter`, or directly in `registry` when one is given."""
+    """Makes instruments on `meter`, or directly in `registry` when one is given.
+
+    A direct family declares its attribute keys up front and refuses an undeclared one:
+    the exporter gives a family the union of its samples' keys ("" where a sample has
+    none, which Prometheus reads as absent). It has no cardinality limit (the SDK's is
+    2,000 series a family): every attribute value the server records is from a closed set.
+    """
 
     def __init__(self, meter: Meter, registry: CollectorRegistry | None) -> None:
         self._meter = meter

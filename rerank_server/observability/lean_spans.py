@@ -1,31 +1,6 @@
 """The server's spans, recorded without the SDK's per-span generality.
 
-With tracing on, a request's one server span is most of what tracing costs when made
-through the SDK's `start_span` and `end`: checking and copying attributes one by one (an
-ABC `isinstance` per value, a lock per attribute set) and building lists for events and
-links no span of ours has (docs/decisions.md has the figures).
-
-A `LeanSpan` keeps what a span means and drops that generality:
-- Kept from the SDK's provider: the sampler (`OTEL_TRACES_SAMPLER[_ARG]` and parent
-  sampling), the id generator, the resource, and the span processors; a lean span ends as
-  the same `ReadableSpan` an SDK span hands its processors, so every exporter works as
-  with SDK spans.
-- Dropped: checking and copying each attribute through the SDK's bounded mapping (a
-  str, bool, int or float is stored as it is; only other values go through it), the
-  sampler's result objects when the sampler is the default one (the same decision, made
-  inline), the per-span lock (a span here lives on one event loop), and the SDK's own
-  span metrics (recorded only with a meter provider given to the tracer provider, or
-  with `OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED` into the global one, which the server
-  never installs).
-
-`lean_tracer` falls back to the SDK's tracer when the span limits are not the defaults
-(`OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`, `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`, ...), since a
-lean span does not truncate (the defaults, 128 attributes, events and links, are far
-above the dozen attributes a span of ours carries), and when the SDK is disabled
-(`OTEL_SDK_DISABLED`). Its one span processor is the one `Telemetry` gives the provider;
-a processor added to the provider later would not see lean spans, and nothing adds one.
-The resource is the provider's when the tracer is made (workers are spawned, not forked,
-so no process inherits another's).
+What is kept and what is left out: docs/observability.md, "Lean spans".
 """
 
 from __future__ import annotations
@@ -88,7 +63,10 @@ def _link(context: trace.SpanContext, attributes: types.Attributes) -> trace.Lin
 
 
 class LeanSpan(trace.Span):
-    """A recording span of this server's: see the module's docstring."""
+    """A recording span of this server's: sampled, identified and ended as the SDK's
+    (the same `ReadableSpan` to the same processors), without checking and copying each
+    plain attribute, a lock per span (it lives on one event loop), or the SDK's own span
+    metrics (recorded only with a meter provider this server never gives it)."""
 
     __slots__ = (
         "_attributes",
@@ -359,7 +337,13 @@ def lean_tracer(
     provider: TracerProvider, processor: SpanProcessor, name: str, version: str
 ) -> trace.Tracer:
     """A tracer for `provider`, whose span processor is `processor` (added here): a
-    `LeanTracer` where it records what the SDK's tracer would, the SDK's otherwise."""
+    `LeanTracer` where it records what the SDK's tracer would, the SDK's otherwise.
+
+    Otherwise: span limits other than the defaults (`OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`,
+    ...), which a lean span does not apply, or the SDK disabled (`OTEL_SDK_DISABLED`). A
+    processor added to the provider later would not see lean spans; nothing adds one. The
+    resource is the provider's now (workers are spawned, not forked: none inherits another's).
+    """
     provider.add_span_processor(processor)
     sdk = provider.get_tracer(name, version)
     # The limits the provider applies, read from the environment as it read them.

@@ -1,8 +1,6 @@
 """structlog configuration: JSON lines off a terminal, readable console output on one.
 
-Tracebacks are rendered plainly, never with local variables: locals of the pipeline hold
-query and document text, which must not reach the logs. While a sampled span is current
-(tracing on), each line carries its `trace_id` and `span_id` so logs and traces join.
+Tracebacks without local variables (they hold query and document text); trace ids joined.
 """
 
 from __future__ import annotations

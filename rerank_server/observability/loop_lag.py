@@ -1,16 +1,6 @@
 """Event-loop lag: how late the loop runs a callback it was asked to run on time.
 
-On a busy 2-core machine the loop can fall hundreds of milliseconds behind. A request's
-time budget keeps back a reserve for blending and sending its answer; `LoopLag.recent_s`
-lets that reserve grow with the lag, so an admitted request is still answered before its
-deadline when the loop is slow.
-
-Sampling costs a wake-up of the loop each time, which an idle sidecar should not pay 20
-times a second (it would be most of an idle server's wake-ups). So the sampler takes a
-sample every `INTERVAL_S` while requests read the lag, and every `IDLE_INTERVAL_S` once
-none has for `WINDOW_S`. It does not stop: the loop can fall behind while this server
-has nothing to do (a llama-server on the same cores working for someone else, a
-neighbour on the node), and the first request after a pause must see that.
+A request's reserve for blending and sending grows with it (`LoopLag.recent_s`).
 """
 
 from __future__ import annotations
@@ -24,7 +14,13 @@ WINDOW_S = 2.0  # the lag reported is the largest of this recent span
 
 
 class LoopLag:
-    """Samples the loop's lag while started: often while read, rarely while not."""
+    """Samples the loop's lag while started: often while read, rarely while not.
+
+    Every `INTERVAL_S` while requests read it, every `IDLE_INTERVAL_S` once none has for
+    `WINDOW_S`: each sample wakes the loop, which an idle server should not pay often. It
+    never stops, since the loop can fall behind while this server has nothing to do (a
+    neighbour on the same cores), and the first request after a pause must see that.
+    """
 
     def __init__(self) -> None:
         self._samples: collections.deque[tuple[float, float]] = collections.deque()

@@ -1,15 +1,6 @@
 """Every metric the server records, defined in one place (docs/observability.md lists them).
 
-Names follow the OpenTelemetry semantic conventions where one exists (`rpc.server.*`,
-`http.client.*`) and carry a `rerank.` prefix otherwise. Units are declared, so the
-Prometheus exporter appends `_seconds`, `_total` and so on.
-
-The instruments come from whatever `MeterProvider` the server was given (with metrics off
-that is the no-op provider and each record call costs a method call and nothing more),
-or, when metrics go only to the Prometheus endpoint, straight from its registry
-(`instruments.py`).
-Attributes never hold query or document text; their values are small closed sets (method
-names, status codes, reason codes, backend instances from the configuration).
+Attributes never hold query or document text; their values are small closed sets.
 """
 
 from __future__ import annotations
@@ -122,7 +113,8 @@ class Metrics:
     """The server's instruments and the few helpers that record them consistently.
 
     `prometheus`: the registry the Prometheus endpoint serves, when metrics go only there;
-    the instruments then record straight into it (`instruments.py`).
+    the instruments then record straight into it (`instruments.py`). With metrics off the
+    meter is the no-op provider's, and a record costs a method call.
     """
 
     def __init__(

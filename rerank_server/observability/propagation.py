@@ -1,16 +1,5 @@
 """Trace context in (from a caller's metadata) and out (to a backend), without the
-propagator API's detours where they change nothing.
-
-On a batching backend, where a request costs a few hundred microseconds, the API's
-`extract` on every call (even when the caller sent no trace headers) and `inject` per
-request (it builds a context to look the span up in, then runs every configured
-propagator, baggage included) are a visible share of it (docs/decisions.md). Both
-shortcuts here are exact:
-- `incoming` skips the propagators when the metadata holds none of the fields they read;
-- `outgoing` writes the W3C `traceparent` (and `tracestate`) itself when the global
-  propagator is the default (tracecontext and baggage) and the current context carries
-  no baggage, which is what the default propagator would write.
-Any other configuration (`OTEL_PROPAGATORS=b3`, ...) goes through the API as before.
+propagator API's detours where they change nothing (docs/observability.md, "Cost").
 """
 
 from __future__ import annotations

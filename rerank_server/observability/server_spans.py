@@ -1,11 +1,5 @@
 """A request's SERVER span, opened and closed the same way by both edges (the gRPC
 interceptor and the JSON API's gate).
-
-Opened from the caller's headers or metadata (`propagation.incoming`) and made current by
-hand rather than with `trace.use_span`, which is a generator-based context manager: a
-layer of those cost a few microseconds of a request that takes a few hundred on a
-batching backend. Closed with the edge's status attribute, and status ERROR only for a
-fault of the server's, which the edge names.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """Telemetry wiring: meter and tracer providers, the Prometheus endpoint, OTLP export.
 
-Each running server owns its providers (none are installed globally), so two servers in
-one process (the tests) do not mix their numbers, and shutdown flushes exactly what this
-server produced.
-
-- Metrics: recorded always through `Metrics`; read by a Prometheus reader served over
-  HTTP on `metrics_port` (`GET /metrics`) when `metrics` is on, and pushed over OTLP when
-  an endpoint is configured. With neither, the no-op provider is used.
-- Traces: on only when there is somewhere to send them, an OTLP endpoint (from
-  `--otlp-endpoint` or the standard `OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`) or, in tests,
-  a span processor passed in. Otherwise the tracer is the no-op one and no server span is
-  started, so tracing costs nothing.
-
-The standard `OTEL_*` variables keep their meaning: `OTEL_SERVICE_NAME` and
-`OTEL_RESOURCE_ATTRIBUTES` name the resource, `OTEL_TRACES_SAMPLER[_ARG]` pick the
-sampler, `OTEL_TRACES_EXPORTER=none` / `OTEL_METRICS_EXPORTER=none` turn OTLP export off
-for one signal, and `OTEL_SDK_DISABLED=true` turns the SDK off altogether.
+What is on when, and the `OTEL_*` variables it honours: docs/observability.md, "Settings".
 """
 
 from __future__ import annotations
@@ -77,7 +62,11 @@ _UNTRACED = _Untraced()
 
 @dataclass
 class Telemetry:
-    """What the server records telemetry with, and what must be flushed at shutdown."""
+    """What the server records telemetry with, and what must be flushed at shutdown.
+
+    Each server owns its providers (none is installed globally), so two servers in one
+    process (the tests) do not mix their numbers, and shutdown flushes exactly this one's.
+    """
 
     metrics: Metrics
     tracer: trace.Tracer

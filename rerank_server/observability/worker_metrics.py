@@ -1,16 +1,6 @@
-"""One `/metrics` for several worker processes (`--workers`).
+"""One `/metrics` for several worker processes (`--workers`), merged by the supervisor.
 
-Each worker serves its own Prometheus endpoint on a loopback port only the supervisor
-knows. On every scrape the supervisor reads them all and merges them family by family,
-each sample labelled with its `worker` (Prometheus rejects a family declared twice, so
-the texts cannot simply be joined). Counters and histograms sum across workers with
-`sum without (worker) (...)`; a worker that does not answer is left out of that scrape
-and shows as `rerank_worker_up{worker="N"} 0`.
-
-What only the supervisor sees is counted in its own registry (`SupervisorMetrics`) and
-served beside the workers' series without a `worker` label: restarts of the managed
-llama-server, which it runs, under the same name as a single process serves them, and
-restarts of workers that died.
+What it serves: docs/observability.md, "Metrics".
 """
 
 from __future__ import annotations
@@ -56,7 +46,8 @@ class SupervisorMetrics:
 
 def merge(texts: Mapping[str, str | None], own: str = "") -> bytes:
     """Prometheus texts by worker label (None: did not answer) as one exposition, with
-    the samples of `own` (the supervisor's) unlabelled."""
+    the samples of `own` (the supervisor's) unlabelled. Merged family by family:
+    Prometheus rejects a family declared twice, so the texts cannot simply be joined."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged(texts, own))
     return generate_latest(registry)

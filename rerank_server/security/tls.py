@@ -1,15 +1,4 @@
-"""TLS certificate files (`--tls-cert`, `--tls-key`, `--tls-client-ca`), re-read on change.
-
-Certificates are replaced without a restart: each edge asks `CertificateFiles.changed()`
-(cheap: file modification times, taken before the files are read), loads the new files
-into a fresh context for new connections, and only then calls `loaded()` with those
-times, so that a file replaced while it was being read counts as changed again (with the
-times taken after the read, that replacement went unseen until the next one); existing
-connections keep the certificate they were made with. A cert-manager or a mounted
-Secret that rotates the files is enough. A file pair caught half-written (new
-certificate, old key) fails to load: the old context stays in use, and since `loaded()`
-was not called the next check tries again.
-"""
+"""TLS certificate files (`--tls-cert`, `--tls-key`, `--tls-client-ca`), re-read on change."""
 
 from __future__ import annotations
 
@@ -22,6 +11,14 @@ from ..errors import ConfigError
 
 @dataclass
 class CertificateFiles:
+    """The certificate, key and client CA files, and whether they changed since loaded.
+
+    An edge asks `changed()` (file times, taken before it reads the files), loads them
+    into a fresh context for new connections, and only then calls `loaded()` with those
+    times: a file replaced during the read counts as changed again, and a pair caught
+    half-written fails to load, keeps the old context, and is tried at the next check.
+    """
+
     cert: Path
     key: Path
     client_ca: Path | None = None

@@ -1,9 +1,6 @@
 """Inbound bearer tokens: `--auth-tokens` and `--auth-tokens-file`.
 
-A caller presents `authorization: Bearer <token>` (gRPC metadata or HTTP header). Tokens
-are compared in constant time against every configured token, so neither the match nor
-the number of tokens leaks through timing. Tokens are never logged: a rejected call's log
-line says only that a token was missing or wrong.
+Compared in constant time against every configured token; never logged.
 """
 
 from __future__ import annotations
