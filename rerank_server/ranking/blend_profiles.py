@@ -1,24 +1,6 @@
 """Fitted blend profiles: request-wide blend parameters for one backend and model.
 
-A profile file is JSON:
-
-    {"profiles": [{"name": "minilm-l6", "backend": "embedding",
-                   "model": "all-MiniLM-L6-v2*", "scripts": ["Latin"],
-                   "spread_noise": 0.04, "spread_decisive": 0.08,
-                   "min_weight": 0.0, "max_weight": 1.0,
-                   "fitted": {...how it was fitted, kept as written...}}]}
-
-`rerank-server eval --fit-profile FILE` writes them; `--blend-profile FILE` loads them
-(the default is the file shipped in the package). The `profile` blend strategy uses the
-first profile whose `backend` is the server's backend kind and whose `model` (a
-shell-style pattern) matches the served model's name; with none, it blends with the
-built-in adaptive parameters and the response names no profile. A profile that lists
-`scripts` (the writing systems its model reads, `scripts.py`) gives the model no weight on
-a request mostly in another script.
-
-`BlendResolver` makes that choice for a request (`settle`), once its scores are in: by
-then the backend's answers have named its model, so even the first request after start
-gets the right profile.
+The file, the matching and the scripts: docs/blending.md, "Blend profiles".
 """
 
 from __future__ import annotations
@@ -47,6 +29,8 @@ _PARAMS = tuple(f.name for f in fields(AdaptiveParams))
 
 @dataclass(frozen=True, slots=True)
 class BlendProfile:
+    """One fitted profile: the request-wide blend's parameters for a backend and model."""
+
     name: str
     backend: str
     model: str  # shell-style pattern over the served model's name

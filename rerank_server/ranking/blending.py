@@ -1,19 +1,6 @@
 """Blend strategies: the final score from a retrieval rank and a reranker score.
 
-Both inputs lie on 0..1. The retrieval input is `1 / rank`, not the RRF value
-`1 / (60 + rank)`: RRF values sit in [0.011, 0.016], so on the reranker's 0..1 scale they
-would let any mid-ranked candidate with a middling reranker score overtake rank 1 and the
-weights would protect nothing. With `1 / rank` and the position-aware weights, the
-retrieval rank-1 candidate scores at least 0.75 while no other can exceed 0.75
-(see docs/architecture.md, "Blending").
-
-A pair that was submitted but got no score is ordered as if the reranker agreed with
-retrieval (its reranker input is taken as `1 / rank`): no invented constant, and failed
-candidates keep their retrieval order relative to each other.
-
-The request-wide blends (`adaptive`, `profile`) weigh and normalize a request on all of
-its scores (`Settled`), so no candidate's score is ignored or clipped for where retrieval
-put it (docs/blending.md).
+Why `1 / rank` and what each strategy protects: docs/architecture.md, "Blending".
 """
 
 from __future__ import annotations

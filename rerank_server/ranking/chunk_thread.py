@@ -1,13 +1,6 @@
 """Choosing a request's chunks off the event loop when its documents are large.
 
-Up to 900 documents of 128 KiB to cut is seconds of Python at worst, which on the event
-loop would stall every other call and health check. Past `CHUNK_ON_LOOP_CHARS` the work
-goes to one thread (`_CHUNKER`), where the loop still gets the interpreter every switch
-interval; such jobs queue behind each other rather than contend, and leave the default
-executor (the disk cache's) alone. A request waits for the thread at most
-`CHUNK_WAIT_SHARE` of its time, counted from its arrival; if the thread has not taken
-its job up by then, the job is withdrawn and the request scores its documents' heads,
-so a small request queued behind a 16 MB one still answers within its deadline.
+The thread, the wait and the fallback: docs/architecture.md, "The pipeline", step 4.
 """
 
 from __future__ import annotations
@@ -37,6 +30,8 @@ MIN_CHUNK_WAIT_S = 0.05  # for an idle thread to take the job up
 
 
 class Chunked(NamedTuple):
+    """The texts a request scores, and how they were chosen."""
+
     documents: list[str]  # what is scored, one per candidate
     chunked: int  # documents cut to their best chunk
     fell_back: bool  # the thread stayed busy: the documents' heads instead

@@ -1,23 +1,6 @@
 """Best-chunk selection: cut a long document to the window that best matches the query.
 
-A cross-encoder reads a bounded number of tokens, and a long document's relevant passage
-is often far from its start. We split the document into pieces of whole sentences (at
-least a sixteenth of the window long, so short sentences share one; a sentence longer
-than the window is hard-wrapped at word boundaries), slide a window of whole consecutive
-pieces no longer than `max_chars`, and keep the window with the highest query-term score.
-The work grows with the document's length, not its sentence count.
-
-A term's weight is its inverse document frequency over the request's candidates, so a
-query word every candidate contains ("the", "what") counts for little and a rare one
-decides. Repeats count with diminishing returns (log). Ties go to the earliest window, so
-the choice is deterministic; with no query term anywhere, the document's start wins.
-
-Scripts written without spaces between words (Chinese, Japanese; Korean's long words
-too) are matched on their characters and overlapping character pairs, the usual bigram
-approach of search engines for them (counted in the text directly: the query has few
-such terms, and tokenizing every character of a document would cost far more), and
-sentences end at 。！？ (and Arabic ؟, Devanagari ।) as well: read as one "word" per run
-of characters, such a query would never match.
+How the window is chosen: docs/architecture.md, "The pipeline", step 4.
 """
 
 from __future__ import annotations
@@ -63,7 +46,8 @@ def terms(text: str) -> list[str]:
 
 
 def _cjk_only(query_terms: Iterable[str]) -> list[str]:
-    """The CJK terms among a query's: matched in a text by counting, not by tokens."""
+    """The CJK terms among a query's: matched in a text by counting, not by tokens (a
+    query has few such terms; tokenizing every character of a document costs far more)."""
     return [t for t in query_terms if _CJK.match(t)]
 
 

@@ -1,22 +1,6 @@
 """Incremental final ordering: which results are certain while scoring is still running.
 
-The final order is: the scored set (the best `max_candidates` by retrieval rank) sorted by
-(blended score descending, retrieval rank, index), then every other candidate in
-retrieval order. Under `rerank_only` the pairs the model did not score follow every
-scored one, in retrieval order, so that the answer is the model's order.
-
-While pairs are outstanding, the best resolved candidate can be released once no
-outstanding candidate could still beat it, that is once its score is above every
-outstanding candidate's upper bound (`blending.upper_bound`), or equal to it with the
-better retrieval position. The request-wide blends weigh and normalize on every score
-(`blending.Settled`), so until the last one is in neither a place nor a final score is
-certain: they release everything at the end, except when their parameters give the model
-no weight, where every final score is 1/rank from the start and results go out in
-retrieval order as their scores arrive. `RerankStream` sends results at exactly those
-moments; `Rerank` uses the same engine and simply waits for the end, so both give the
-same order and the same scores.
-
-`Emitter` numbers what is released 1, 2, ... and stops at `top_k`.
+When a place is certain: docs/architecture.md, "Streaming: when is a position certain?".
 """
 
 from __future__ import annotations

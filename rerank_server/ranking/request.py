@@ -1,9 +1,6 @@
 """A request resolved once: every option merged with the server's default, every cap applied.
 
-The edge hands the core a `RerankQuery` whose unset options are `None`. `validation.resolve`
-checks it against `RequestRules` and returns a `Request` in which nothing is left to look
-up: the core reads only this value, never the server's settings, for the rest of the
-request. `RequestRules` is built once at start from the settings (`server.request_rules`).
+The core reads only this value, never the server's settings (`RequestRules`, built once).
 """
 
 from __future__ import annotations

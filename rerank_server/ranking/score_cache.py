@@ -1,27 +1,6 @@
 """The score cache: reranker scores keyed by what determines them, in memory and on disk.
 
-A score depends on the backend kind, the model, the instruction, the query, the exact
-text scored (title plus chosen chunk), when a request sets one, its `max_tokens_per_doc`
-(the scorer reads only that much of each document), and the scorer's variant (its
-prompt's fixed text and settings, the scale it reads scores on), so the key is a SHA-256
-over those. Keys are digests: the cache holds no text, in memory or on disk.
-
-- Memory: least-recently-used, bounded by `--cache-entries` and by age (`--cache-ttl-s`).
-- Disk (optional, `--cache-path`): SQLite, so scores survive a restart. Lookups that
-  miss in memory go to it; new scores are written in one transaction per request. SQLite
-  calls run in worker threads so the event loop never waits on the disk: lookups on a
-  connection of their own (WAL lets them read while a write is under way, in this
-  process or another worker's), writes one at a time on a thread of their own, so a
-  lookup never queues behind writes.
-
-Only successful scores are stored; a failed pair is tried again next time. The disk is an
-aid, never a cause of failure: an error reading it is a miss, an error writing it a
-logged warning (`score_cache_disk_error`), and a write that fails rolls back, so the
-next one starts clean.
-
-The pipeline uses `lookup` and `store`, which key a request's documents (once: `store`
-reuses `lookup`'s keys) and count hits, misses and bypasses in the
-`rerank_server_cache_lookups` metric; `get_many`/`put_many` work on ready keys.
+What is keyed and kept: docs/api.md, "Score cache".
 """
 
 from __future__ import annotations
@@ -141,7 +120,13 @@ class Lookup:
 
 
 class ScoreCache:
-    """Memory LRU with expiry, optionally backed by a SQLite file."""
+    """Memory LRU with expiry, optionally backed by a SQLite file.
+
+    The pipeline calls `lookup` and `store`, which key a request's documents once and
+    count hits, misses and bypasses; `get_many` and `put_many` take ready keys. Only
+    successful scores are stored. The disk is an aid, never a cause of failure: an error
+    reading it is a miss, an error writing it a logged warning.
+    """
 
     def __init__(
         self,

@@ -1,10 +1,5 @@
 """The writing system a request is mostly in, for blend profiles that name the scripts
 their model reads (docs/blending.md, "Scripts").
-
-A model trained on English reads Arabic as characters and unknown tokens, and its
-scores then look like a real model's on hard English lists: by their spread and level no
-rule tells the two apart, but the text does. The script of a letter is the first word of
-its Unicode name (LATIN, ARABIC, CYRILLIC, ...; CJK as Han).
 """
 
 from __future__ import annotations

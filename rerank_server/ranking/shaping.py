@@ -1,22 +1,6 @@
 """Candidate shaping: normalize, deduplicate, fuse ranked lists, apply a threshold.
 
-The outcome is the retrieval order that blending then protects (docs/api.md, "Several
-ranked lists", "Thresholds", "Skip rules"):
-
-1. Each list's `retrieval_score`s are normalized to 0..1: lexical scores (BM25, 0..5 and
-   beyond) min-max within the list, similarity scores clamped (`ScoreKind`).
-2. Occurrences of one document are merged: same `id` anywhere, or the same value of the
-   caller's dedup key in `metadata`. The best-ranked occurrence is kept (lowest rank,
-   then the earlier list), and it remembers every list that found it.
-3. With several lists, weighted reciprocal rank fusion orders the merged candidates:
-   `sum over lists of weight / (k + rank)`, plus a bonus of 0.05 for rank 1 and 0.02 for
-   ranks 2-3 in a list. The fused score divided by the best one is the normalized
-   retrieval score; positions in the fused order become the retrieval ranks. A single
-   list keeps its own ranks.
-4. A fixed or adaptive threshold on the normalized score drops candidates before any of
-   them reaches the scorer.
-
-`skip_reason` then says whether the shaped request needs scoring at all (the skip rules).
+The rules: docs/api.md, "Several ranked lists", "Thresholds", "Skip rules".
 """
 
 from __future__ import annotations

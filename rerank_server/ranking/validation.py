@@ -1,10 +1,6 @@
 """Request validation and resolution: a `RerankQuery` checked and turned into a `Request`.
 
-Every violation raises `InvalidRequest` naming the field as a caller would write it
-(`candidates[3].text`) and the limit, never quoting the offending text. An empty candidate
-list is valid: it gets an empty answer. What passes is resolved once against the server's
-`RequestRules` (`request.py`): unset options take the server default, and caps a request
-may only lower (`max_candidates`, `timeout_ms`) are applied.
+Errors name the field as a caller writes it and the limit, never quoting text.
 """
 
 from __future__ import annotations
