@@ -215,6 +215,31 @@ def tei_query(body: m.TeiRerankRequest, default_blend: BlendStrategy) -> RerankQ
     )
 
 
+def cohere_answer(
+    results: Sequence[RankedCandidate],
+    summary: RerankSummary,
+    version: str,
+    model: str,
+    documents: Sequence[str | m.Document] | None,
+) -> m.CohereRerankResponse:
+    """The Cohere-shaped answer; `documents`: the request's, to echo (`return_documents`)."""
+    return m.CohereRerankResponse(
+        id=summary.request_id,
+        results=[
+            m.CohereResult(
+                index=r.candidate.index,
+                relevance_score=relevance(r),
+                document=as_sent(documents[r.candidate.index]) if documents is not None else None,
+                id=r.candidate.id,
+                reranker_score=r.reranker_score,
+                retrieval_rank=r.candidate.retrieval_rank,
+            )
+            for r in results
+        ],
+        meta=answer_meta(summary, version, model),
+    )
+
+
 def tei_results(results: Sequence[RankedCandidate], return_text: bool) -> list[m.TeiResult]:
     return [
         m.TeiResult(

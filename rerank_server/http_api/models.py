@@ -1,8 +1,6 @@
 """The JSON shapes of the HTTP API (pydantic): what the OpenAPI document is made from.
 
-Cohere/Jina fields keep their names and meaning; our extras are optional fields that a
-Cohere client never sends and ignores in answers. Unknown request fields are ignored, as
-the hosted APIs do, so clients that send more (Jina's `model`-specific knobs, say) work.
+Cohere/Jina fields keep their names and meaning; our extras are optional.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""The rerank routes' class: FastAPI takes the body the gate parsed instead of parsing it.
-
-The gate (`gate.py`) decodes a rerank body once, with msgspec (`wire.py`), and leaves the
-result in the request's scope. FastAPI reads a JSON body through `Request.json()`; these
-routes hand it a request whose `json()` is that result, so FastAPI validates it against
-the route's pydantic model, solves the route's parameters, serializes the answer and
-builds the OpenAPI document as for any route, without a second parse.
-"""
+"""The rerank routes' class: FastAPI takes the body the gate parsed instead of parsing it."""
 
 from __future__ import annotations
 

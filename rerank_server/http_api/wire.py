@@ -1,19 +1,6 @@
 """A rerank body's JSON, parsed once and checked for shape on the way.
 
-msgspec decodes the body against the request's shape, in C, and stops at the first value
-that cannot belong (an array or object where a scalar goes), having built nothing of the
-rest; fields the API does not know are skipped without being built. The standard
-library's parser would build every value the body holds first: a 16 MiB body of small
-nested arrays (`"documents": [[[[1]]]], ...`, or the same under an ignored field) is
-hundreds of MB of Python lists and seconds of blocked event loop, only to be refused.
-What passes is handed to FastAPI as the parsed body (`route.py`), which validates it
-against the pydantic models (their messages name the field); it is not parsed again.
-
-Scalars are left loose (any of string, number, boolean, null) so that pydantic still
-reports a wrong type in its own words; containers are what this layer bounds. Document
-objects hold scalar fields only (their extra fields feed `rank_fields`, read as text), at
-most `MAX_DOCUMENT_FIELDS` of them. Too many documents are refused here, by count,
-before pydantic builds them (`--max-request-candidates`).
+Why msgspec, and what each layer checks: docs/http.md, "Errors".
 """
 
 from __future__ import annotations
