@@ -1,8 +1,4 @@
-"""Mapping between wire messages (`pb`) and domain types; the only core-facing pb user.
-
-An enum number this server does not know is INVALID_ARGUMENT naming the field, not the
-default: a client built against a newer proto may have asked for something else.
-"""
+"""Mapping between wire messages (`pb`) and domain types; the only core-facing pb user."""
 
 from __future__ import annotations
 

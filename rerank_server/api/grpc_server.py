@@ -1,12 +1,6 @@
 """The gRPC server: the Reranker service, health, reflection and interceptors on one port.
 
-grpc.aio objects belong to the event loop that made them (grpc/grpc#32480), so `start` is
-a coroutine called inside the running loop.
-
-Health names (`grpc.health.v1`): "" and `rerank.v1.Reranker` are the server itself;
-`rerank.v1.Reranker/backend[/COMPONENT]` follow what the backend monitor reports
-(`scoring/monitor.py`) while the main service stays SERVING: a degraded answer is still
-an answer.
+Its health names: docs/api.md, "Health and reflection".
 """
 
 from __future__ import annotations
@@ -159,7 +153,8 @@ class GrpcEdge:
     ) -> GrpcEdge:
         """Bind and start. `reuse_port`: share the port with sibling workers (the
         supervisor has checked and reserved it); otherwise a port in use is an error, not
-        silently shared with whatever holds it."""
+        silently shared with whatever holds it. Called inside the running loop: grpc.aio
+        objects belong to the loop that made them (grpc/grpc#32480)."""
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),

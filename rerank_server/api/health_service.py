@@ -1,10 +1,4 @@
-"""grpc_health's servicer, with `Watch` streams that end once the drain begins.
-
-grpc's `server.stop(grace)` waits for every call in progress, and grpc_health's `Watch`
-never ends by itself, so one client with client-side health checking would hold every
-shutdown (and every worker's) for the whole grace period. Here a `Watch` sends
-NOT_SERVING when the drain begins, and then ends.
-"""
+"""grpc_health's servicer, with `Watch` streams that end once the drain begins."""
 
 from __future__ import annotations
 
@@ -15,6 +9,10 @@ from grpc_health.v1 import health_pb2 as pb
 
 
 class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc_health's servicer, whose `Watch` sends NOT_SERVING when the drain begins and
+    ends: `server.stop(grace)` waits for every call in progress, and grpc_health's own
+    `Watch` never ends, so one watching client would hold every shutdown for its grace."""
+
     async def Watch(self, request: pb.HealthCheckRequest, context: Any) -> None:
         # grpc_health 1.x's own loop (its fields are declared on the class), with the
         # return once the status sent is the drain's.

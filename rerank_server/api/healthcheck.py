@@ -1,13 +1,4 @@
-"""`rerank-server healthcheck`: ask a running server's gRPC health service, exit 0 or 1.
-
-For container health checks (Docker's HEALTHCHECK, compose) where no gRPC probe exists.
-It reads the same `RERANK_HOST`/`RERANK_PORT` as the server, so it needs no arguments
-inside the server's container; a wildcard listen address is reached over loopback.
-Kubernetes should use its native gRPC probes instead (deploy/kubernetes), except with TLS:
-kubelet's gRPC probes speak plaintext, so a TLS server is probed with this command and
-`--tls-ca` (and `--tls-cert`/`--tls-key` under mutual TLS; `--server-name` when the
-certificate does not name 127.0.0.1). Health needs no bearer token.
-"""
+"""`rerank-server healthcheck`: ask a running server's gRPC health service, exit 0 or 1."""
 
 from __future__ import annotations
 
@@ -21,6 +12,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..settings import host_port
+
+# The command's --help: what it is for, and when Kubernetes needs it.
+DESCRIPTION = """\
+`rerank-server healthcheck`: ask a running server's gRPC health service, exit 0 or 1.
+
+For container health checks (Docker's HEALTHCHECK, compose) where no gRPC probe exists.
+It reads the same `RERANK_HOST`/`RERANK_PORT` as the server, so it needs no arguments
+inside the server's container; a wildcard listen address is reached over loopback.
+Kubernetes should use its native gRPC probes instead (deploy/kubernetes), except with TLS:
+kubelet's gRPC probes speak plaintext, so a TLS server is probed with this command and
+`--tls-ca` (and `--tls-cert`/`--tls-key` under mutual TLS; `--server-name` when the
+certificate does not name 127.0.0.1). Health needs no bearer token.
+"""
 
 WILDCARDS = {"0.0.0.0", "::", ""}
 
@@ -69,7 +73,7 @@ def check(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rerank-server healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="rerank-server healthcheck", description=DESCRIPTION)
     parser.add_argument("--host", default=os.environ.get("RERANK_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("RERANK_PORT", "50051")))
     parser.add_argument(

@@ -73,6 +73,8 @@ class Extras(BaseModel):
 
 
 class CohereRerankRequest(Extras):
+    """A Cohere/Jina rerank request (`/v1/rerank`, `/v2/rerank`); unknown fields ignored."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     query: str = Field(description="The search query.")
@@ -107,6 +109,8 @@ RELEVANCE = (
 
 
 class CohereResult(BaseModel):
+    """One ranked document of a Cohere/Jina answer."""
+
     index: int = Field(description="Position of the document in the request.")
     relevance_score: float = Field(description=RELEVANCE)
     # A plain object, not a model: the answer leaves out fields that are None, and a model
@@ -124,19 +128,27 @@ class CohereResult(BaseModel):
 
 
 class Degraded(BaseModel):
+    """Why an answer is not fully reranked: a code and a message."""
+
     code: str
     message: str
 
 
 class ApiVersion(BaseModel):
+    """The Cohere API version an answer follows."""
+
     version: str
 
 
 class BilledUnits(BaseModel):
+    """Cohere's billing count: one search unit per request."""
+
     search_units: int
 
 
 class Meta(BaseModel):
+    """What a Cohere/Jina answer says about how it was ranked."""
+
     api_version: ApiVersion
     billed_units: BilledUnits
     reranked: bool = Field(
@@ -157,12 +169,16 @@ class Meta(BaseModel):
 
 
 class CohereRerankResponse(BaseModel):
+    """A Cohere/Jina rerank answer: the results in final order, and `meta`."""
+
     id: str
     results: list[CohereResult]
     meta: Meta
 
 
 class TeiRerankRequest(BaseModel):
+    """A TEI rerank request (`/rerank`); unknown fields ignored."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     query: str
@@ -178,6 +194,8 @@ class TeiRerankRequest(BaseModel):
 
 
 class TeiResult(BaseModel):
+    """One ranked text of a TEI answer."""
+
     index: int
     score: float = Field(description=RELEVANCE)
     text: str | None = None
@@ -197,6 +215,8 @@ RootRerankRequest = Annotated[
 
 
 class ModelCard(BaseModel):
+    """The served model, as an OpenAI-style model entry."""
+
     id: str
     object: Literal["model"] = "model"
     owned_by: str = "rerank-server"
@@ -204,15 +224,21 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """`GET /v1/models`: the one served model."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class Health(BaseModel):
+    """`GET /health`: whether the server answers, and its backend's state."""
+
     status: Literal["ok", "unavailable"]
     backend: Literal["up", "down", "starting"]
     model: str
 
 
 class Error(BaseModel):
+    """An error answer: `{"message": ...}`, naming the field at fault where there is one."""
+
     message: str

@@ -17,7 +17,13 @@ class _DecodedRequest(Request):
 
 
 class DecodedBodyRoute(APIRoute):
-    """A route whose JSON body the gate has decoded already (it is always in front)."""
+    """A route whose JSON body the gate has decoded already (it is always in front).
+
+    The gate leaves its parse in the request's scope, and FastAPI reads a JSON body
+    through `Request.json()`: handed a request whose `json()` is that parse, FastAPI
+    validates it, solves the route's parameters, serializes the answer and builds the
+    OpenAPI document as for any route, without parsing the bytes again.
+    """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

@@ -15,6 +15,8 @@ from ..errors import InvalidRequest
 from ..ranking.request import RequestRules
 from ..ranking.validation import check_candidate_count
 
+# Scalars are left loose, so that pydantic still reports a wrong type in its own words;
+# containers are what this layer bounds.
 Scalar = str | int | float | bool | None
 _UNSET = msgspec.UNSET
 # Fields of one document object: `text`, `title`, our extras and what `rank_fields` or
