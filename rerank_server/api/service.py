@@ -318,166 +318,12 @@ class RerankService:
         requests: AsyncIterable[bytes],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.RerankResponse]:
-        """Runs up to `batch_concurrency` requests at once; answers as each completes.
-
-        Back-pressure: a request's slot is given back only once its answer is queued, and
-        the queue holds at most `batch_concurrency` answers, so a client that stops reading
-        answers stops the server reading requests (and gRPC's flow control stops the
-        client writing them).
-        """
-        done: asyncio.Queue[pb.RerankResponse] = asyncio.Queue(self._batch_concurrency)
-        slots = asyncio.Semaphore(self._batch_concurrency)
-        tasks: set[asyncio.Task[None]] = set()
-        reading, cut = True, False  # cut: reading stopped by the server's shutdown
-        position = 0  # requests read
-        begun: set[int] = set()  # positions whose task has run (`unbegun`)
-
-        async def one(raw: bytes, position: int, counted: bool) -> None:
-            begun.add(position)
-            started, seen = time.perf_counter(), _Seen()
-            try:
-                try:
-                    if not counted:  # read without room held (`feed`): counted now
-                        self.inflight.take(len(raw))
-                    async with self._admitted(raw, seen, f"requests[{position}]") as query:
-                        results, summary = await self._reranker.answer(query, _deadline(context))
-                        measured = query.return_text or self._lists_may_overflow(query, results)
-                    answer = self._answer("RerankBatch", results, summary, measured)
-                except asyncio.CancelledError:
-                    rpc_cancelled("RerankBatch", seen.request_id, started, _ended(context))
-                    raise
-                except Exception as exc:
-                    traceback.clear_frames(exc.__traceback__)  # see `Rerank`
-                    code, message = _status_for(exc)
-                    if (
-                        isinstance(exc, InvalidRequest)
-                        and not seen.request_id
-                        and not message.startswith("requests[")
-                    ):
-                        # No id to match the answer by: its position in the stream says
-                        # which request it was, as for one that did not decode.
-                        message = f"requests[{position}].{message}"
-                    rpc_failed(
-                        "RerankBatch",
-                        seen.request_id,
-                        started,
-                        code.name,
-                        exc,
-                        internal=code is grpc.StatusCode.INTERNAL,
-                    )
-                    answer = pb.RerankResponse(
-                        request_id=seen.request_id,
-                        error=pb.RequestError(code=code.value[0], message=message),
-                    )
-                await done.put(answer)
-            finally:
-                slots.release()
-
-        def unbegun(position: int, counted: int, _: asyncio.Task[None]) -> None:
-            # A task cancelled before its first step (the stream ending) never ran: the
-            # bytes counted for its request are given back here instead of by `_admitted`.
-            if position not in begun and counted:
-                self.inflight.give_back(counted)
-            begun.discard(position)
-
-        async def feed() -> None:
-            nonlocal position, reading
-            try:
-                while (read := await self._next_in_batch(context, slots)) is not None:
-                    raw, counted = read
-                    task = asyncio.create_task(one(raw, position, counted))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    task.add_done_callback(
-                        functools.partial(unbegun, position, len(raw) if counted else 0)
-                    )
-                    position += 1
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if not cut or current is None or current.cancelling() != 1:
-                    raise  # the call's own end, not (only) the drain
-                current.uncancel()
-            reading = False
-            if tasks:
-                await asyncio.gather(*tasks)
-
-        def stop_reading() -> None:
-            # A stream the client keeps open would otherwise take requests until the
-            # grace period ran out, and then be cancelled with them.
-            nonlocal cut
-            if reading and not cut:
-                cut = True
-                feeder.cancel()
-
-        feeder = asyncio.create_task(feed())
-        stop_listening = self._draining.subscribe(stop_reading)
-        if self._draining.is_set():
-            stop_reading()
-        try:
-            # Until the feeder is done and every answer is out. No sentinel in the queue:
-            # a feeder cancelled while the queue is full must not wait to put one.
-            while not (feeder.done() and done.empty()):
-                getter = asyncio.ensure_future(done.get())
-                await asyncio.wait({getter, feeder}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
-                else:
-                    getter.cancel()
-            # Surfaces a broken request stream. A feeder cut before its first step (the
-            # drain began as the call did) never ran its body to take the cut in.
-            if not (cut and feeder.cancelled()):
-                await feeder
-            if cut:
-                log.info("batch_stream_drained", read=position)
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    (
-                        f"the server is shutting down: requests[{position}] and any after it "
-                        "were not read (every request before it was answered); send them "
-                        "again, to another server"
-                    ),
-                )
-        finally:
-            stop_listening()
-            for task in (feeder, *tasks):
-                task.cancel()
-
-    async def _next_in_batch(
-        self, context: grpc.aio.ServicerContext[Any, Any], slots: asyncio.Semaphore
-    ) -> tuple[bytes, bool] | None:
-        """A batch stream's next request and whether it is counted in flight already;
-        None at the stream's end. Read once the stream has a free slot (taken here; the
-        request's task gives it back) and room for the largest message is held, waiting
-        for room rather than refused: a batch's requests wait their turn. The room goes
-        back while the client sends nothing for `BATCH_QUIET_S` (a stream kept open
-        holds none); what it sends after that is counted once it is in."""
-        await slots.acquire()
-        room = self._room()
-        try:
-            await self.inflight.hold(room, patient=True)
-        except BaseException:
-            slots.release()
-            raise
-        read = asyncio.ensure_future(_read(context))
-        raw: bytes | None = None
-        try:
-            done, _ = await asyncio.wait({read}, timeout=BATCH_QUIET_S)
-            if not done:
-                self.inflight.release(room)
-                room = 0
-            raw = await read
-        except StopAsyncIteration:
-            pass  # the stream's end
-        finally:
-            if raw is None:
-                read.cancel()
-                self.inflight.release(room)
-                slots.release()
-        if raw is None:
-            return None
-        if room:
-            self.inflight.settle(room, len(raw))
-        return raw, room > 0
+        """Runs up to `batch_concurrency` requests at once; answers as each completes
+        (`_BatchStream`). The requests are read through `context`, not `requests`."""
+        stream = _BatchStream(self, context, self._batch_concurrency)
+        async with contextlib.aclosing(stream.answers()) as answers:
+            async for answer in answers:
+                yield answer
 
     async def _abort(
         self,
@@ -493,6 +339,198 @@ class RerankService:
             rpc, request_id, started, code.name, exc, internal=code is grpc.StatusCode.INTERNAL
         )
         await context.abort(code, message)
+
+
+class _BatchStream:
+    """One `RerankBatch` call: its requests read in turn, run up to `concurrency` at once,
+    and answered as each completes.
+
+    Back-pressure: a request's slot is given back only once its answer is queued, and the
+    queue holds at most `concurrency` answers, so a client that stops reading answers
+    stops the server reading requests (and gRPC's flow control stops the client writing
+    them)."""
+
+    def __init__(
+        self,
+        service: RerankService,
+        context: grpc.aio.ServicerContext[Any, Any],
+        concurrency: int,
+    ) -> None:
+        self._service = service
+        self._context = context
+        self._done: asyncio.Queue[pb.RerankResponse] = asyncio.Queue(concurrency)
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reading = True
+        self._cut = False  # reading stopped by the server's shutdown
+        self._position = 0  # requests read
+        self._begun: set[int] = set()  # positions whose task has run (`_unbegun`)
+        self._feeder: asyncio.Task[None] | None = None
+
+    async def answers(self) -> AsyncGenerator[pb.RerankResponse, None]:
+        """Every request's answer, as each completes; UNAVAILABLE once the server drains
+        (the requests read before are answered first)."""
+        feeder = self._feeder = asyncio.create_task(self._feed())
+        draining = self._service._draining
+        stop_listening = draining.subscribe(self._stop_reading)
+        if draining.is_set():
+            self._stop_reading()
+        done = self._done
+        try:
+            # Until the feeder is done and every answer is out. No sentinel in the queue:
+            # a feeder cancelled while the queue is full must not wait to put one.
+            while not (feeder.done() and done.empty()):
+                getter = asyncio.ensure_future(done.get())
+                await asyncio.wait({getter, feeder}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            # Surfaces a broken request stream. A feeder cut before its first step (the
+            # drain began as the call did) never ran its body to take the cut in.
+            if not (self._cut and feeder.cancelled()):
+                await feeder
+            if self._cut:
+                await self._drained()
+        finally:
+            stop_listening()
+            for task in (feeder, *self._tasks):
+                task.cancel()
+
+    async def _drained(self) -> None:
+        log.info("batch_stream_drained", read=self._position)
+        await self._context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            (
+                f"the server is shutting down: requests[{self._position}] and any after it "
+                "were not read (every request before it was answered); send them "
+                "again, to another server"
+            ),
+        )
+
+    def _stop_reading(self) -> None:
+        # A stream the client keeps open would otherwise take requests until the grace
+        # period ran out, and then be cancelled with them.
+        if self._reading and not self._cut and self._feeder is not None:
+            self._cut = True
+            self._feeder.cancel()
+
+    async def _feed(self) -> None:
+        try:
+            while (read := await self._next()) is not None:
+                raw, counted = read
+                position = self._position
+                task = asyncio.create_task(self._one(raw, position, counted))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(
+                    functools.partial(self._unbegun, position, len(raw) if counted else 0)
+                )
+                self._position += 1
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self._cut or current is None or current.cancelling() != 1:
+                raise  # the call's own end, not (only) the drain
+            current.uncancel()
+        self._reading = False
+        if self._tasks:
+            await asyncio.gather(*self._tasks)
+
+    async def _next(self) -> tuple[bytes, bool] | None:
+        """The next request and whether it is counted in flight already; None at the
+        stream's end. Read once the stream has a free slot (taken here; the request's
+        task gives it back) and room for the largest message is held, waiting for room
+        rather than refused: a batch's requests wait their turn. The room goes back while
+        the client sends nothing for `BATCH_QUIET_S` (a stream kept open holds none);
+        what it sends after that is counted once it is in."""
+        inflight = self._service.inflight
+        await self._slots.acquire()
+        room = self._service._room()
+        try:
+            await inflight.hold(room, patient=True)
+        except BaseException:
+            self._slots.release()
+            raise
+        read = asyncio.ensure_future(_read(self._context))
+        raw: bytes | None = None
+        try:
+            done, _ = await asyncio.wait({read}, timeout=BATCH_QUIET_S)
+            if not done:
+                inflight.release(room)
+                room = 0
+            raw = await read
+        except StopAsyncIteration:
+            pass  # the stream's end
+        finally:
+            if raw is None:
+                read.cancel()
+                inflight.release(room)
+                self._slots.release()
+        if raw is None:
+            return None
+        if room:
+            inflight.settle(room, len(raw))
+        return raw, room > 0
+
+    async def _one(self, raw: bytes, position: int, counted: bool) -> None:
+        """One request run, its answer (or its error) queued, its slot given back."""
+        self._begun.add(position)
+        started, seen = time.perf_counter(), _Seen()
+        try:
+            try:
+                answer = await self._answer(raw, position, counted, seen)
+            except asyncio.CancelledError:
+                rpc_cancelled("RerankBatch", seen.request_id, started, _ended(self._context))
+                raise
+            except Exception as exc:
+                traceback.clear_frames(exc.__traceback__)  # see `Rerank`
+                answer = _batch_error(exc, position, seen, started)
+            await self._done.put(answer)
+        finally:
+            self._slots.release()
+
+    async def _answer(
+        self, raw: bytes, position: int, counted: bool, seen: _Seen
+    ) -> pb.RerankResponse:
+        service = self._service
+        if not counted:  # read without room held (`_next`): counted now
+            service.inflight.take(len(raw))
+        async with service._admitted(raw, seen, f"requests[{position}]") as query:
+            results, summary = await service._reranker.answer(query, _deadline(self._context))
+            measured = query.return_text or service._lists_may_overflow(query, results)
+        return service._answer("RerankBatch", results, summary, measured)
+
+    def _unbegun(self, position: int, counted: int, _: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step (the stream ending) never ran: the bytes
+        # counted for its request are given back here instead of by `_admitted`.
+        if position not in self._begun and counted:
+            self._service.inflight.give_back(counted)
+        self._begun.discard(position)
+
+
+def _batch_error(exc: Exception, position: int, seen: _Seen, started: float) -> pb.RerankResponse:
+    """A batch request's refusal, as its answer in the stream, with its `rpc` log line."""
+    code, message = _status_for(exc)
+    if (
+        isinstance(exc, InvalidRequest)
+        and not seen.request_id
+        and not message.startswith("requests[")
+    ):
+        # No id to match the answer by: its position in the stream says which request it
+        # was, as for one that did not decode.
+        message = f"requests[{position}].{message}"
+    rpc_failed(
+        "RerankBatch",
+        seen.request_id,
+        started,
+        code.name,
+        exc,
+        internal=code is grpc.StatusCode.INTERNAL,
+    )
+    return pb.RerankResponse(
+        request_id=seen.request_id,
+        error=pb.RequestError(code=code.value[0], message=message),
+    )
 
 
 async def _read(context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
