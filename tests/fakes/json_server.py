@@ -1,9 +1,11 @@
 """A small JSON-over-HTTP server on loopback for backends that cannot run here.
 
-`JsonServer(handler)` calls `handler(method, path, body, headers)` for every request and
-sends back the `(status, payload)` it returns, exactly as given. Each test module writes
-the handler in the real server's JSON (documented shapes, including its errors), so the
-fakes stay small and the wire format stays visible in the test.
+`JsonServer(handler)` calls `handler(method, path, body, headers)` for every request,
+records it, and sends back the `(status, payload)` it returns, exactly as given.
+`JsonFake` is the base of the fake backends beside this module (one module per backend):
+each answers in its real server's JSON (documented shapes, including its errors), is
+configured per test through its fields, and answers a path it does not serve with a 404
+that stays recorded in `calls`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 Handler = Callable[[str, str, Any, Mapping[str, str]], tuple[int, Any]]
 
@@ -83,3 +85,41 @@ class JsonServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class JsonFake:
+    """A fake backend served by a `JsonServer`; a subclass answers in `handle`."""
+
+    _server: JsonServer | None = None
+
+    def handle(
+        self, method: str, path: str, body: Any, headers: Mapping[str, str]
+    ) -> tuple[int, Any]:
+        """The `(status, payload)` for one request (`JsonServer`'s handler)."""
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        """Listen on a free port of 127.0.0.1."""
+        self._server = JsonServer(self.handle).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+    @property
+    def url(self) -> str:
+        return self._running.url
+
+    @property
+    def calls(self) -> list[Call]:
+        """Every request received, a refused or unknown one included, in arrival order."""
+        return self._running.calls
+
+    def posts(self, path: str) -> list[Call]:
+        return self._running.posts(path)
+
+    @property
+    def _running(self) -> JsonServer:
+        assert self._server is not None, "the fake was not started"
+        return self._server

@@ -21,6 +21,7 @@ from rerank_server.scoring.transport import backend as http_module
 from tests.conftest import StartServer, client_of
 from tests.fakes.json_server import JsonServer
 from tests.fakes.llama import EXCEEDS_CONTEXT, HANG, OK, FakeLlamaServer
+from tests.fakes.rerank_api import FakeRerankApi
 from tests.waiting import eventually
 
 DOCS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
@@ -101,21 +102,8 @@ async def test_a_batched_call_is_abandoned_on_its_leash_when_the_budget_runs_out
     of its own): when the request's budget runs out, that task is let go, so the call on
     the wire is abandoned, not cancelled. It keeps its slot until it ends within the
     leash, the request answers in retrieval order in time, and nothing stays tracked."""
-
-    def slow_rerank(
-        method: str,
-        path: str,
-        body: Any,
-        headers: Mapping[str, str],
-    ) -> tuple[int, Any]:
-        if method == "GET":
-            return (200, {"status": "ok"}) if path == "/health" else (404, {})
-        time.sleep(1.0)  # past the request's deadline, within the leash (2 s)
-        return 200, {
-            "results": [{"index": i, "relevance_score": 0.5} for i in range(len(body["documents"]))]
-        }
-
-    fake = JsonServer(slow_rerank).start()
+    # Past the request's deadline, within the leash (2 s).
+    fake = FakeRerankApi(latency_s=1.0).start()
     try:
         server = await start_server(backend="rerank", backend_url=fake.url)
         http = server.pool.endpoints[0].http

@@ -5,93 +5,41 @@ are not numbers. The real llama-server's base64 answers are in tests/real."""
 
 from __future__ import annotations
 
-import base64
 import math
-import struct
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from rerank_client import AsyncRerankClient
 
 from tests.conftest import StartServer, client_of
-from tests.fakes.json_server import Handler, JsonServer
+from tests.fakes.embeddings import FakeEmbeddings, leaning
 
 DOCS = ["a relevant passage", "noise", "another relevant one", "more noise"]
 QUERY = "what is relevant"
 
 
-def vector(text: str) -> list[float]:
-    lean = 0.9 if "relevant" in text else 0.1
-    return [lean, 1 - lean, 0.25]
-
-
 def expected_score(text: str) -> float:
     """The cosine the server should find between the query's embedding and `text`'s."""
-    q, d = vector(QUERY), vector(text)
+    q, d = leaning(QUERY), leaning(text)
     dot = sum(x * y for x, y in zip(q, d, strict=True))
     return dot / (math.sqrt(sum(x * x for x in q)) * math.sqrt(sum(y * y for y in d)))
-
-
-def as_base64(values: list[float]) -> str:
-    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
-
-
-def openai_embeddings(
-    refuse_base64: bool = False, reverse: bool = False, nan_for: str = ""
-) -> Handler:
-    """`/v1/embeddings` answering in base64 when asked (or refusing it, as vLLM did until
-    mid-2024), its entries reversed if `reverse`, a NaN in the vectors of texts holding
-    `nan_for` (only base64 can carry one)."""
-
-    def handler(
-        method: str,
-        path: str,
-        body: Any,
-        headers: Mapping[str, str],
-    ) -> tuple[int, Any]:
-        if method == "GET":
-            return (200, {"status": "ok"}) if path == "/health" else (404, {})
-        wants_base64 = body.get("encoding_format") == "base64"
-        if wants_base64 and refuse_base64:
-            return 400, {
-                "object": "error",
-                "type": "BadRequestError",
-                "code": 400,
-                "message": "base64 encoding is not currently supported",
-            }
-        data = []
-        for i, text in enumerate(body["input"]):
-            values = vector(text)
-            if nan_for and nan_for in text:
-                values[0] = math.nan
-            data.append(
-                {
-                    "object": "embedding",
-                    "index": i,
-                    "embedding": as_base64(values) if wants_base64 else values,
-                }
-            )
-        if reverse:
-            data.reverse()
-        return 200, {"object": "list", "data": data, "model": "minilm"}
-
-    return handler
 
 
 @pytest.fixture
 async def embedding_backend(
     start_server: StartServer,
 ) -> AsyncIterator[Any]:
-    fakes: list[JsonServer] = []
+    """Start `fake`, then a rerank-server with the `embedding` backend on it; returns
+    (fake, client)."""
+    fakes: list[FakeEmbeddings] = []
     clients: list[AsyncRerankClient] = []
 
     async def start(
-        handler: Handler,
+        fake: FakeEmbeddings,
         max_batch: int = 32,
-    ) -> tuple[JsonServer, AsyncRerankClient]:
-        fake = JsonServer(handler).start()
-        fakes.append(fake)
+    ) -> tuple[FakeEmbeddings, AsyncRerankClient]:
+        fakes.append(fake.start())
         server = await start_server(backend="embedding", backend_url=fake.url, max_batch=max_batch)
         clients.append(client_of(server))
         return fake, clients[-1]
@@ -113,7 +61,7 @@ async def embedding_backend(
 async def test_embeddings_come_as_base64_and_score_their_documents(
     embedding_backend: Any, max_batch: int, inputs: list[list[str]]
 ) -> None:
-    fake, client = await embedding_backend(openai_embeddings(), max_batch=max_batch)
+    fake, client = await embedding_backend(FakeEmbeddings(), max_batch=max_batch)
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.scored == len(DOCS)
     calls = fake.posts("/v1/embeddings")
@@ -127,7 +75,7 @@ async def test_embeddings_come_as_base64_and_score_their_documents(
 async def test_a_backend_that_refuses_base64_gets_floats_from_then_on(
     embedding_backend: Any,
 ) -> None:
-    fake, client = await embedding_backend(openai_embeddings(refuse_base64=True))
+    fake, client = await embedding_backend(FakeEmbeddings(base64="refuse"))
     for i in range(2):  # two queries: the second is not answered from the score cache
         answer = await client.rerank(f"{QUERY} {i}", DOCS, blend_strategy="rerank_only")
         assert answer.reranked and answer.summary.failed == 0
@@ -138,7 +86,7 @@ async def test_a_backend_that_refuses_base64_gets_floats_from_then_on(
 
 async def test_entries_out_of_order_score_their_own_documents(embedding_backend: Any) -> None:
     """The answer's `index` says which text an embedding belongs to, not its position."""
-    _, client = await embedding_backend(openai_embeddings(reverse=True))
+    _, client = await embedding_backend(FakeEmbeddings(reverse=True))
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.summary.scored == len(DOCS)
     for result in answer.results:
@@ -148,7 +96,7 @@ async def test_entries_out_of_order_score_their_own_documents(embedding_backend:
 async def test_an_embedding_that_is_not_a_number_fails_its_pair_only(
     embedding_backend: Any,
 ) -> None:
-    _, client = await embedding_backend(openai_embeddings(nan_for="noise"))
+    _, client = await embedding_backend(FakeEmbeddings(nan_for="noise"))
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     assert answer.reranked and answer.summary.degraded_code == "partial"
     assert answer.summary.scored == 2 and answer.summary.failed == 2
@@ -161,20 +109,7 @@ async def test_an_embedding_that_is_not_whole_float32s_fails_the_call(
     embedding_backend: Any, embedding: str
 ) -> None:
     """Five bytes, characters outside base64, nothing: malformed, never a crash."""
-
-    def broken(
-        method: str,
-        path: str,
-        body: Any,
-        headers: Mapping[str, str],
-    ) -> tuple[int, Any]:
-        if method == "GET":
-            return (200, {"status": "ok"}) if path == "/health" else (404, {})
-        return 200, {
-            "data": [{"index": i, "embedding": embedding} for i in range(len(body["input"]))]
-        }
-
-    _, client = await embedding_backend(broken)
+    _, client = await embedding_backend(FakeEmbeddings(embedding=embedding))
     answer = await client.rerank(QUERY, DOCS)
     assert not answer.reranked and answer.summary.degraded_code == "malformed_response"
 
@@ -183,17 +118,12 @@ async def test_a_refusal_that_was_not_about_base64_keeps_base64(embedding_backen
     """A 422 for an input the backend refuses in any format (vLLM's over-long input, say)
     is tried once with floats, fails again, and base64 stays on for the next request."""
 
-    def refuses_poison(
-        method: str,
-        path: str,
-        body: Any,
-        headers: Mapping[str, str],
-    ) -> tuple[int, Any]:
-        if any("poison" in text for text in body.get("input", ())):
+    def refuses_poison(body: Any) -> tuple[int, Any] | None:
+        if any("poison" in text for text in body["input"]):
             return 422, {"object": "error", "message": "input rejected"}
-        return openai_embeddings()(method, path, body, headers)
+        return None
 
-    fake, client = await embedding_backend(refuses_poison)
+    fake, client = await embedding_backend(FakeEmbeddings(instead=refuses_poison))
     failed = await client.rerank(QUERY, [*DOCS, "poison"])
     assert failed.summary.degraded_code == "backend_error"
     answer = await client.rerank(f"{QUERY} again", DOCS)
@@ -207,18 +137,8 @@ async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any)
     the last used to be), the text none names fails too, and no score lands on another
     document."""
 
-    def repeats(
-        method: str,
-        path: str,
-        body: Any,
-        headers: Mapping[str, str],
-    ) -> tuple[int, Any]:
-        status, answer = openai_embeddings()(method, path, body, headers)
-        if method == "POST":
-            answer["data"][2]["index"] = 1  # entry 2 claims text 1 (DOCS[0]); none has 2
-        return status, answer
-
-    _, client = await embedding_backend(repeats)
+    # Entry 2 claims text 1 (DOCS[0]); none has 2.
+    _, client = await embedding_backend(FakeEmbeddings(claimed_index={2: 1}))
     answer = await client.rerank(QUERY, DOCS, blend_strategy="rerank_only")
     by_index = {r.index: r.reranker_score for r in answer.results}
     assert by_index[1] is None  # DOCS[1]'s text was never embedded
@@ -227,40 +147,13 @@ async def test_a_repeated_index_scores_no_other_document(embedding_backend: Any)
         assert by_index[i] == pytest.approx(expected_score(DOCS[i]), abs=1e-6)
 
 
-def refusing_over(limit: int, named: bool) -> Handler:
-    """OpenAI embeddings refusing, as llama-server does, an input over its physical batch
-    (here `limit` bytes stand for tokens), naming that batch where `named`."""
-
-    def handle(
-        method: str,
-        path: str,
-        body: Any,
-        headers: Mapping[str, str],
-    ) -> tuple[int, Any]:
-        if method == "POST" and path != "/v1/embeddings":
-            return 404, {"error": "not found"}  # no /tokenize: cut by bytes
-        if method == "POST" and any(len(text.encode()) > limit for text in body["input"]):
-            where = f" (current batch size: {limit})" if named else ""
-            return 500, {
-                "error": {
-                    "code": 500,
-                    "type": "server_error",
-                    "message": "input (400 tokens) is too large to process. increase "
-                    f"the physical batch size{where}",
-                }
-            }
-        return openai_embeddings()(method, path, body, headers)
-
-    return handle
-
-
 async def test_an_input_too_large_to_process_fails_its_request_not_the_instance(
     embedding_backend: Any,
 ) -> None:
     """llama-server refuses an embedding input longer than its physical batch with a
     500: that is the input's fault. It was retried as a server error and counted against
     the instance, which three such requests ejected, for everyone."""
-    fake, client = await embedding_backend(refusing_over(256, named=False))
+    fake, client = await embedding_backend(FakeEmbeddings(physical_batch=256, names_batch=False))
     for _ in range(4):
         refused = await client.rerank(QUERY, ["LONG " * 80, *DOCS])
         assert not refused.reranked
@@ -275,7 +168,7 @@ async def test_an_input_over_the_physical_batch_it_names_is_cut_to_it(
     """The refusal names llama-server's physical batch (`-ub`, which `/props` does not
     report): the texts are cut to it and sent again, and later requests are cut before
     they are sent. Every request with a long text used to fail all of its pairs."""
-    fake, client = await embedding_backend(refusing_over(256, named=True))
+    fake, client = await embedding_backend(FakeEmbeddings(physical_batch=256))
     for n in range(3):  # a query each: no score comes from the cache
         answer = await client.rerank(f"{QUERY} {n}", ["LONG " * 80, *DOCS])
         assert answer.reranked and answer.summary.failed == 0, n
