@@ -1,5 +1,5 @@
-"""The lean HTTP/1.1 transport (`scoring/transport.py`) against raw loopback servers that
-answer exactly as scripted: the framings, keep-alive and its races, and every failure
+"""The lean HTTP/1.1 transport (`scoring/transport/lean.py`) against raw loopback servers
+that answer exactly as scripted: the framings, keep-alive and its races, and every failure
 mapped to the httpx error class that `scoring/transport/backend.py` classifies."""
 
 from __future__ import annotations

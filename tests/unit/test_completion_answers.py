@@ -101,7 +101,8 @@ def test_a_vanishing_logprob_is_clamped_not_minus_infinity() -> None:
 
 @pytest.mark.parametrize("raw", [b"", b"<html>busy</html>", b"[{", b"\xff"])
 def test_bytes_that_are_not_json_are_a_decoding_error_not_malformed(raw: bytes) -> None:
-    """The HTTP client counts those as a failed call (`HttpBackend._post`)."""
+    """The HTTP client counts those as a failed call
+    (`HttpBackend._send_single_request`)."""
     with pytest.raises(msgspec.DecodeError) as caught:
         _decode(raw)
     assert not isinstance(caught.value, msgspec.ValidationError)

@@ -1,5 +1,5 @@
 """A GGUF's metadata, read by `managed/gguf_meta.py` from files written here byte by byte
-(docs/gguf.md's layout), and what makes one a reranker."""
+(the layout in ggml's docs/gguf.md), and what makes one a reranker."""
 
 from __future__ import annotations
 

@@ -124,6 +124,7 @@ def test_malformed_shapes_raise(body: object) -> None:
 )
 def test_an_answer_that_is_not_json_is_a_decoding_error(raw: bytes) -> None:
     """Not MalformedLogprobs (JSON of the wrong shape): the HTTP client counts bytes that
-    are not JSON as a failed call (`HttpBackend._post`), deep nesting included."""
+    are not JSON as a failed call (`HttpBackend._send_single_request`), deep nesting
+    included."""
     with pytest.raises((msgspec.DecodeError, RecursionError)):
         decode_chat(raw)
