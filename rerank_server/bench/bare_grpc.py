@@ -1,13 +1,6 @@
 """The floor under every overhead figure: a bare `grpc.aio` server answering `Rerank`.
 
-    python -m rerank_server.bench.bare_grpc --port 50099
-
-It runs as rerank-server's gRPC edge does (on uvloop where installed, the request taken
-as bytes and parsed), and answers each request with a response of as many results as
-the request has candidates, built once per count and then sent as prebuilt bytes. What
-a client measures against it is the gRPC hop alone on this machine at this moment: the
-overhead scenario alternates it with the requests through rerank-server, so the two can
-be compared in noisy hours (this VM's speed changes twofold within a day).
+Run as `python -m rerank_server.bench.bare_grpc --port 50099`.
 """
 
 from __future__ import annotations
@@ -50,6 +43,8 @@ def answer(count: int) -> bytes:
 
 
 async def rerank(raw: bytes, _context: Any) -> bytes:
+    """As rerank-server's edge takes a request (bytes, parsed here), answered with a
+    prebuilt response of as many results: what is left is the gRPC hop alone."""
     return answer(len(pb.RerankRequest.FromString(raw).candidates))
 
 

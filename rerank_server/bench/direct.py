@@ -1,9 +1,6 @@
 """The best direct client for each backend kind, and one request through rerank-server.
 
-`direct_call` scores the passages against the backend itself (every pair or batch at
-once, the slot count in flight); `through` sends the same request to rerank-server.
-Both count the pairs they did not score, so a fast degraded answer is not timed as a
-scored one.
+Both count the pairs they did not score: a fast degraded answer is not a scored one.
 """
 
 from __future__ import annotations

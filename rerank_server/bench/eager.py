@@ -1,22 +1,6 @@
 """The same weights in eager PyTorch: what the hardware gives a decoder reranker.
 
-    python eager.py MODEL.gguf ROUNDS [BATCH] < tokens.json
-    python eager.py MODEL.gguf --argmax < tokens.json
-
-Run by a Python that has torch, numpy and llama.cpp's `gguf` package (the converter's
-environment, `rerank-server prepare`), never imported by rerank-server. stdin holds the
-token ids of every pair's prompt as a JSON list of lists; stdout gets one JSON object:
-the device, the dtype, and the median pairs/s over ROUNDS passes after one warm-up.
-With `--argmax`, instead, each prompt's most likely next token over the whole head: the
-check that this is the model llama.cpp runs (its tests compare it with llama-server's).
-
-Each pass runs every prompt once through the decoder (a llama or qwen3 GGUF,
-dequantized), shortest first in batches of BATCH with right padding and causal
-attention, and reads two logits at the last token (a reranker reads "yes" and "no";
-which two rows of the head does not change the time): the work a reranker does per
-pair, with nothing else. No KV cache, no sampling, no server: it bounds what a
-server of the same weights can reach on this device, and `bench` sets its result
-beside llama-server's.
+Run as `python eager.py MODEL.gguf {ROUNDS [BATCH] | --argmax} < tokens.json`.
 """
 
 from __future__ import annotations
@@ -157,6 +141,17 @@ def _argmax(model: Decoder, prompts: list[list[int]], device: str) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
+    """stdin: every pair's prompt as token ids (a JSON list of lists). stdout: one JSON
+    object, the device, the dtype and the median pairs/s over ROUNDS passes after a
+    warm-up; with `--argmax`, each prompt's most likely next token over the whole head
+    (the check that this is the model llama.cpp runs).
+
+    A pass runs every prompt once through the decoder (a llama or qwen3 GGUF,
+    dequantized), shortest first in batches of BATCH, right-padded, and reads two logits
+    at the last token: a reranker's work per pair and nothing else (no KV cache, no
+    sampling, no server). Run by a Python with torch, numpy and llama.cpp's `gguf` (the
+    converter's environment); never imported by rerank-server.
+    """
     path = argv[1]
     prompts = json.load(sys.stdin)
     cuda = torch.cuda.is_available()

@@ -1,17 +1,6 @@
 """An instant scoring backend for overhead benchmarks, speaking every backend's protocol.
 
-    python -m rerank_server.bench.fake_backend --port 8099
-
-It answers at once with a fixed-shape answer, so what a benchmark measures through it is
-rerank-server's own cost (or after `--latency-ms`, a model's fixed time per call, for the
-streaming scenario). It runs as a process of its own, so its CPU time is not counted
-as ours. Scores are a stable function of the text. Not a test double for correctness:
-tests use `tests/fakes/`.
-
-It is an asyncio protocol (on uvloop where installed) reading `Content-Length` bodies
-with keep-alive, and JSON through orjson, so that at 40 chat calls a request the fake's
-CPU stays well below rerank-server's and out of the overhead latencies
-(docs/decisions.md).
+Run as `python -m rerank_server.bench.fake_backend --port 8099`.
 """
 
 from __future__ import annotations
@@ -295,7 +284,9 @@ MAX_HEAD = 64 * 1024
 
 class FakeHttp(asyncio.Protocol):
     """One keep-alive connection: requests with `Content-Length` bodies, answered in order
-    (clients send one request at a time per connection).
+    (clients send one request at a time per connection), at once or after `latency_s`,
+    with scores that are a stable function of the text. Not a test double for
+    correctness (tests use `tests/fakes/`).
 
     `POST /bench/record` starts recording the scoring calls that arrive, on every
     connection, and `GET /bench/recorded` stops and returns them as `[{"path", "body"}]`:

@@ -1,8 +1,5 @@
-"""The physical limit beside a model result: the same weights and tokens in eager PyTorch.
-
-`eager.py` runs in a Python that has torch (this one when it does, else the converter's
-environment that `rerank-server prepare` builds); the tokens come from the backend's own
-tokenizer (llama-server's `/tokenize`), so both sides score the same sequences.
+"""The physical limit beside a model result: the same weights and tokens in eager PyTorch,
+tokenized by the backend's own tokenizer (`/tokenize`), run by `eager.py`.
 """
 
 from __future__ import annotations

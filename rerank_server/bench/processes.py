@@ -1,8 +1,6 @@
 """Processes a benchmark runs: rerank-server, the instant fake backend, llama-server.
 
-Each runs in a process of its own, so the CPU time read from `/proc/PID/stat` is that
-process's alone (Linux), and the benchmark client never competes with the server for the
-interpreter lock.
+Each in a process of its own, so its CPU time read from `/proc` is its alone.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """The backend's own time for one request's calls: what rerank-server's latency is
-measured against in the overhead scenario.
-
-The bench fake records the scoring calls rerank-server made for one request
-(`POST /bench/record`, `GET /bench/recorded`); `Replay` sends exactly those bodies again
-straight to the fake, as many at once as rerank-server's `--concurrency`, over kept-alive
-connections, as prebuilt bytes, and reads each answer without parsing it. A client can
-hardly cost less, so through-minus-direct counts everything a real client would pay for
-encoding and decoding as rerank-server's: the added latency it reports is an upper
-bound.
+measured against in the overhead scenario (docs/benchmarks.md, "Overhead").
 """
 
 from __future__ import annotations
@@ -38,7 +30,12 @@ def _raw(host: str, path: str, body: bytes) -> bytes:
 
 
 class Replay:
-    """`connections` kept-alive connections to the backend at `url`, replaying `calls`."""
+    """`connections` kept-alive connections to the backend at `url`, replaying `calls`.
+
+    The bodies go as prebuilt bytes and the answers are read unparsed: a client can
+    hardly cost less, so the latency rerank-server adds, measured against this, is an
+    upper bound.
+    """
 
     def __init__(self, url: str, calls: Sequence[tuple[str, bytes]], connections: int) -> None:
         parts = urlsplit(url)

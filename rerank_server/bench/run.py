@@ -1,48 +1,6 @@
 """`rerank-server bench`: what rerank-server costs and what it delivers, side by side.
 
-    rerank-server bench [--scenarios overhead,telemetry,model,throughput,streaming,backends]
-                        [--requests 100] [--rounds 5] [--out bench-results]
-
-Every comparison runs in one invocation, alternating the things compared, and reports
-ratios beside times (these machines are noisy). Scenarios:
-
-- overhead: an instant fake backend (`fake_backend.py`, its own process); per backend
-  kind and 10/40/100 candidates, latency p50/p99 per request, the same backend calls
-  replayed straight to the fake (`replay.py`: the backend's own time), the latency
-  rerank-server adds (p50 through - p50 direct), the same request to a bare gRPC server
-  (`bare_grpc.py`: the hop alone), and rerank-server's CPU time per scored pair (read
-  from /proc for the server process alone).
-- telemetry: what metrics and traces add per 40-candidate request (`telemetry.py`), for
-  `chat` and for `rerank` (a batching backend): five servers in this process, off /
-  metrics / metrics+traces / metrics+traces+steps (a span per CPU-only step) /
-  metrics+traces+calls (a span per backend call), round-robin against the fake backend.
-- model: the same passages scored against llama-server directly (concurrent chat calls
-  at the slot count, the best direct strategy) and through rerank-server (chat backend,
-  same concurrency); through/direct is our efficiency. With `--clients 1,4,16`, also
-  pairs/s with that many clients at once for `--seconds` each, directly (one limit of
-  the slot count for all of them) and through. Then the physical limit beside it: the
-  same weights and tokens in eager PyTorch (`eager.py`: the stand-in, or `--eager-model`
-  for a `--backend-url`), when a Python with torch is at hand (this one, or the
-  converter's environment from `rerank-server prepare`), as through / eager.
-- throughput: 1, 4, 16 and 64 concurrent clients (each on its own connection) against
-  the fake backend, with 1 and N `--workers` (`--workers 1,2`): requests/s,
-  pairs/s, p50/p99, errors.
-- streaming: time to the first `RerankStream` result against the whole `Rerank` answer,
-  for every blend (the default included), against a backend with a fixed time per call
-  and against llama-server, at 10/40/100 candidates.
-- backends: `chat` (per pair) against `completion` (batched) on llama-server.
-- settings (only when named): a fresh llama-server per `-np`/`-ub` cell of `--grid`,
-  `chat` and `completion` through rerank-server on each.
-- completion-options (only when named): llama-server's `/completion` with an array of
-  prompts, called directly, per `n_probs` (20, what `completion` asks for, 5, 1) and with
-  `cache_prompt` off: the time, and how often "yes" or "no" is among the top `n_probs`.
-
-The llama-server scenarios use the cached build and stand-in model (`make assets`), or
-any running backend: `--backend-url URL --slots N [--backend chat|embedding|rerank]`
-(a GPU llama-server, vLLM, TEI); `model` then compares the best direct client for that
-kind (every pair or batch at once, N in flight) with rerank-server at the same
-concurrency, in latency and pairs/s.
-Writes `bench.json`, `bench.md`, `bench-latency.png` and `bench-throughput.png`.
+The scenarios (`common.SCENARIOS`, `common.OPT_IN`) and their results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

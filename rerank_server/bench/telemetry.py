@@ -1,13 +1,6 @@
 """The `telemetry` scenario: what metrics and tracing add per request, side by side.
 
-Five servers run in this process against the same instant fake backend: `off` (no
-metrics, no tracing), `metrics` (the Prometheus reader, as shipped), `metrics+traces`
-(the spans tracing makes by default, handed to a batch processor whose exporter drops
-them, so the cost is ours and not a collector's), `metrics+traces+steps` (with
-`--trace-steps`: a span per CPU-only step) and `metrics+traces+calls` (with
-`--trace-backend-calls`: a client span per backend call). Requests go round-robin over
-the five so machine noise hits each alike. CPU time is this process's (servers and
-client together), so the ratios to `off` are the figures to read.
+Five servers in this process, one per setup (`SETUPS`), round-robin (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,6 +22,9 @@ from ..observability.telemetry import Telemetry
 from ..server import RunningServer, build_server, freeze_startup_objects
 from ..settings import LogFormat, Settings
 
+# Off; the Prometheus reader, as shipped; with the default spans (exported to a batch
+# processor whose exporter drops them: the cost is ours, not a collector's); with
+# `--trace-steps`; with `--trace-backend-calls`.
 SETUPS = ("off", "metrics", "metrics+traces", "metrics+traces+steps", "metrics+traces+calls")
 
 

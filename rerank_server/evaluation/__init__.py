@@ -1,5 +1,3 @@
-"""`rerank-server eval`: ranking quality on a BEIR-layout data set (docs/benchmarks.md).
-
-BM25 (bm25s) retrieves candidates, a rerank-server reranks them once per blend strategy,
-and ranx computes the metrics and the paired significance tests. Needs the `eval` extra.
+"""`rerank-server eval` and `fit`: ranking quality on BEIR-layout data sets, and blend
+profiles fitted on it (docs/benchmarks.md, docs/blending.md). Needs the `eval` extra.
 """

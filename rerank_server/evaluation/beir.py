@@ -1,10 +1,4 @@
-"""A data set in BEIR layout: `corpus.jsonl`, `queries.jsonl`, `qrels.tsv`.
-
-`corpus.jsonl` lines hold `_id`, `title` (may be empty) and `text`; `queries.jsonl`
-lines hold `_id` and `text`; `qrels.tsv` holds `query-id`, `corpus-id`, `score`,
-tab-separated, with or without a header line. Only queries with at least one judged
-document take part (as BEIR's own loader does).
-"""
+"""A data set in BEIR layout: `corpus.jsonl`, `queries.jsonl`, `qrels.tsv`."""
 
 from __future__ import annotations
 
@@ -15,6 +9,8 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Document:
+    """One corpus document: its id, title (may be empty) and text."""
+
     id: str
     title: str
     text: str
@@ -22,6 +18,8 @@ class Document:
 
 @dataclass(frozen=True)
 class Dataset:
+    """A loaded data set: the corpus, the judged queries and their judgements."""
+
     name: str
     corpus: list[Document]
     queries: dict[str, str]
@@ -29,10 +27,17 @@ class Dataset:
 
 
 class DatasetError(ValueError):
-    pass
+    """The folder is not a usable BEIR-layout data set; the message says why."""
 
 
 def load(path: Path) -> Dataset:
+    """The data set in the folder `path`; DatasetError naming what is missing or wrong.
+
+    `corpus.jsonl` lines hold `_id`, `title` (may be empty) and `text`; `queries.jsonl`
+    lines `_id` and `text`; `qrels.tsv` holds `query-id`, `corpus-id`, `score`,
+    tab-separated, with or without a header line. Only queries with at least one judged
+    document take part (as BEIR's own loader does).
+    """
     for name in ("corpus.jsonl", "queries.jsonl", "qrels.tsv"):
         if not (path / name).exists():
             raise DatasetError(f"{path}: no {name} (BEIR layout expected)")

@@ -13,6 +13,8 @@ from .beir import Dataset, Document
 
 @dataclass(frozen=True)
 class Hit:
+    """One BM25 result: the document and its score."""
+
     document: Document
     score: float
 

@@ -1,30 +1,6 @@
 """Fitting a blend profile: the request-wide blend's parameters for one scorer.
 
-The reranker's scores are fetched once per query (`rerank-server eval` keeps them in its
-JSON); every candidate parameter set is then replayed offline. Per query the answer's
-order depends only on the reranker's weight `w` (`blending.adaptive_blend`: each
-candidate's final score is linear in `w`, the normalization being fixed by the request's
-scores, `blending.Settled`), so nDCG@10 is a step function of `w` whose
-steps lie where two candidates' lines cross. `Curve` computes those steps once, and
-a candidate's value on a query is a lookup at the weight it gives that query: the ~45,000
-candidates of the grid are scored in seconds. The figures a fit reports are then replayed
-exactly through `ScoredQuery.ordered` (`blending.adaptive_scores`, the very function the
-server blends with), so a fitted profile orders answers exactly as reported.
-
-The grid: spread thresholds at the deciles of the fitting data's per-request spreads,
-best-score gates (`top_floor`, `top_full`) at the deciles of its per-request best scores
-(both follow each model's scale) and reranker weights on a quarter grid. Ties go to the
-grid's first entry, and the grid lists the cautious settings (low reranker weight, high
-thresholds) first: a scorer with no signal is fitted to the retrieval order.
-
-Two ways to fit:
-
-- `fit`: one data set, cross-validated by query (`rerank-server eval --fit-profile`).
-- `fit_across.fit_across`: several data sets (`rerank-server fit`). The parameters are chosen by
-  their **worst** data set: the smallest largest shortfall from the better of BM25 and
-  pure reranking (`rerank_only`), then the best mean. Each data set is also held out in turn
-  (leave-one-collection-out): the parameters fitted on the others are scored on it,
-  which is what a profile will do on a collection nobody fitted it on.
+How a fit chooses: docs/blending.md, "Fitting"; how it is fast: `Curve`.
 """
 
 from __future__ import annotations
@@ -150,7 +126,15 @@ def ndcg(ordered: Sequence[str], judged: Mapping[str, int], k: int = CUTOFF) -> 
 class Curve:
     """One query's nDCG@10 as a function of the reranker's weight `w` in 0..1; an
     untrusted one (a script the profile's model does not read) gets weight 0 from every
-    candidate."""
+    candidate.
+
+    The normalization is fixed by the request's scores (`blending.Settled`), so each
+    candidate's final score is linear in `w` and nDCG@10 is a step function of it, its
+    steps where two candidates' lines cross. They are computed once; a parameter set's
+    value on the query is then a lookup at the weight it gives it, so a grid of tens of
+    thousands is scored in seconds. What a fit reports is replayed exactly through
+    `ScoredQuery.ordered` (`blending.adaptive_scores`, what the server blends with).
+    """
 
     def __init__(self, query: ScoredQuery, judged: Mapping[str, int], trusted: bool = True) -> None:
         present = query.present
@@ -201,7 +185,7 @@ def _ramp(x: float, low: Floats, high: Floats) -> Floats:
 
 
 class Grid:
-    """Candidate parameter sets as columns of arrays, cautious first (module docstring)."""
+    """Candidate parameter sets as columns of arrays, cautious first (`grid`)."""
 
     def __init__(self, candidates: Sequence[AdaptiveParams]) -> None:
         self.params = list(candidates)
@@ -267,7 +251,11 @@ class Family(enum.StrEnum):
 def grid(
     spreads: Sequence[float], tops: Sequence[float] = (), family: Family = Family.GATE
 ) -> list[AdaptiveParams]:
-    """Candidate parameters, cautious first (see the module docstring)."""
+    """Candidate parameters, cautious first: spread thresholds at the deciles of the
+    fitting data's per-request spreads, best-score gates at the deciles of its best
+    scores (both follow each model's scale), reranker weights on `WEIGHT_LEVELS`. Ties go
+    to the first entry, and low weights and high thresholds come first: a scorer with no
+    signal is fitted to the retrieval order."""
     spread_cuts, top_cuts = _cuts(spreads), _cuts(tops) if tops else []
     # Higher thresholds trust the reranker less: they come first. (0, 0): no gate.
     gates = [(f, g) for f in reversed(top_cuts) for g in reversed(top_cuts) if g >= f]
@@ -314,6 +302,8 @@ def _first_best(means: Floats) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Fit:
+    """A fit on one data set: the parameters, and their in-sample and cross-validated score."""
+
     params: AdaptiveParams  # fitted on every query
     in_sample: float  # its mean nDCG@10 on those queries
     cross_validated: float  # mean nDCG@10 of the out-of-fold rankings

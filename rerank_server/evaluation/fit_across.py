@@ -1,10 +1,5 @@
-"""Fitting one blend profile across several collections (`rerank-server fit`).
-
-The grid and the per-query replay are `fit.py`'s; here the parameters are chosen by
-their worst collection (the smallest largest shortfall from the better of BM25 and pure
-reranking), then the best mean, among those that meet the constraint (the needle case in
-the top 3 at a share of rerank_only's rate), and each collection is held out in turn to
-see how the choice does on a collection it was not fitted on.
+"""Fitting one blend profile across several collections (`rerank-server fit`): chosen by the
+worst collection, each held out in turn (docs/blending.md, "Fitting").
 """
 
 from __future__ import annotations
@@ -93,6 +88,8 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class CrossFit:
+    """A fit across collections: the profile fitted on all, and each collection held out."""
+
     everything: Choice  # fitted on every collection: the profile to ship
     held_out: dict[str, Choice]  # collection -> fitted on all the others
     bm25: dict[str, list[float]]

@@ -1,24 +1,4 @@
-"""`rerank-server fit EVAL.json...`: a blend profile fitted across data sets.
-
-    rerank-server eval $D/trec_dl19_passage_subset --name trec-minilm --server "$M"
-    rerank-server eval $D/vaswani_npl --name vaswani-minilm --server "$M"
-    rerank-server fit bench-results/eval-trec-minilm.json bench-results/eval-vaswani-minilm.json \
-        --fit-profile profiles.json --profile-name minilm-l6 --profile-model 'all-MiniLM-L6-v2*'
-
-Each `eval-NAME.json` keeps the reranker's raw scores per query and the judgements, so
-the fit replays them offline (`fit.fit_across`): no server, no model. The parameters are
-chosen by their worst data set, and every data set is also held out in turn and scored
-with the parameters fitted on the others (leave-one-collection-out). The table
-(`OUT/fit-NAME.md`, everything in `OUT/fit-NAME.json`) shows, per data set, BM25, the
-pure reranking (`rerank_only`), the held-out profile and the profile fitted on everything, with
-the share of pure reranking's gain each keeps and paired two-sided t-test p-values.
-
-With `--profile-scripts Latin` the profile's model is taken to read only that script:
-requests mostly in another get no weight, in the fit as in the server. With
-`--needle-share 0.9` (evaluations run with `--needle`) a choice must also bring the
-needle into the top 3 at least 0.9 times as often as `rerank_only` on every data set
-whose needle requests its model reads.
-"""
+"""`rerank-server fit EVAL.json...`: a blend profile fitted across data sets."""
 
 from __future__ import annotations
 
@@ -44,6 +24,30 @@ from .json_out import without_nan
 from .report import p_value
 from .run import HelpFormatter
 
+# The command's --help: how the parameters are chosen, and the options that constrain them.
+DESCRIPTION = """\
+`rerank-server fit EVAL.json...`: a blend profile fitted across data sets.
+
+    rerank-server eval $D/trec_dl19_passage_subset --name trec-minilm --server "$M"
+    rerank-server eval $D/vaswani_npl --name vaswani-minilm --server "$M"
+    rerank-server fit bench-results/eval-trec-minilm.json bench-results/eval-vaswani-minilm.json \
+        --fit-profile profiles.json --profile-name minilm-l6 --profile-model 'all-MiniLM-L6-v2*'
+
+Each `eval-NAME.json` keeps the reranker's raw scores per query and the judgements, so
+the fit replays them offline (`fit.fit_across`): no server, no model. The parameters are
+chosen by their worst data set, and every data set is also held out in turn and scored
+with the parameters fitted on the others (leave-one-collection-out). The table
+(`OUT/fit-NAME.md`, everything in `OUT/fit-NAME.json`) shows, per data set, BM25, the
+pure reranking (`rerank_only`), the held-out profile and the profile fitted on everything, with
+the share of pure reranking's gain each keeps and paired two-sided t-test p-values.
+
+With `--profile-scripts Latin` the profile's model is taken to read only that script:
+requests mostly in another get no weight, in the fit as in the server. With
+`--needle-share 0.9` (evaluations run with `--needle`) a choice must also bring the
+needle into the top 3 at least 0.9 times as often as `rerank_only` on every data set
+whose needle requests its model reads.
+"""
+
 
 class FitError(Exception):
     """An input the fit cannot use; the message names the file and what is wrong."""
@@ -51,7 +55,7 @@ class FitError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rerank-server fit", description=__doc__, formatter_class=HelpFormatter
+        prog="rerank-server fit", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     p.add_argument(
         "evals",

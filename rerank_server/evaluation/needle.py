@@ -1,16 +1,6 @@
 """The needle case: does a blend lift a relevant document that retrieval placed low?
 
-For each query, one request of `SIZE` candidates in retrieval order: the first half are
-documents that are not relevant, the second half more of them with one relevant document
-(the most relevant the judgements name) at a random position. "Not relevant" means judged
-so where the collection judges non-relevant documents (TREC DL's grade 0), and unjudged
-where it judges only relevant ones (Vaswani, ARCD). The non-relevant documents are BM25's
-best such hits, so they are on the query's topic and look plausible.
-
-A strategy's needle rate is how often the relevant document ends in the top `TOP`. The
-model decides everything here (retrieval put the document low on purpose), so a blend that
-trusts a model which clearly prefers the document brings it up about as often as
-`rerank_only` does; one that settles on the best-ranked candidates alone cannot.
+The requests and the rate: docs/blending.md, "The needle case".
 """
 
 from __future__ import annotations
@@ -51,7 +41,9 @@ def needles(
 ) -> list[Needle]:
     """One needle request per query that has a relevant document and `size - 1` documents
     known not to be relevant among its hits; queries in sorted order, positions drawn
-    from `seed`."""
+    from `seed`. Those are BM25's best such hits, on the query's topic and plausible: not
+    relevant means judged so where the collection grades non-relevant documents, else
+    unjudged. The needle is the most relevant document the judgements name."""
     rng = random.Random(seed)
     by_id = {d.id: d for d in dataset.corpus}
     graded = judges_non_relevant(dataset)

@@ -1,28 +1,4 @@
-"""`rerank-server eval DATASET`: BM25, then reranking per blend strategy, then metrics.
-
-    rerank-server eval ../shared/data/trec_dl19_passage_subset --target 127.0.0.1:50051
-    rerank-server eval DATA --server "--managed"        # start a server in-process
-
-For every query with judgements: BM25 retrieves `--depth` documents (default 100); the best
-`--rerank-depth` of them (default 20) go to the rerank-server once per strategy in
-`--blend`, the rest keep their BM25 order behind them, so Recall@100 compares like with
-like. ranx computes nDCG@10, Recall@10, Recall@100 and MRR@10 for BM25 and every
-strategy, keeps the per-query values, and runs a paired two-sided t-test between every two
-runs. Output: `OUT/eval-NAME.json` (everything, per query included) and `OUT/eval-NAME.md`
-(the table; a letter after a value names each run it beats with p < 0.05).
-
-With `--needle` it also runs the needle case (`needle.py`) through every strategy: how
-often a relevant document that retrieval placed in the second half of 20 comes up into
-the top 3, each strategy's rate beside `rerank_only`'s.
-
-With `--fit-profile FILE` it also fits a blend profile for the server's backend and model
-on this data set (`fit.py`), adds the cross-validated run `profile_cv` to the table and
-writes the profile into FILE (other profiles in it are kept):
-
-    rerank-server eval DATA --server "..." --fit-profile profiles.json
-    rerank-server eval OTHER --server "... --blend-profile profiles.json" \
-        --blend rerank_only,adaptive,profile
-"""
+"""`rerank-server eval DATASET`: BM25, then reranking per blend strategy, then metrics."""
 
 from __future__ import annotations
 
@@ -52,10 +28,40 @@ from .json_out import without_nan
 from .report import markdown, score
 from .runs import Run, bm25_run, fit_profile, needle_rates, ranking_run, rerank_run, strategies
 
+# The command's --help: what it runs, what it writes, with examples.
+DESCRIPTION = """\
+`rerank-server eval DATASET`: BM25, then reranking per blend strategy, then metrics.
+
+    rerank-server eval ../shared/data/trec_dl19_passage_subset --target 127.0.0.1:50051
+    rerank-server eval DATA --server "--managed"        # start a server in-process
+
+For every query with judgements: BM25 retrieves `--depth` documents (default 100); the best
+`--rerank-depth` of them (default 20) go to the rerank-server once per strategy in
+`--blend`, the rest keep their BM25 order behind them, so Recall@100 compares like with
+like. ranx computes nDCG@10, Recall@10, Recall@100 and MRR@10 for BM25 and every
+strategy, keeps the per-query values, and runs a paired two-sided t-test between every two
+runs. Output: `OUT/eval-NAME.json` (everything, per query included) and `OUT/eval-NAME.md`
+(the table; a letter after a value names each run it beats with p < 0.05).
+
+With `--needle` it also runs the needle case (`needle.py`) through every strategy: how
+often a relevant document that retrieval placed in the second half of 20 comes up into
+the top 3, each strategy's rate beside `rerank_only`'s.
+
+With `--fit-profile FILE` it also fits a blend profile for the server's backend and model
+on this data set (`fit.py`), adds the cross-validated run `profile_cv` to the table and
+writes the profile into FILE (other profiles in it are kept):
+
+    rerank-server eval DATA --server "..." --fit-profile profiles.json
+    rerank-server eval OTHER --server "... --blend-profile profiles.json" \
+        --blend rerank_only,adaptive,profile
+"""
+
 STRATEGIES = ("position_aware", "linear", "rerank_only", "adaptive", "profile")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with the defaults shown and the description's lines kept as written."""
+
     pass
 
 
@@ -71,7 +77,7 @@ def _strategy_list(raw: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rerank-server eval", description=__doc__, formatter_class=HelpFormatter
+        prog="rerank-server eval", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     p.add_argument("dataset", type=Path, help="folder in BEIR layout")
     where = p.add_mutually_exclusive_group()

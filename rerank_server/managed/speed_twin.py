@@ -1,6 +1,6 @@
 """A speed twin of Qwen3-Reranker-0.6B: its architecture and sizes, random weights.
 
-python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank}
+Run as `python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank}`.
 """
 
 from __future__ import annotations
