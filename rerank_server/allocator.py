@@ -1,13 +1,6 @@
-"""Giving freed memory back to the system after large requests.
+"""Giving freed memory back to the system after large requests (glibc's `malloc_trim`).
 
-glibc's allocator keeps what a burst of large requests freed: a flood of 12 MB requests
-left the server at 2.3 GB resident for good, all of it free inside the allocator, and
-`malloc_trim(0)` gives it back in milliseconds (docs/reliability.md, "Memory"). So once
-enough request bytes have been given back (`--max-inflight-bytes`'s budget is where both
-edges count them), the heap is trimmed, in a thread, at most once a `MIN_INTERVAL_S`:
-at once after `EVERY_BYTES`, within the interval after `TAIL_BYTES`, so that a burst
-ends with a trim. Elsewhere (musl, macOS) there is nothing to
-call and nothing is done.
+Why: docs/reliability.md, "Memory is bounded". Elsewhere (musl, macOS) nothing is done.
 """
 
 from __future__ import annotations
@@ -32,7 +25,12 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 class MemoryReturn:
-    """Counts freed request bytes (`freed`, from the event loop) and trims the heap."""
+    """Counts freed request bytes (`freed`, from the event loop) and trims the heap.
+
+    In a thread, at most once a `min_interval_s`: as soon as allowed once `every_bytes`
+    were freed, and an interval later once `tail_bytes` were, so that a burst ends with
+    a trim. glibc keeps what a burst freed; `malloc_trim(0)` gives it back.
+    """
 
     def __init__(
         self,

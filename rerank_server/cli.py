@@ -1,9 +1,6 @@
 """`rerank-server`: run the server (the default), or a subcommand (`SUBCOMMANDS`).
 
-Errors a user can fix (a bad setting, a port in use, a missing optional extra) end with
-one line on stderr naming what to change, and exit status 2; something the server needs
-that would not start or build (managed mode's llama-server) with one line and status 1;
-never a traceback.
+Errors end with one line on stderr and status 2 (fixable) or 1 (`StartError`), no traceback.
 """
 
 from __future__ import annotations

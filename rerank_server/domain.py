@@ -1,10 +1,5 @@
-"""Domain types of the ranking core.
-
-These are immutable records: the core (validation, chunking, scoring, blending, ordering)
-works on them and never imports generated protobuf code. `convert.py` maps them to and
-from the wire types at the service edge. Most are frozen dataclasses; the two made for
-every candidate of every request (`Candidate`, twice, and `RankedCandidate`) are named
-tuples, built in a quarter of a frozen dataclass's time (0.35 against 1.4-1.8 µs).
+"""Domain types of the ranking core: immutable records, mapped to and from the wire only at
+the edges (`api/convert.py`, `http_api/convert.py`).
 """
 
 from __future__ import annotations
@@ -67,6 +62,8 @@ class ScoreKind(StrEnum):
 
 
 class ThresholdMode(StrEnum):
+    """How a threshold is applied: a fixed minimum, or lowered until enough pass."""
+
     FIXED = "fixed"
     ADAPTIVE = "adaptive"
 
@@ -74,8 +71,9 @@ class ThresholdMode(StrEnum):
 class Candidate(NamedTuple):
     """One retrieval candidate, its retrieval rank resolved (given, or index + 1).
 
-    A named tuple (see the module's docstring): compare candidates by their fields, not
-    with plain tuples, and change one with `_replace`."""
+    A named tuple, as every record made per candidate is (docs/architecture.md, "The
+    server"): compare candidates by their fields, not with plain tuples, and change one
+    with `_replace`."""
 
     id: str
     text: str
@@ -115,6 +113,8 @@ class ThresholdSpec:
 
 @dataclass(frozen=True, slots=True)
 class ThresholdReport:
+    """What a threshold did: the value applied, its lowering steps, how many passed."""
+
     threshold: float
     steps: int
     passed: int
@@ -165,6 +165,8 @@ class RankedCandidate(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Degraded:
+    """Why an answer was not (fully) reranked: a code, and a message without user text."""
+
     code: DegradedCode
     message: str
 

@@ -1,10 +1,4 @@
-"""Errors raised on purpose, each with one meaning for whoever catches it.
-
-`InvalidRequest` is the caller's fault: the edge answers INVALID_ARGUMENT. `ConfigError`
-and `BindError` are the operator's: the command prints one line and exits 2. `StartError`
-is something the server needs that would not start (managed mode's llama-server, its
-build): one line naming where to look, exit 1.
-"""
+"""Errors raised on purpose, each with one meaning for whoever catches it."""
 
 from __future__ import annotations
 

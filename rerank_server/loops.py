@@ -1,8 +1,4 @@
-"""Event loop choice: uvloop when it is installed and works, plain asyncio otherwise.
-
-Passed to `asyncio.Runner(loop_factory=...)` rather than set as a global policy, so
-importing this package changes nothing for the host program (as uvicorn's loops/auto.py).
-"""
+"""Event loop choice: uvloop when it is installed and works, plain asyncio otherwise."""
 
 from __future__ import annotations
 
@@ -11,6 +7,8 @@ from collections.abc import Callable
 
 
 def loop_factory(use_uvloop: bool = True) -> Callable[[], asyncio.AbstractEventLoop]:
+    """For `asyncio.Runner(loop_factory=...)`, not a global policy: importing this
+    package changes nothing for the host program (as uvicorn's loops/auto.py)."""
     if use_uvloop:
         try:
             import uvloop

@@ -1,16 +1,6 @@
 """Server assembly and lifecycle: `build_server` for main and tests, `serve` for main.
 
-`build_server` opens everything in order on one `AsyncExitStack` (telemetry, a managed
-llama-server, the score cache, the backend pool, the scorer, the gRPC server, the backend
-monitor), so each is closed exactly once, in reverse order, on every path: a normal stop,
-and a start that fails half-way (a port already in use, say) alike.
-
-Shutdown on SIGTERM/SIGINT therefore runs (as uvicorn's `capture_signals`/`handle_exit`):
-the monitor stops; health goes NOT_SERVING so load balancers stop sending; both edges
-(gRPC and HTTP) stop taking new calls and give in-flight ones `grace_period_s`, at the
-same time (requests still scoring answer SHUTTING_DOWN shortly before it ends); then the
-scorer, the backend pool and the cache close, a managed llama-server is stopped, and
-telemetry is flushed last.
+What is opened in what order, and how it stops: docs/architecture.md, "The server".
 """
 
 from __future__ import annotations

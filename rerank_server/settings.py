@@ -1,8 +1,6 @@
 """Server settings: each one defined once, giving a command-line flag and a `RERANK_*` variable.
 
-A field of `Settings` named `max_candidates` is the flag `--max-candidates` and the
-environment variable `RERANK_MAX_CANDIDATES`. Precedence: flag, then variable, then the
-default. Values are checked with messages that name both spellings, never with `assert`.
+Precedence: flag, then variable, then default; bad values named in both spellings.
 """
 
 from __future__ import annotations
@@ -50,6 +48,8 @@ class ManagedBackend(StrEnum):
 
 
 class LogFormat(StrEnum):
+    """How log lines are written: JSON lines, console output, or by whether stdout is a tty."""
+
     AUTO = "auto"
     JSON = "json"
     CONSOLE = "console"
@@ -68,6 +68,9 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """Every setting: a field `max_candidates` is `--max-candidates` and
+    `RERANK_MAX_CANDIDATES`, its metadata the help and bounds (`_opt`)."""
+
     # --- listening
     host: str = field(
         default="127.0.0.1",

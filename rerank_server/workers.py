@@ -1,26 +1,6 @@
 """`--workers N`: N server processes sharing one port, under a supervisor.
 
-One Python process feeds one core: the event loop, protobuf, JSON and the HTTP client all
-run on it. When the server's CPU rather than the model limits (a fast GPU engine, a pool
-of instances, the batching backends), workers put the other cores to use without another
-pod. The supervisor, the process the user started:
-
-1. checks and reserves the gRPC and HTTP ports: it binds them with SO_REUSEPORT and never
-   listens, which holds them against other programs without taking connections;
-2. in managed mode starts the one llama-server and points every worker at it;
-3. starts the workers (multiprocessing, spawn), each a whole server (`server.serve`)
-   listening on the same ports with SO_REUSEPORT, so the kernel spreads new connections
-   across them. `--concurrency` is split between them: the backend never sees more pairs
-   at once than configured, whatever the number of workers;
-4. serves one `/metrics` that merges the workers' own, labelled `worker`
-   (`observability.worker_metrics`);
-5. restarts a worker that dies, or a replacement that does not listen in time, with
-   back-off (1 s doubling to 30 s, afresh once a worker has served a minute); on SIGTERM
-   or SIGINT sends SIGTERM to every worker, each drains exactly as a single server does,
-   and then stops llama-server.
-
-A worker that cannot start (a bad TLS file, say) stops the whole start with its error.
-Workers end with the supervisor even when it is killed (Linux's parent-death signal).
+What the supervisor does: docs/architecture.md, "Workers"; when to use them: docs/deploy.md.
 """
 
 from __future__ import annotations
