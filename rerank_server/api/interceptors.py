@@ -1,31 +1,5 @@
-"""The server interceptor every RPC passes: fresh log context, the server span,
-authentication, load shedding, RPC metrics.
-
-The server span (with tracing on) is ours rather than OpenTelemetry's gRPC interceptor:
-a second interceptor layer would be half of what tracing adds to a request
-(docs/decisions.md). It follows the same conventions: named after the full
-method (`/rerank.v1.Reranker/Rerank`), kind SERVER, `rpc.system`, `rpc.service`,
-`rpc.method` and `rpc.grpc.status_code`, a child of the caller's span when the metadata
-carries a W3C `traceparent`. Health and reflection calls (`grpc.*`) are not traced.
-
-Authentication (`--auth-tokens`): every method but `grpc.health.v1.Health` needs
-`authorization: Bearer <token>` metadata; without an accepted one the call ends
-UNAUTHENTICATED before any work. Health stays open for probes; reflection needs a token
-(it describes the service to whoever asks).
-
-Load shedding is done here rather than by grpc's `maximum_concurrent_rpcs` for three
-reasons: grpc refuses those calls before their handler runs, so they could not be
-counted; its refusal ("Concurrent RPC limit exceeded!") says nothing of retrying; and it
-would count health checks too, so a busy server would fail its liveness probe and be
-restarted exactly when it is busiest. Here only `rerank.v1.Reranker` calls are limited;
-health and reflection always get through. The Reranker methods are registered as
-request-streaming (`grpc_server`), so a call refused here is refused before its message
-is read.
-
-A Reranker stream whose client takes nothing for `timeouts.SEND_STALL_S` (one message waiting that
-long, plus the time its size needs at a slow client's pace, to go out) is cancelled
-(`_SendWatch`): a client that opens streams and never reads them would otherwise hold
-their places and their request bytes for ever.
+"""The server interceptor every RPC passes: log context, the server span, authentication,
+load shedding, stalled streams and RPC metrics (docs/architecture.md, "The gRPC edge").
 """
 
 from __future__ import annotations

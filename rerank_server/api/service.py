@@ -1,21 +1,5 @@
-"""The gRPC servicer: `rerank.v1.Reranker` over the pipeline.
-
-Status codes are decided in one place (`_status_for`): INVALID_ARGUMENT for requests that
-break a rule or cannot be decoded, RESOURCE_EXHAUSTED when the bytes of requests in flight
-would pass `--max-inflight-bytes`, INTERNAL only for the unexpected. Backend trouble is
-never a status: it is a degraded answer.
-
-Requests arrive as raw bytes (`grpc_server` registers no deserializer) and are parsed
-here, so a truncated message or invalid UTF-8 in a string field is INVALID_ARGUMENT with a
-plain message, not UNKNOWN with a Python exception name. The handlers read them too
-(`grpc_server` registers every method as request-streaming; grpc.aio reads a unary
-request whole before its handler runs): a message is read only once room for the
-largest one is held in the in-flight byte budget (`_receive`), so a call the budget has
-no room for is refused before its message is read, and the memory of messages being
-received is bounded by the budget, whatever the number of senders.
-
-Each RPC writes one canonical log line (event `rpc`) with ids, counts, outcome and
-timings, and never the query or document text.
+"""The gRPC servicer: `rerank.v1.Reranker` over the pipeline, reading and parsing its own
+request messages within the byte budget (docs/architecture.md, "The gRPC edge").
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The JSON edge's conversion: request bodies to domain queries, answers to JSON.
-
-The Cohere/Jina and TEI shapes (`models.py`) become one `RerankQuery`; the core's errors
-name fields as the client wrote them (`documents[3].text`, TEI's `texts[3]`); a ranked
-answer becomes each shape's results, its final score as their relevance.
+"""The JSON edge's conversion: the Cohere/Jina and TEI bodies to one `RerankQuery`, the
+core's errors named as the client wrote the fields, and answers to each shape.
 """
 
 from __future__ import annotations

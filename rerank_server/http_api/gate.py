@@ -1,11 +1,5 @@
-"""The JSON edge's gate: what a rerank request must pass before FastAPI sees it.
-
-Token and concurrency cap from the headers, before any byte of the body; then the body,
-read whole here, counted against `--max-inflight-bytes` as it arrives (429), against
-`--max-message-bytes` (413) and within `timeouts.BODY_TIMEOUT_S` (408), and decoded once
-(`wire.py`: 422 for a body of the wrong shape) for the route to validate (`route.py`).
-Refusals are JSON `{"message": ...}` and are logged as the routes' answers are
-(docs/http.md).
+"""The JSON edge's gate: what a rerank request must pass before FastAPI sees it (token,
+caps, the body read once and counted; docs/architecture.md, "The JSON edge").
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The reranking pipeline: validate, shape, chunk, cache, score, blend, emit.
-
-`Reranker.run` is an async generator of `RankedCandidate`s in final order followed by one
-`RerankSummary`. Streaming RPCs forward each item as it comes; unary RPCs collect them.
-Each step lives in its own module; this one only orchestrates them. Scorer trouble never
-raises from here: failed pairs are counted, and when no pair was scored the answer is the
-retrieval order with `reranked = False` and the reason.
+"""The reranking pipeline: validate, shape, chunk, cache, score, blend, emit, one module
+per step; scorer trouble degrades an answer and never raises from here.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""The bytes of requests in flight, server-wide, against `--max-inflight-bytes`.
-
-Both edges count a request's bytes here before they hold them, and give them back when
-the answer is out, so `--max-inflight-bytes` bounds the memory of requests over gRPC and
-HTTP together, whatever the number of senders (docs/reliability.md, "Memory is
-bounded"). The JSON edge counts a body chunk by chunk as it arrives (`take`). gRPC tells
-a message's size only once the message is in whole, so the gRPC edge holds room for the
-largest message before it reads one (`hold`) and counts its real size once it has it
-(`settle`).
-
-A request there is no room for is refused (`Overloaded`: RESOURCE_EXHAUSTED on gRPC, 429
-on HTTP) before its bytes are read, with one exception: a gRPC call that finds the room
-held for messages still being read waits for them (they end in milliseconds, or at the
-edge's timeout; refusing would turn a burst of small requests away), and is refused only
-once the bytes in hand alone leave no room. A waiting gRPC call holds at most its
-stream's window in gRPC; a JSON body's connection reads on while its request waits
-(uvicorn reads ahead up to about 320 KiB), so a JSON chunk never waits. Whether a
-request's pairs go to the backend at all is another decision (`pair_admission.py`).
+"""The bytes of requests in flight, server-wide, against `--max-inflight-bytes`, over both
+edges (docs/architecture.md, "The byte budget").
 """
 
 from __future__ import annotations

@@ -1,33 +1,5 @@
-"""The client of one backend instance: bounded calls, abandoned calls, the side client.
-
-Bounded calls: a call holds one of the instance's `--concurrency` slots from before it is
-sent until it has ended, whoever stopped waiting for it, so the backend never sees more
-than `--concurrency` calls from this server: a model server goes on working on a call
-whose client hung up, so closing the connection would free a slot the backend still
-fills.
-
-Abandoned calls: when a request stops waiting (its budget ran out, its client went away),
-pairs still waiting for a slot are dropped before anything is sent, and a call already on
-the wire is abandoned: it runs on, unwaited for, until the backend answers it or the call
-timeout (`--backend-timeout-ms`) ends it. Past a short leash (four times the recent call
-latency, at least `ABANDON_MIN_S`, at most the call timeout, counted from when it was
-sent) it counts as a timeout of the instance (`pool.py` ejects an instance after
-a few in a row), so a hung backend is still taken out within seconds. Calls are never cancelled
-while still waiting for a pool connection: a slot is taken before the httpx call starts,
-and the connection pool is larger than the slots, so httpcore's pool-slot leak on
-cancellation under contention (httpcore #1093) cannot happen where httpcore is used
-(`https://`; plain HTTP goes through `lean.py`). On shutdown every call still
-running is cancelled. A task registered in the pool's `CallTasks` (`calls.py`) makes its
-call itself, unshielded, and is let go rather than cancelled.
-
-Health polls and metadata reads go through a client of their own, so a backend saturated
-by scoring calls is not taken for a dead one because its poll waited for a connection.
-
-Every call is one `http.client.request.duration` sample. With tracing on, the W3C
-`traceparent` goes out with it so a traced backend continues the trace: from the span
-that carries the request's scoring (its server span or `rerank.score`), or with
-`--trace-backend-calls` from a client span of its own (`POST`) carrying the backend, the
-instance, the pair count and the status.
+"""The client of one backend instance: calls bounded by its slots, abandoned rather than
+cancelled, and a side client for health and metadata (docs/architecture.md, "Transport").
 """
 
 from __future__ import annotations
