@@ -177,7 +177,9 @@ class RerankSummary:
 
     request_id: str
     reranked: bool
-    degraded: Degraded | None
+    # Every reason the answer was not fully reranked, the main one first (PARTIAL and
+    # CAPPED can both hold); empty when it was.
+    degraded_reasons: tuple[Degraded, ...]
     backend: str
     model: str
     blend: BlendStrategy
@@ -197,13 +199,8 @@ class RerankSummary:
     blend_profile: str = ""
     # The reranker's weight in a request-wide blend (adaptive, profile); None otherwise.
     reranker_weight: float | None = None
-    # Every reason the answer was not fully reranked, `degraded` first (PARTIAL and
-    # CAPPED can both hold); empty when `degraded` is None.
-    degraded_reasons: tuple[Degraded, ...] = ()
 
     @property
-    def reasons(self) -> tuple[Degraded, ...]:
-        """Every reason the answer degraded, `degraded` first; () when it did not."""
-        if self.degraded_reasons:
-            return self.degraded_reasons
-        return (self.degraded,) if self.degraded is not None else ()
+    def degraded(self) -> Degraded | None:
+        """The main reason the answer was not fully reranked; None when it was."""
+        return self.degraded_reasons[0] if self.degraded_reasons else None

@@ -235,9 +235,9 @@ def _summary_fields(s: RerankSummary) -> dict[str, object]:
         fields["threshold"] = pb.ThresholdReport(
             threshold=t.threshold, steps=t.steps, passed=t.passed, reached_floor=t.reached_floor
         )
-    if s.degraded is not None:
-        fields["degraded"] = _degraded_to_pb(s.degraded)
-        fields["degraded_reasons"] = [_degraded_to_pb(d) for d in s.reasons]
+    if s.degraded_reasons:
+        reasons = [_degraded_to_pb(d) for d in s.degraded_reasons]
+        fields["degraded"], fields["degraded_reasons"] = reasons[0], reasons
     return fields
 
 

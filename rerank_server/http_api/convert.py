@@ -250,7 +250,7 @@ def tei_results(results: Sequence[RankedCandidate], return_text: bool) -> list[m
 
 def degraded_header(s: RerankSummary) -> str | None:
     """`X-Rerank-Degraded`: every reason's code, the main one first ("partial, capped")."""
-    return ", ".join(d.code.value for d in s.reasons) or None
+    return ", ".join(d.code.value for d in s.degraded_reasons) or None
 
 
 def answer_meta(s: RerankSummary, version: str, model: str) -> m.Meta:
@@ -261,7 +261,9 @@ def answer_meta(s: RerankSummary, version: str, model: str) -> m.Meta:
         degraded=m.Degraded(code=s.degraded.code.value, message=s.degraded.message)
         if s.degraded
         else None,
-        degraded_reasons=[m.Degraded(code=d.code.value, message=d.message) for d in s.reasons]
+        degraded_reasons=[
+            m.Degraded(code=d.code.value, message=d.message) for d in s.degraded_reasons
+        ]
         or None,
         backend=s.backend,
         model=model,

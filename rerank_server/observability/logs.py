@@ -166,8 +166,8 @@ def rpc_answered(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
         returned=returned,
         reranked=s.reranked,
         # Every reason, comma-separated ("partial,capped"), the first the main one.
-        degraded=",".join(d.code.value for d in s.reasons) if s.degraded else None,
-        degraded_detail="; ".join(d.message for d in s.reasons) if s.degraded else None,
+        degraded=",".join(d.code.value for d in s.degraded_reasons) or None,
+        degraded_detail="; ".join(d.message for d in s.degraded_reasons) or None,
         failures=dict(s.failures) or None,
         blend=s.blend.value,
         blend_profile=s.blend_profile or None,

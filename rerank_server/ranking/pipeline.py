@@ -324,12 +324,10 @@ class Reranker:
     ) -> RerankSummary:
         """The request's summary; `reasons`: each reason it degraded, or None, in the
         order they are said (every one that holds, the first as `degraded`)."""
-        said = tuple(r for r in reasons if r is not None)
         return RerankSummary(
             request_id=request.request_id,
             reranked=outcome.scored > 0,
-            degraded=said[0] if said else None,
-            degraded_reasons=said,
+            degraded_reasons=tuple(r for r in reasons if r is not None),
             backend=self.scorer.kind,
             model=self.scorer.model,
             blend=blend.strategy,

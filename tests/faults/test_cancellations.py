@@ -27,27 +27,39 @@ from tests.waiting import eventually
 DOCS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
 
 
+async def _churn(
+    client: AsyncRerankClient,
+    docs: list[str],
+    until: float,
+    rng: random.Random,
+    after_s: tuple[float, float],
+) -> int:
+    """Send `Rerank` after `Rerank` until `until`, each cancelled (the client goes away:
+    grpc cancels the RPC) a random `after_s` in unless already answered; how many were."""
+    cancelled = 0
+    while time.monotonic() < until:
+        call = asyncio.ensure_future(client.rerank(f"q {rng.random()}", docs))
+        await asyncio.sleep(rng.uniform(*after_s))
+        if not call.done():
+            call.cancel()
+            cancelled += 1
+        await asyncio.gather(call, return_exceptions=True)
+    return cancelled
+
+
 async def test_client_cancellations_neither_pile_up_nor_eject_a_healthy_backend(
     start_server: StartServer, fake_llama: FakeLlamaServer
 ) -> None:
     fake_llama.latency_s = 0.1
     server = await start_server(concurrency=4, health_interval_s=0.5)
-    cancelled = 0
     rng = random.Random(7)
-
-    async def churn(client: AsyncRerankClient, until: float) -> None:
-        nonlocal cancelled
-        while time.monotonic() < until:
-            call = asyncio.ensure_future(client.rerank(f"q {rng.random()}", DOCS))
-            await asyncio.sleep(rng.uniform(0.01, 0.12))
-            if not call.done():
-                call.cancel()  # the client goes away: grpc cancels the RPC
-                cancelled += 1
-            await asyncio.gather(call, return_exceptions=True)
 
     async with client_of(server) as client:
         until = time.monotonic() + 4
-        await asyncio.gather(*(churn(client, until) for _ in range(24)))
+        counts = await asyncio.gather(
+            *(_churn(client, DOCS, until, rng, (0.01, 0.12)) for _ in range(24))
+        )
+        cancelled = sum(counts)
         assert cancelled > 300, cancelled
         assert fake_llama.max_in_hand <= 4, "abandoned calls went past --concurrency"
         http = server.pool.endpoints[0].http
@@ -230,22 +242,13 @@ async def test_cancelled_calls_over_four_channels_never_give_the_backend_more_th
     server = await start_server(concurrency=4, health_interval_s=0.5)
     docs = [f"candidate {i}" for i in range(10)]
     rng = random.Random(13)
-    cancelled = 0
-
-    async def churn(client: AsyncRerankClient, until: float) -> None:
-        nonlocal cancelled
-        while time.monotonic() < until:
-            call = asyncio.ensure_future(client.rerank(f"q {rng.random()}", docs))
-            await asyncio.sleep(rng.uniform(0.02, 0.12))
-            if not call.done():
-                call.cancel()
-                cancelled += 1
-            await asyncio.gather(call, return_exceptions=True)
-
     channels = [client_of(server, own_connection=True) for _ in range(4)]
     try:
         until = time.monotonic() + 4
-        await asyncio.gather(*(churn(channels[i % 4], until) for i in range(32)))
+        counts = await asyncio.gather(
+            *(_churn(channels[i % 4], docs, until, rng, (0.02, 0.12)) for i in range(32))
+        )
+        cancelled = sum(counts)
     finally:
         for channel in channels:
             await channel.close()

@@ -69,7 +69,7 @@ def test_response_holds_every_result_in_order() -> None:
     summary = RerankSummary(
         request_id="r",
         reranked=True,
-        degraded=None,
+        degraded_reasons=(),
         backend="chat",
         model="m",
         blend=BlendStrategy.POSITION_AWARE,

@@ -48,7 +48,7 @@ def _summary(**changes: object) -> RerankSummary:
     fields: dict[str, object] = dict(
         request_id="r",
         reranked=True,
-        degraded=None,
+        degraded_reasons=(),
         backend="chat",
         model="m",
         blend=BlendStrategy.POSITION_AWARE,
@@ -68,7 +68,7 @@ SUMMARIES = [
     _summary(candidates=7, submitted=7, scored=5, cached=2, total_ms=3.0, scoring_ms=1.0),
     _summary(
         reranked=False,
-        degraded=Degraded(DegradedCode.TIMEOUT, "budget spent"),
+        degraded_reasons=(Degraded(DegradedCode.TIMEOUT, "budget spent"),),
         scored=30,
         failed=10,
         failures={"timeout": 10},

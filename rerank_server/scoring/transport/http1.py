@@ -120,15 +120,8 @@ async def read_head(
     reused: bool,
     request: httpx.Request | None,
 ) -> tuple[int, list[tuple[bytes, bytes]], bool]:
-    buffer = connection.buffer
-    while (end := buffer.find(b"\r\n\r\n")) < 0:
-        if len(buffer) > MAX_HEAD_BYTES:
-            raise httpx.RemoteProtocolError("response head too large", request=request)
-        if connection.closed:
-            _disconnected(connection, reused, request)
-        await connection.more()
-    lines = bytes(buffer[:end]).split(b"\r\n")
-    del buffer[: end + 4]
+    head = await _read_until(connection, b"\r\n\r\n", "response head too large", reused, request)
+    lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
         raise httpx.RemoteProtocolError("malformed status line", request=request)
@@ -233,16 +226,29 @@ async def _read_chunked(connection: Connection, request: httpx.Request | None) -
 
 async def _read_line(connection: Connection, request: httpx.Request | None) -> bytes:
     """One CRLF-ended line of a chunked body (a size, or a trailer), without the CRLF."""
+    return await _read_until(
+        connection, b"\r\n", "chunk-size or trailer line too long", False, request
+    )
+
+
+async def _read_until(
+    connection: Connection,
+    end_mark: bytes,
+    too_long: str,
+    reused: bool,
+    request: httpx.Request | None,
+) -> bytes:
+    """The bytes before `end_mark` (taken off the buffer with it), at most a head's size."""
     buffer = connection.buffer
-    while (end := buffer.find(b"\r\n")) < 0:
+    while (end := buffer.find(end_mark)) < 0:
         if len(buffer) > MAX_HEAD_BYTES:
-            raise httpx.RemoteProtocolError("chunk-size or trailer line too long", request=request)
+            raise httpx.RemoteProtocolError(too_long, request=request)
         if connection.closed:
-            _disconnected(connection, False, request)
+            _disconnected(connection, reused, request)
         await connection.more()
-    line = bytes(buffer[:end])
-    del buffer[: end + 2]
-    return line
+    found = bytes(buffer[:end])
+    del buffer[: end + len(end_mark)]
+    return found
 
 
 def _content_length(
