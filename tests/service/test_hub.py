@@ -1,0 +1,351 @@
+"""Models fetched from the Hugging Face hub by name (`hf:ORG/REPO[/FILE.gguf][@REVISION]`),
+through huggingface_hub against a fake hub on loopback.
+
+Every test sets HF_ENDPOINT (and HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE) after
+huggingface_hub was imported: that they take effect shows `fetch` reads them at each call.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+
+from rerank_server.errors import ConfigError
+from rerank_server.managed.child_process import free_port
+from rerank_server.managed.downloads import AssetError
+from rerank_server.managed.hub import HubSource, fetch
+from tests.fakes.hub import FakeHub
+
+MIB = 1 << 20
+
+
+def blob(size: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    """A fake hub as HF_ENDPOINT, with none of the user's HF_* settings."""
+    fake = FakeHub().start()
+    for name in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    yield fake
+    fake.stop()
+
+
+def get(source: str, cache: Path) -> Path:
+    return fetch(HubSource.parse(source), cache, progress=False)
+
+
+def blobs(cache: Path, repo: str = "org/model") -> list[Path]:
+    folder = cache / "hub" / f"models--{repo.replace('/', '--')}" / "blobs"
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+@pytest.mark.parametrize(
+    ("source", "parsed"),
+    [
+        ("hf:org/model", HubSource("org/model", None)),
+        ("hf:org/model@v2", HubSource("org/model", None, "v2")),
+        ("hf:org/model/m-Q8_0.gguf", HubSource("org/model", "m-Q8_0.gguf")),
+        ("hf:org/model/sub/m.GGUF@refs/pr/3", HubSource("org/model", "sub/m.GGUF", "refs/pr/3")),
+    ],
+)
+def test_a_source_parses_and_prints_back(source: str, parsed: HubSource) -> None:
+    assert HubSource.parse(source) == parsed
+    assert str(parsed) == source
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "org/model/m.gguf",
+        "hf:org",
+        "hf:org/",
+        "hf:org/model/",
+        "hf:org//m.gguf",
+        "hf:org/model/../m.gguf",
+        "hf:org/mo del/m.gguf",
+        "hf:org/model/m.safetensors",
+        "hf:org/model/m.gguf@",
+        "hf:org/model/m-Q8_0-00001-of-00003.gguf",
+    ],
+)
+def test_a_malformed_source_is_a_config_error_naming_it(source: str) -> None:
+    with pytest.raises(ConfigError, match="hf:ORG/REPO") as caught:
+        HubSource.parse(source)
+    assert repr(source) in str(caught.value)
+
+
+def test_a_named_file_is_downloaded_into_the_hub_cache_with_progress_lines(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = blob(300_000)
+    hub.repos["org/model"] = {"sub/m-Q4_K_M.gguf": data, "README.md": b"# model"}
+
+    path = get("hf:org/model/sub/m-Q4_K_M.gguf", tmp_path)
+
+    assert path.read_bytes() == data
+    snapshots = tmp_path / "hub" / "models--org--model" / "snapshots"
+    assert path == snapshots / FakeHub.commit(hub.repos["org/model"]) / "sub" / "m-Q4_K_M.gguf"
+    assert len(hub.requests("GET", "org/model", "sub/m-Q4_K_M.gguf")) == 1
+    err = capsys.readouterr().err
+    assert f"[prepare] downloading org/model/sub/m-Q4_K_M.gguf (0.3 MB) from {hub.url}" in err
+    assert "[prepare] downloaded org/model/sub/m-Q4_K_M.gguf: 0.3 MB in " in err
+
+
+def test_a_progress_bar_when_asked_for(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub.repos["org/model"] = {"m.gguf": blob(300_000)}
+    fetch(HubSource.parse("hf:org/model/m.gguf"), tmp_path, progress=True)
+    err = capsys.readouterr().err
+    assert "org/model/m.gguf: 100%|" in err
+    assert "[prepare] downloaded org/model/m.gguf: 0.3 MB in " in err
+
+
+def test_a_second_fetch_downloads_nothing_and_hashes_nothing(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub.repos["org/model"] = {"m.gguf": blob(200_000)}
+    first = get("hf:org/model/m.gguf", tmp_path)
+    capsys.readouterr()
+
+    assert get("hf:org/model/m.gguf", tmp_path) == first
+
+    assert len(hub.requests("GET", "org/model", "m.gguf")) == 1
+    assert len(hub.requests("HEAD", "org/model", "m.gguf")) == 2  # is it still current?
+    assert capsys.readouterr().err == ""
+
+
+def test_a_repository_alone_takes_its_q8_0_and_says_so(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub.repos["org/model"] = {
+        "m-Q4_K_M.gguf": blob(1000, 1),
+        "m-Q8_0.gguf": blob(1000, 2),
+        "m-F16.gguf": blob(1000, 3),
+        "mmproj-m-Q8_0.gguf": blob(1000, 4),  # a vision projector, not a model
+        "README.md": b"# model",
+    }
+
+    path = get("hf:org/model", tmp_path)
+
+    assert path.name == "m-Q8_0.gguf"
+    assert path.read_bytes() == blob(1000, 2)
+    assert "[prepare] hf:org/model: taking m-Q8_0.gguf, the Q8_0 one of its 3 GGUF files" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_repository_with_one_gguf_takes_it(hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos["org/model"] = {"only-Q4_0.gguf": blob(1000), "config.json": b"{}"}
+    assert get("hf:org/model", tmp_path).name == "only-Q4_0.gguf"
+
+
+def test_a_repository_without_one_q8_0_asks_for_a_file(hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos["org/model"] = {"m-Q4_K_M.gguf": blob(1000, 1), "m-F16.gguf": blob(1000, 2)}
+    with pytest.raises(AssetError) as caught:
+        get("hf:org/model", tmp_path)
+    assert str(caught.value) == (
+        f"hf:org/model: org/model at main on {hub.url} has 2 GGUF files and none of them "
+        "Q8_0; name one as hf:org/model/FILE.gguf: m-F16.gguf, m-Q4_K_M.gguf"
+    )
+
+
+def test_a_repository_of_split_ggufs_is_refused(hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos["org/model"] = {f"m-Q8_0-0000{i}-of-00002.gguf": blob(1000, i) for i in (1, 2)}
+    with pytest.raises(AssetError, match=r"only split GGUF files .* not supported"):
+        get("hf:org/model", tmp_path)
+
+
+def test_an_interrupted_download_resumes_with_a_range_request(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """huggingface_hub writes what it received in chunks of 10 MiB and asks for the rest
+    from the end of the last whole chunk, so the cut comes after the first one."""
+    data = blob(12 * MIB)
+    hub.repos["org/model"] = {"m.gguf": data}
+    hub.cut_after = 11 * MIB
+
+    path = get("hf:org/model/m.gguf", tmp_path)
+
+    assert path.read_bytes() == data
+    first, second = hub.requests("GET", "org/model", "m.gguf")
+    assert "range" not in first.headers
+    assert second.headers["range"] == f"bytes={10 * MIB}-"
+    assert [b.name for b in blobs(tmp_path)] == [path.resolve().name]  # no partial file left
+    assert "downloading org/model/m.gguf: 80% (10.5 MB of 12.6 MB)" in capsys.readouterr().err
+
+
+def test_a_download_that_fails_the_checksum_is_deleted_and_fetched_anew(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    data = blob(300_000)
+    hub.repos["org/model"] = {"m.gguf": data}
+    hub.corrupt = True
+
+    with pytest.raises(AssetError, match=r"hf:org/model/m.gguf: m.gguf does not match the sha256"):
+        get("hf:org/model/m.gguf", tmp_path)
+
+    assert blobs(tmp_path) == []
+    snapshots = tmp_path / "hub" / "models--org--model" / "snapshots"
+    assert [p for p in snapshots.rglob("*") if not p.is_dir()] == []
+    hub.corrupt = False
+    assert get("hf:org/model/m.gguf", tmp_path).read_bytes() == data
+    assert len(hub.requests("GET", "org/model", "m.gguf")) == 2
+
+
+def test_a_cached_file_changed_after_its_check_is_checked_again(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.repos["org/model"] = {"m.gguf": blob(300_000)}
+    path = get("hf:org/model/m.gguf", tmp_path)
+    path.resolve().write_bytes(blob(300_000, seed=9))
+
+    with pytest.raises(AssetError, match="does not match the sha256"):
+        get("hf:org/model/m.gguf", tmp_path)
+
+    assert not path.exists()
+    assert blobs(tmp_path) == []
+
+
+@pytest.mark.parametrize("source", ["hf:org/nope/m.gguf", "hf:org/nope"])
+def test_a_missing_repository_is_named(hub: FakeHub, tmp_path: Path, source: str) -> None:
+    with pytest.raises(AssetError) as caught:
+        get(source, tmp_path)
+    assert str(caught.value).startswith(f"{source}: no repository org/nope on {hub.url} (")
+    assert "HF_TOKEN" in str(caught.value)
+
+
+def test_a_missing_file_is_named_with_the_repositorys_ggufs(hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos["org/model"] = {"a-Q4_0.gguf": b"a", "b-Q8_0.gguf": b"b", "README.md": b"#"}
+    with pytest.raises(AssetError) as caught:
+        get("hf:org/model/c.gguf", tmp_path)
+    assert str(caught.value) == (
+        f"hf:org/model/c.gguf: org/model has no c.gguf at main on {hub.url}; "
+        "its GGUF files: a-Q4_0.gguf, b-Q8_0.gguf"
+    )
+
+
+@pytest.mark.parametrize("source", ["hf:org/model/a.gguf@v9", "hf:org/model@v9"])
+def test_a_missing_revision_is_named(hub: FakeHub, tmp_path: Path, source: str) -> None:
+    hub.repos["org/model"] = {"a.gguf": b"a"}
+    with pytest.raises(AssetError, match=re.escape(f"org/model has no revision 'v9' on {hub.url}")):
+        get(source, tmp_path)
+
+
+def test_a_revision_by_commit_hash_is_fetched(hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos["org/model"] = {"a.gguf": b"a" * 1000}
+    commit = FakeHub.commit(hub.repos["org/model"])
+    assert get(f"hf:org/model/a.gguf@{commit}", tmp_path).parent.name == commit
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_repository_behind_a_token_asks_for_HF_TOKEN_and_opens_with_it(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gated: bool
+) -> None:
+    hub.repos["org/model"] = {"m.gguf": blob(1000)}
+    hub.token, hub.gated = "s3cret", gated
+
+    with pytest.raises(AssetError, match="set HF_TOKEN to a token") as caught:
+        get("hf:org/model/m.gguf", tmp_path)
+    assert ("is gated" in str(caught.value)) == gated
+
+    monkeypatch.setenv("HF_TOKEN", "s3cret")
+    assert get("hf:org/model/m.gguf", tmp_path).read_bytes() == blob(1000)
+    (download,) = hub.requests("GET", "org/model", "m.gguf")
+    assert download.headers["authorization"] == "Bearer s3cret"
+
+
+def test_offline_the_cache_serves_both_forms_without_a_request(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub.repos["org/model"] = {"m-Q4_0.gguf": blob(1000, 1), "m-Q8_0.gguf": blob(1000, 2)}
+    online = get("hf:org/model/m-Q8_0.gguf", tmp_path)
+    asked = len(hub.calls)
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    assert get("hf:org/model/m-Q8_0.gguf", tmp_path) == online
+    assert get("hf:org/model", tmp_path) == online
+    assert len(hub.calls) == asked
+
+
+@pytest.mark.parametrize(
+    ("source", "missing"),
+    [("hf:org/model/m.gguf", "org/model/m.gguf"), ("hf:org/model", "org/model@main")],
+)
+def test_offline_without_a_cached_copy_says_how_to_get_one(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, missing: str
+) -> None:
+    hub.repos["org/model"] = {"m.gguf": blob(1000)}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    with pytest.raises(AssetError) as caught:
+        get(source, tmp_path)
+
+    assert str(caught.value) == (
+        f"{source}: HF_HUB_OFFLINE is set and the cache at {tmp_path / 'hub'} has no "
+        f"{missing}: run once online or copy it there"
+    )
+    assert hub.calls == []
+
+
+@pytest.mark.parametrize(("variable", "below"), [("HF_HUB_CACHE", ""), ("HF_HOME", "hub")])
+def test_the_hub_cache_set_in_the_environment_is_used(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, below: str
+) -> None:
+    hub.repos["org/model"] = {"m.gguf": blob(1000)}
+    monkeypatch.setenv(variable, str(tmp_path / "shared"))
+
+    path = get("hf:org/model/m.gguf", tmp_path / "ours")
+
+    assert path.is_relative_to(tmp_path / "shared" / below / "models--org--model")
+    assert not (tmp_path / "ours" / "hub").exists()
+
+
+@pytest.mark.parametrize("source", ["hf:org/model/m.gguf", "hf:org/model"])
+def test_an_unreachable_endpoint_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(time, "sleep", lambda _s: None)  # huggingface_hub's retries' backoff
+
+    with pytest.raises(AssetError) as caught:
+        get(source, tmp_path)
+
+    message = str(caught.value)
+    assert message.startswith(f"{source}: cannot fetch ")
+    assert f"from {endpoint} (ConnectError: " in message
+    assert message.endswith(
+        "check the network, HF_ENDPOINT and any proxy, "
+        "or set HF_HUB_OFFLINE=1 to use the cache alone"
+    )
+
+
+def test_a_full_disk_names_the_hub_cache(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library's own error, raised where the download writes (no disk is filled)."""
+
+    def full(*_args: object, **_kwargs: object) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", full)
+    with pytest.raises(AssetError) as caught:
+        get("hf:org/model/m.gguf", tmp_path)
+    assert str(caught.value) == (
+        f"hf:org/model/m.gguf: no space left for org/model/m.gguf in {tmp_path / 'hub'}: "
+        "free some, or set HF_HUB_CACHE to a directory on a larger disk"
+    )
