@@ -15,13 +15,14 @@ from pathlib import Path
 
 import structlog
 
-from . import __version__
+from . import __version__, model_specs
 from .allocator import MemoryReturn
 from .api.grpc_server import GrpcEdge, check_free
 from .http_api.app import create_app
 from .http_api.server import HttpEdge
 from .managed.llama_server import ManagedLlamaServer
 from .managed.start import start_managed
+from .model_specs import ModelSpec
 from .observability.loop_lag import LoopLag
 from .observability.telemetry import Telemetry
 from .ranking import blend_profiles
@@ -29,6 +30,7 @@ from .ranking.blend_profiles import BlendResolver
 from .ranking.pipeline import Reranker
 from .ranking.request import RequestRules
 from .ranking.score_cache import ScoreCache
+from .ranking.served_models import ServedModel, ServedModels
 from .scoring.base import Scorer
 from .scoring.monitor import BackendMonitor
 from .scoring.registry import build_pool, build_scorer
@@ -75,19 +77,65 @@ def request_rules(settings: Settings) -> RequestRules:
 
 
 @dataclass
+class ServedStack:
+    """One served model and what it owns: its settings (pointed at its backend), pool,
+    pipeline, monitor and, in managed mode, its llama-server."""
+
+    name: str
+    settings: Settings
+    pool: BackendPool
+    reranker: Reranker
+    managed: ManagedLlamaServer | None
+    aliases: tuple[str, ...] = ()
+    monitor: BackendMonitor | None = None
+
+    def served(self) -> ServedModel:
+        return ServedModel(
+            self.name, self.reranker, lambda: self._backend_up(), aliases=self.aliases
+        )
+
+    def _backend_up(self) -> bool | None:
+        return None if self.monitor is None else self.monitor.backend_up
+
+
+@dataclass
 class RunningServer:
-    """A started server and what it owns."""
+    """A started server and what it owns; `reranker`, `monitor`, `pool`, `managed` and
+    `settings` are the default model's, `stacks` every model's."""
 
     edge: GrpcEdge
-    reranker: Reranker
-    settings: Settings
-    monitor: BackendMonitor
-    pool: BackendPool
+    models: ServedModels
+    stacks: list[ServedStack]
     telemetry: Telemetry
-    managed: ManagedLlamaServer | None
     _resources: contextlib.AsyncExitStack
     http: HttpEdge | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def _default(self) -> ServedStack:
+        return next(s for s in self.stacks if s.reranker is self.models.default.reranker)
+
+    @property
+    def reranker(self) -> Reranker:
+        return self._default.reranker
+
+    @property
+    def settings(self) -> Settings:
+        return self._default.settings
+
+    @property
+    def monitor(self) -> BackendMonitor:
+        monitor = self._default.monitor
+        assert monitor is not None  # set before the server is returned
+        return monitor
+
+    @property
+    def pool(self) -> BackendPool:
+        return self._default.pool
+
+    @property
+    def managed(self) -> ManagedLlamaServer | None:
+        return self._default.managed
 
     @property
     def port(self) -> int:
@@ -111,7 +159,8 @@ class RunningServer:
         # In-flight requests answer (SHUTTING_DOWN) a little before the grace period ends,
         # so their answers are out before the server cancels what is left.
         grace_s = self.edge.grace_s
-        self.reranker.stop_scoring_after(grace_s - min(SHUTDOWN_MARGIN_S, grace_s / 4))
+        for stack in self.stacks:
+            stack.reranker.stop_scoring_after(grace_s - min(SHUTDOWN_MARGIN_S, grace_s / 4))
         await self._resources.aclose()
 
 
@@ -143,13 +192,16 @@ async def build_server(
 ) -> RunningServer:
     """Create, bind and start the server; the port is the bound one (settings.port may be 0).
 
-    In managed mode this first starts llama-server (building or fetching assets that are
-    missing), which can take minutes the first time. `telemetry` defaults to what the
-    settings ask for; tests pass their own to read spans. The server owns what it is given
-    and closes it on stop. `reuse_port`: a worker sharing its ports with siblings
-    (`workers.py`).
+    In managed mode this first starts a llama-server per model (building or fetching
+    assets that are missing), which can take minutes the first time. `telemetry` defaults
+    to what the settings ask for; tests pass their own to read spans. `scorer` (tests)
+    scores the first model. The server owns what it is given and closes it on stop.
+    `reuse_port`: a worker sharing its ports with siblings (`workers.py`).
     """
-    profiles = blend_profiles.load(settings.blend_profile)  # before minutes of setup
+    plan = model_specs.plan(settings)
+    model_settings = [spec.settings(settings) for spec in plan.models]
+    # Before minutes of setup: a profile file that does not load is refused now.
+    profiles = {s.blend_profile: blend_profiles.load(s.blend_profile) for s in model_settings}
     tokens = TokenSet.load(settings.auth_tokens, settings.auth_tokens_file)
     CertificateFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     if settings.api_key:
@@ -163,38 +215,39 @@ async def build_server(
     async with contextlib.AsyncExitStack() as stack:
         telemetry = telemetry or Telemetry.create(settings)
         stack.push_async_callback(asyncio.to_thread, telemetry.shutdown)
-        managed = None
-        if settings.managed:
-            if not reuse_port:  # (a worker's ports are its supervisor's, checked there)
-                # Before llama-server loads (minutes, the first time), not after.
-                check_free(settings.host, settings.port)
-                if settings.http_port:
-                    check_free(settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
-            settings, managed = await start_managed(settings, telemetry.metrics.llama_restarts)
-            stack.push_async_callback(managed.stop)
+        if any(s.managed for s in model_settings) and not reuse_port:
+            # Before llama-server loads (minutes, the first time), not after. (A worker's
+            # ports are its supervisor's, checked there.)
+            check_free(settings.host, settings.port)
+            if settings.http_port:
+                check_free(settings.host, settings.http_port, "--http-port / RERANK_HTTP_PORT")
         cache = await asyncio.to_thread(_open_cache, settings, telemetry)  # may open SQLite
         stack.push_async_callback(cache.aclose)
-        pool = build_pool(settings, telemetry)
-        stack.push_async_callback(pool.aclose)
-        scorer = scorer or build_scorer(settings, pool)
-        stack.push_async_callback(scorer.aclose)
         lag = LoopLag()
         lag.start()
         stack.push_async_callback(lag.stop)
+        stacks = []
+        for i, (spec, own) in enumerate(zip(plan.models, model_settings, strict=True)):
+            stacks.append(
+                await _start_model(
+                    spec,
+                    own,
+                    telemetry,
+                    stack,
+                    cache,
+                    BlendResolver(profiles[own.blend_profile]),
+                    lambda: lag.recent_s,
+                    scorer if i == 0 else None,
+                )
+            )
+        _say_models(stacks)
+        models = ServedModels([s.served() for s in stacks], plan.default)
         rules = request_rules(settings)
-        reranker = Reranker(
-            rules,
-            scorer,
-            telemetry,
-            cache,
-            BlendResolver(profiles),
-            loop_lag=lambda: lag.recent_s,
-        )
         # Both edges share it; what they give back may be returned to the system.
         inflight = InflightBytes(settings.max_inflight_bytes, MemoryReturn().freed)
         edge = await GrpcEdge.start(
             settings,
-            reranker,
+            models,
             telemetry,
             rules,
             tokens,
@@ -206,27 +259,17 @@ async def build_server(
         )
         edges = _Edges(edge)
         stack.push_async_callback(edges.aclose)
-        monitor = BackendMonitor(
-            scorer,
-            pool,
-            settings.instruction,
-            edge.report_backend,
-            settings.health_interval_s,
-            run_probe=settings.probe,
-            metrics=telemetry.metrics,
-        )
-        monitor.start()
-        stack.push_async_callback(monitor.stop)
+        for served in stacks:
+            served.monitor = _monitor(served, edge, telemetry, is_default=served is stacks[0])
+            stack.push_async_callback(served.monitor.stop)
         http = None
         if settings.http_port:
             app = create_app(
-                reranker,
+                models,
                 telemetry=telemetry,
                 rules=rules,
-                scorer=scorer,
                 tokens=tokens,
                 inflight=inflight,
-                backend_up=lambda: monitor.backend_up,
                 max_body_bytes=settings.max_message_bytes,
                 max_active=settings.max_concurrent_rpcs,
                 default_blend=settings.http_blend_strategy,
@@ -240,10 +283,94 @@ async def build_server(
                 reuse_port=reuse_port,
             )
         await edge.serving()
-        return RunningServer(
-            edge, reranker, settings, monitor, pool, telemetry, managed, stack.pop_all(), http
-        )
+        return RunningServer(edge, models, stacks, telemetry, stack.pop_all(), http)
     raise AssertionError("unreachable")  # the stack re-raises whatever broke the start
+
+
+async def _start_model(
+    spec: ModelSpec,
+    settings: Settings,
+    telemetry: Telemetry,
+    stack: contextlib.AsyncExitStack,
+    cache: ScoreCache,
+    blends: BlendResolver,
+    loop_lag: Callable[[], float],
+    scorer: Scorer | None,
+) -> ServedStack:
+    """One model's backend (its llama-server, in managed mode), pool, scorer and
+    pipeline, each closed by `stack` on stop."""
+    managed = None
+    if settings.managed:
+        settings, managed = await start_managed(
+            settings, telemetry.metrics.llama_restarts, name=spec.name
+        )
+        stack.push_async_callback(managed.stop)
+    pool = build_pool(settings, telemetry)
+    stack.push_async_callback(pool.aclose)
+    scorer = scorer or build_scorer(settings, pool)
+    stack.push_async_callback(scorer.aclose)
+    reranker = Reranker(
+        request_rules(settings), scorer, telemetry, cache, blends, loop_lag, name=spec.name
+    )
+    return ServedStack(spec.name, settings, pool, reranker, managed, spec.aliases)
+
+
+def _monitor(
+    served: ServedStack, edge: GrpcEdge, telemetry: Telemetry, is_default: bool
+) -> BackendMonitor:
+    """The model's backend monitor, started: the default model's backend is the
+    server's (`rerank.v1.Reranker/backend`), a named model's also has its own health name
+    (`rerank.v1.Reranker/backend/model/NAME`)."""
+
+    async def report(component: str, up: bool) -> None:
+        if is_default:
+            await edge.report_backend(component, up)
+        if served.name:
+            own = f"model/{served.name}" + (f"/{component}" if component else "")
+            await edge.report_backend(own, up)
+
+    settings = served.settings
+    monitor = BackendMonitor(
+        served.reranker.scorer,
+        served.pool,
+        settings.instruction,
+        report,
+        settings.health_interval_s,
+        run_probe=settings.probe,
+        metrics=telemetry.metrics,
+    )
+    monitor.start()
+    return monitor
+
+
+def _say_models(stacks: list[ServedStack]) -> None:
+    """One line per served model, and what the managed ones hold in memory at least
+    (their files; each llama-server adds its context, slots x ctx-per-slot tokens)."""
+    if len(stacks) == 1 and not stacks[0].name:
+        return
+    files = 0
+    for s in stacks:
+        size = s.managed.model.stat().st_size if s.managed is not None else None
+        files += size or 0
+        log.info(
+            "model_served",
+            model=s.name,
+            aliases=list(s.aliases) or None,
+            backend=s.settings.backend.value,
+            backend_url=None if s.managed else s.settings.backend_url,
+            file=s.managed.model.name if s.managed else None,
+            file_bytes=size,
+            slots=s.managed.slots if s.managed else None,
+            ctx_per_slot=s.managed.ctx_per_slot if s.managed else None,
+            concurrency=s.settings.concurrency,
+        )
+    if files:
+        log.info(
+            "managed_memory",
+            model_file_bytes=files,
+            llama_servers=sum(s.managed is not None for s in stacks),
+            note="resident at least: the model files, plus each llama-server's context",
+        )
 
 
 async def serve(
@@ -267,6 +394,7 @@ async def serve(
         auth=bool(settings.auth_tokens or settings.auth_tokens_file),
         backend=running.settings.backend,
         backend_url=running.settings.backend_url,
+        models=running.models.names if len(running.stacks) > 1 else None,
         managed=settings.managed,
         metrics_port=running.telemetry.metrics_port,
         tracing=running.telemetry.tracing,

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import shlex
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -45,6 +46,7 @@ class ManagedBackend(StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
     RERANK = "rerank"  # llama-server --rerank: a GGUF with a rank head
+    EMBEDDING = "embedding"  # llama-server --embedding: an embedding model, by cosine
 
 
 class LogFormat(StrEnum):
@@ -283,8 +285,10 @@ class Settings:
     model: str = field(
         default="",
         metadata=_opt(
-            "Model name sent to the backend and reported in responses (empty: as the backend "
-            "reports it).",
+            "NAME=SOURCE: serve a model by NAME (repeatable; SOURCE a GGUF file, "
+            "hf:ORG/REPO[/FILE.gguf], or backend URLs; docs/models.md). A plain NAME: the "
+            "model name sent to the backend and reported in responses (empty: as the "
+            "backend reports it).",
             group="backend",
         ),
     )
@@ -664,6 +668,31 @@ class Settings:
             "Where prepared assets (llama-server build, models, logs) are kept.", group="managed"
         ),
     )
+    # --- several models (model_specs.py)
+    models: str = field(
+        default="",
+        metadata=_opt(
+            "Models served by name: NAME=SOURCE entries separated by spaces, as "
+            "--model NAME=SOURCE (which replaces these when given).",
+            group="models",
+        ),
+    )
+    models_file: str = field(
+        default="",
+        metadata=_opt(
+            "TOML file of models and their own settings (source, aliases, backend, "
+            "concurrency, instruction, blend profile, ...; docs/models.md).",
+            group="models",
+        ),
+    )
+    default_model: str = field(
+        default="",
+        metadata=_opt(
+            "With several models: the one a request naming none, or naming one not served, "
+            "gets (empty: no name gets the first model, an unknown name 404 / NOT_FOUND).",
+            group="models",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -764,6 +793,16 @@ def _field_type(f: dataclasses.Field[Any]) -> type[Any]:
     return type(_default(f))
 
 
+def setting_type(name: str) -> type[Any]:
+    """The type of the setting `name` (its default's)."""
+    return _field_type(next(f for f in dataclasses.fields(Settings) if f.name == name))
+
+
+def read_value(name: str, raw: str, source: str) -> Any:
+    """`raw` read as the setting `name` is (`source` names where it came from in errors)."""
+    return _convert(setting_type(name), raw, source)
+
+
 def _convert(kind: type[Any], raw: str, source: str) -> Any:
     try:
         if kind is bool:
@@ -837,6 +876,11 @@ def build_parser(
             )
             continue
         choices = [m.value for m in kind] if issubclass(kind, Enum) else None
+        if f.name == "model":  # repeatable: `load` sorts NAME=SOURCE from a plain NAME
+            group.add_argument(
+                flag_name(f.name), dest=f.name, default=None, help=help_text, action="append"
+            )
+            continue
         group.add_argument(
             flag_name(f.name),
             dest=f.name,
@@ -855,13 +899,55 @@ def load(
     parser: argparse.ArgumentParser | None = None,
 ) -> Settings:
     """Settings from flags and `RERANK_*` variables; raises ConfigError on a bad value."""
+    environ = os.environ if environ is None else environ
     parser = parser or build_parser(environ=environ)
     namespace = parser.parse_args(argv)
     values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(Settings)}
+    _sort_model_flags(values, environ)
+    _backend_chooses_managed_path(values, argv, environ)
     for value in values.values():
         if isinstance(value, _Unreadable):  # no flag was given in its place
             raise value.error
     return Settings(**values)
+
+
+def _sort_model_flags(values: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """`--model` as given: NAME=SOURCE entries become `models` (replacing
+    RERANK_MODELS), one plain NAME is `model`; not given, RERANK_MODEL or the default."""
+    given: list[str] | None = values["model"]
+    if given is None:
+        values["model"] = environ.get(env_name("model"), "")
+        return
+    names = [g for g in given if "=" not in g]
+    if len(names) > 1:
+        raise ConfigError(
+            f"--model: {len(names)} plain names given ({', '.join(names)}); a plain NAME "
+            "is the backend's model name, NAME=SOURCE serves a model by name"
+        )
+    values["model"] = names[0] if names else environ.get(env_name("model"), "")
+    if entries := [g for g in given if "=" in g]:
+        values["models"] = "\n".join(entries)
+
+
+def _backend_chooses_managed_path(
+    values: dict[str, Any], argv: Sequence[str] | None, environ: Mapping[str, str]
+) -> None:
+    """In managed mode an operator's own `--backend` wins over the model's metadata, as
+    `--managed-backend` does (when that is not given too)."""
+    if not (_given("backend", argv, environ) and not _given("managed_backend", argv, environ)):
+        return
+    backend = values["backend"]
+    if isinstance(backend, _Unreadable):
+        return
+    if backend.value in {m.value for m in ManagedBackend}:
+        values["managed_backend"] = ManagedBackend(backend.value)
+
+
+def _given(name: str, argv: Sequence[str] | None, environ: Mapping[str, str]) -> bool:
+    """Whether the setting was set by its flag or its variable (not left at its default)."""
+    flag = flag_name(name)
+    args = sys.argv[1:] if argv is None else argv
+    return env_name(name) in environ or any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 @dataclass(frozen=True, slots=True)

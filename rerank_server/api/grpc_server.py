@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ..errors import BindError
 from ..observability.telemetry import Telemetry
-from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
+from ..ranking.served_models import ServedModels
 from ..security.inflight_bytes import InflightBytes
 from ..security.tls import CertificateFiles
 from ..security.tokens import TokenSet
@@ -143,7 +143,7 @@ class GrpcEdge:
     async def start(
         cls,
         settings: Settings,
-        reranker: Reranker,
+        models: ServedModels,
         telemetry: Telemetry,
         rules: RequestRules,
         tokens: TokenSet | None = None,
@@ -178,7 +178,7 @@ class GrpcEdge:
             interceptors=_interceptors(settings, telemetry, tokens or TokenSet()), options=options
         )
         service = RerankService(
-            reranker,
+            models,
             telemetry,
             rules,
             settings.batch_concurrency,

@@ -22,6 +22,7 @@ from ..observability.logs import rpc_cancelled, rpc_failed
 from ..observability.telemetry import Telemetry
 from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
+from ..ranking.served_models import ServedModels, UnknownModel
 from ..ranking.validation import check_candidate_count, check_list_count
 from ..scoring.budget import StopSignal
 from ..security import timeouts
@@ -63,6 +64,8 @@ class ReceiveStalled(Exception):
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, UnknownModel):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, Overloaded | AnswerTooLarge | ReceiveStalled):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"
@@ -100,14 +103,14 @@ class RerankService:
 
     def __init__(
         self,
-        reranker: Reranker,
+        models: ServedModels,
         telemetry: Telemetry,
         rules: RequestRules,
         batch_concurrency: int,
         inflight: InflightBytes,
         max_message_bytes: int | None = None,
     ) -> None:
-        self._reranker = reranker
+        self._models = models
         self._telemetry = telemetry
         self._rules = rules
         self._batch_concurrency = batch_concurrency
@@ -203,16 +206,17 @@ class RerankService:
         raw: bytes,
         seen: _Seen,
         field: str = "request",
-    ) -> AsyncIterator[RerankQuery]:
-        """The request as a domain query; its bytes, counted in flight by the caller,
-        are given back when it is done."""
+    ) -> AsyncIterator[tuple[RerankQuery, Reranker]]:
+        """The request as a domain query, and the pipeline of the model it names; its
+        bytes, counted in flight by the caller, are given back when it is done."""
         size = len(raw)
         try:
             request = parse_request(raw, field)
             del raw
             seen.request_id = self._rules.echoable_id(request.request_id)
             _check_counts(request, self._rules)
-            yield convert.query_from_pb(request)
+            reranker = self._models.select(request.model).reranker
+            yield convert.query_from_pb(request), reranker
         finally:
             self.inflight.give_back(size)
 
@@ -238,12 +242,12 @@ class RerankService:
     async def _rerank(
         self, raw: bytes, seen: _Seen, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RerankResponse:
-        async with self._admitted(raw, seen) as query:
+        async with self._admitted(raw, seen) as (query, reranker):
             del raw  # the domain query holds what is needed
             # One span for the call and its request (`Telemetry.request_span`). Not for
             # RerankStream: a stream cancelled while gRPC waits to send ends its server
             # span before the pipeline is closed, and the scoring's counts would be lost.
-            results, summary = await self._reranker.answer(
+            results, summary = await reranker.answer(
                 query, _deadline(context), self._telemetry.request_span()
             )
             measured = query.return_text or self._lists_may_overflow(query, results)
@@ -277,8 +281,8 @@ class RerankService:
         progress: _Progress,
     ) -> AsyncGenerator[pb.RerankStreamMessage, None]:
         async with (
-            self._admitted(raw, seen) as query,
-            contextlib.aclosing(self._reranker.run(query, _deadline(context))) as items,
+            self._admitted(raw, seen) as (query, reranker),
+            contextlib.aclosing(reranker.run(query, _deadline(context))) as items,
         ):
             del raw
             # To the pipeline's end (the summary is its last item), and closed at once
@@ -479,8 +483,8 @@ class _BatchStream:
         service = self._service
         if not counted:  # read without room held (`_next`): counted now
             service.inflight.take(len(raw))
-        async with service._admitted(raw, seen, f"requests[{position}]") as query:
-            results, summary = await service._reranker.answer(query, _deadline(self._context))
+        async with service._admitted(raw, seen, f"requests[{position}]") as (query, reranker):
+            results, summary = await reranker.answer(query, _deadline(self._context))
             measured = query.return_text or service._lists_may_overflow(query, results)
         return service._answer("RerankBatch", results, summary, measured)
 

@@ -18,9 +18,8 @@ from .. import __version__
 from ..domain import BlendStrategy
 from ..observability.logs import rpc_failed
 from ..observability.telemetry import Telemetry
-from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
-from ..scoring.base import Scorer
+from ..ranking.served_models import ServedModels
 from ..security.inflight_bytes import InflightBytes
 from ..security.tokens import TokenSet
 from . import models as m
@@ -28,7 +27,6 @@ from .convert import validation_message
 from .endpoints import (
     BLEND_HEADER,
     DEGRADED_HEADER,
-    BackendState,
     HttpError,
     OperationEndpoints,
     RerankEndpoints,
@@ -41,25 +39,24 @@ __all__ = ["BLEND_HEADER", "DEGRADED_HEADER", "create_app"]
 
 REFUSALS: dict[int | str, dict[str, Any]] = {
     401: {"model": m.Error},
+    404: {"model": m.Error},
     422: {"model": m.Error},
     429: {"model": m.Error},
 }
 
 
 def create_app(
-    reranker: Reranker,
+    models: ServedModels,
     *,
     telemetry: Telemetry,
     rules: RequestRules,
-    scorer: Scorer,
     tokens: TokenSet,
     inflight: InflightBytes,
-    backend_up: BackendState,
     max_body_bytes: int,
     max_active: int = 256,
     default_blend: BlendStrategy = BlendStrategy.RERANK_ONLY,
 ) -> FastAPI:
-    """The JSON API over `reranker`, behind the gate (token, caps, the body's one read)."""
+    """The JSON API over the served `models`, behind the gate (token, caps, the body's one read)."""
     app = FastAPI(
         title="rerank-server",
         version=__version__,
@@ -87,9 +84,8 @@ def create_app(
     app.add_exception_handler(HttpError, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, framework_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, invalid_body)  # type: ignore[arg-type]
-    rerank = RerankEndpoints(reranker, telemetry, rules, scorer, default_blend)
-    add_rerank_routes(app, rerank)
-    add_operation_routes(app, OperationEndpoints(rerank, scorer, tokens, backend_up))
+    add_rerank_routes(app, RerankEndpoints(models, telemetry, rules, default_blend))
+    add_operation_routes(app, OperationEndpoints(models, tokens))
     add_docs(app)
     return app
 

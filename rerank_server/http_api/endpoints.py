@@ -5,7 +5,6 @@ runtime.)
 """
 
 import time
-from collections.abc import Callable
 from typing import NoReturn
 
 from fastapi import Request, Response
@@ -15,9 +14,8 @@ from ..domain import BlendStrategy, RankedCandidate, RerankQuery, RerankSummary
 from ..errors import InvalidRequest
 from ..observability.logs import rpc_failed
 from ..observability.telemetry import Telemetry
-from ..ranking.pipeline import Reranker
 from ..ranking.request import RequestRules
-from ..scoring.base import Scorer
+from ..ranking.served_models import ServedModel, ServedModels, UnknownModel
 from ..security.inflight_bytes import Overloaded
 from ..security.tokens import TokenSet
 from . import models as m
@@ -39,8 +37,6 @@ DEGRADED_HEADER = "X-Rerank-Degraded"
 # The blend behind `relevance_score` / `score`, on every rerank answer (TEI's too).
 BLEND_HEADER = "X-Rerank-Blend"
 UNKNOWN_MODEL = "unknown"  # until the backend names its model (`/v1/models`, `/info`)
-
-BackendState = Callable[[], bool | None]  # True up, False down, None not known yet
 
 
 class HttpError(Exception):
@@ -66,21 +62,15 @@ class RerankEndpoints:
 
     def __init__(
         self,
-        reranker: Reranker,
+        models: ServedModels,
         telemetry: Telemetry,
         rules: RequestRules,
-        scorer: Scorer,
         default_blend: BlendStrategy,
     ) -> None:
-        self._reranker = reranker
+        self.models = models
         self._telemetry = telemetry
         self._rules = rules
-        self._scorer = scorer
         self._default_blend = default_blend
-
-    def model(self) -> str:
-        """The served model's name, the same in every answer, `/health` and `/v1/models`."""
-        return self._scorer.model or UNKNOWN_MODEL
 
     async def cohere_v1(
         self, body: m.CohereRerankRequest, request: Request, response: Response
@@ -103,7 +93,7 @@ class RerankEndpoints:
         if isinstance(body, m.CohereRerankRequest):
             return await self._cohere("POST /rerank", body, "1", request, response, echo=False)
         query = tei_query(body, self._default_blend)
-        results, _ = await self._run("POST /rerank", query, "texts", request, response)
+        results, _ = await self._run("POST /rerank", query, "texts", request, response, None)
         return tei_results(results, body.return_text)
 
     async def _cohere(
@@ -123,20 +113,30 @@ class RerankEndpoints:
                 check_echoed(body.documents)
         except InvalidRequest as exc:
             self._refuse(rpc, "", request, "documents", exc)
-        results, summary = await self._run(rpc, query, "documents", request, response)
+        results, summary = await self._run(rpc, query, "documents", request, response, body.model)
         documents = body.documents if echoed else None
-        return cohere_answer(results, summary, version, self.model(), documents)
+        return cohere_answer(results, summary, version, summary.model or UNKNOWN_MODEL, documents)
 
     async def _run(
-        self, rpc: str, query: RerankQuery, field: str, request: Request, response: Response
+        self,
+        rpc: str,
+        query: RerankQuery,
+        field: str,
+        request: Request,
+        response: Response,
+        model: str | None,
     ) -> tuple[list[RankedCandidate], RerankSummary]:
-        """The pipeline's answer (the body's bytes are in the server-wide budget: `Gate`),
-        what it says in `response`'s headers."""
+        """The answer of the pipeline of the model named `model` (the body's bytes are in
+        the server-wide budget: `Gate`), what it says in `response`'s headers."""
         try:
+            served = self.models.select(model)
             check_unicode(query, field)
-            results, summary = await self._reranker.answer(
+            results, summary = await served.reranker.answer(
                 query, None, self._telemetry.request_span()
             )
+        except UnknownModel as exc:
+            rpc_failed(rpc, self._echoable(query), arrived(request), "404", exc, internal=False)
+            raise HttpError(404, str(exc)) from None
         except InvalidRequest as exc:
             self._refuse(rpc, query.request_id, request, field, exc)
         except Overloaded as exc:
@@ -163,25 +163,44 @@ class RerankEndpoints:
 class OperationEndpoints:
     """`/health` and `/v1/models`: whether this replica can rerank now, and what with."""
 
-    def __init__(
-        self, rerank: RerankEndpoints, scorer: Scorer, tokens: TokenSet, backend_up: BackendState
-    ) -> None:
-        self._rerank = rerank
-        self._scorer = scorer
+    def __init__(self, models: ServedModels, tokens: TokenSet) -> None:
+        self._models = models
         self._tokens = tokens
-        self._backend_up = backend_up
 
     async def health(self) -> JSONResponse:
-        """200 while the backend can score, else 503; open to all, so with tokens on it
-        keeps the model's name to `/v1/models`."""
-        up = self._backend_up()
+        """200 while the default model's backend can score, else 503 (each model's own
+        state under `models`, with several); open to all, so with tokens on it keeps the
+        models' names to `/v1/models`."""
+        default = self._models.default
+        up = default.backend_up()
+        named = not self._tokens.enabled
         body = m.Health(
             status="ok" if up else "unavailable",
-            backend="starting" if up is None else "up" if up else "down",
-            model="" if self._tokens.enabled else self._rerank.model(),
+            backend=_state(up),
+            model=_name(default) if named else "",
+            models=(
+                {_name(s): _state(s.backend_up()) for s in self._models}
+                if named and len(self._models.models) > 1
+                else None
+            ),
         )
-        return JSONResponse(body.model_dump(), 200 if up else 503)
+        return JSONResponse(body.model_dump(exclude_none=True), 200 if up else 503)
 
     async def models(self) -> m.ModelList:
-        """The model being served."""
-        return m.ModelList(data=[m.ModelCard(id=self._rerank.model(), backend=self._scorer.kind)])
+        """Every served model, the default first."""
+        served = sorted(self._models, key=lambda s: s is not self._models.default)
+        return m.ModelList(
+            data=[
+                m.ModelCard(id=_name(s), backend=s.kind, aliases=list(s.aliases) or None)
+                for s in served
+            ]
+        )
+
+
+def _name(served: ServedModel) -> str:
+    """The model's name, the same in every answer, `/health` and `/v1/models`."""
+    return served.model or UNKNOWN_MODEL
+
+
+def _state(up: bool | None) -> m.BackendState:
+    return "starting" if up is None else "up" if up else "down"

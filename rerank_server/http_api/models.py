@@ -82,7 +82,10 @@ class CohereRerankRequest(Extras):
         description="Candidates in retrieval order, as strings or objects."
     )
     model: str | None = Field(
-        None, description="Accepted for compatibility; the server scores with its model."
+        None,
+        description="The served model to rank with, by name or alias. With one model "
+        "served any name is accepted; with several, absent means the default and an "
+        "unknown name is 404, listing the served names (docs/models.md).",
     )
     top_n: Count | None = Field(None, ge=0, description="Results to return; default all.")
     return_documents: bool | None = Field(
@@ -215,27 +218,34 @@ RootRerankRequest = Annotated[
 
 
 class ModelCard(BaseModel):
-    """The served model, as an OpenAI-style model entry."""
+    """A served model, as an OpenAI-style model entry."""
 
     id: str
     object: Literal["model"] = "model"
     owned_by: str = "rerank-server"
     backend: str
+    aliases: list[str] | None = Field(None, description="Other names it answers to.")
 
 
 class ModelList(BaseModel):
-    """`GET /v1/models`: the one served model."""
+    """`GET /v1/models`: every served model, the default first."""
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+BackendState = Literal["up", "down", "starting"]
 
 
 class Health(BaseModel):
     """`GET /health`: whether the server answers, and its backend's state."""
 
     status: Literal["ok", "unavailable"]
-    backend: Literal["up", "down", "starting"]
-    model: str
+    backend: BackendState = Field(description="The default model's backend.")
+    model: str = Field(description="The default model; empty when tokens are required.")
+    models: dict[str, BackendState] | None = Field(
+        None, description="With several models served: each one's backend state."
+    )
 
 
 class Error(BaseModel):

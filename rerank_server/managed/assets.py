@@ -1,4 +1,4 @@
-"""`rerank-server prepare`: managed mode's assets in the cache (llama-server, the stand-in).
+"""`rerank-server prepare`: managed mode's assets in the cache (llama-server, the models).
 
 What comes from where, and how a run survives interruption: docs/architecture.md.
 """
@@ -20,6 +20,7 @@ from ..settings import LlamaAmx, default_cache_dir, env_name
 from .converted import (
     MINILM_WHEEL,
     SPEED_TWIN_TYPES,
+    embedding_model_path,
     prepare_embedding_model,
     prepare_rank_head_model,
     prepare_speed_twin,
@@ -52,20 +53,36 @@ class Assets:
 
 
 def resolve_model(
-    explicit: Path | None, cache: Path, fetch_missing: bool, verify: bool = False
+    explicit: Path | str | None, cache: Path, fetch_missing: bool, verify: bool = False
 ) -> Path:
-    """The model to run: the one given, or the stand-in (`verify`: see `prepare_model`)."""
+    """The model to run: the file given, one fetched from the hub (`hf:ORG/REPO/FILE`),
+    or the embedded default, MiniLM-L6 for the `embedding` backend (made in the cache
+    when missing and `fetch_missing`)."""
+    if explicit is not None and str(explicit).startswith("hf:"):
+        from . import hub  # TEMP until hub.py lands
+
+        return hub.fetch(hub.HubSource.parse(str(explicit)), cache)
     if explicit is not None:
-        if not explicit.is_file():
-            raise AssetError(f"--model-path {explicit}: no such file")
-        return explicit
-    target = cache / "models" / STAND_IN_MODEL.name
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise AssetError(f"--model-path {path}: no such file")
+        return path
+    target = embedding_model_path(cache)
     if target.exists() or fetch_missing:
-        return prepare_model(cache, verify=verify)
+        return prepare_embedding_model(cache)
     raise AssetError(
         f"no model at {target}: run `make assets` (or `rerank-server "
         "prepare`), or pass --model-path FILE.gguf"
     )
+
+
+def resolve_stand_in(cache: Path, fetch_missing: bool, verify: bool = False) -> Path:
+    """SmolLM2-135M-Instruct, the small chat model the tests of the `chat` and
+    `completion` paths run (`prepare --chat-model`)."""
+    target = cache / "models" / STAND_IN_MODEL.name
+    if target.exists() or fetch_missing:
+        return prepare_model(cache, verify=verify)
+    raise AssetError(f"no chat model at {target}: run `make test-assets`")
 
 
 @contextlib.contextmanager
@@ -94,24 +111,24 @@ def cache_lock(cache: Path) -> Iterator[None]:
 def prepare(
     cache: Path,
     llama_server: Path | None = None,
-    model: Path | None = None,
-    embedding: bool = False,
+    model: Path | str | None = None,
+    chat: bool = False,
     rank_head: bool = False,
     amx_mode: LlamaAmx = LlamaAmx.AUTO,
     speed_twin: Sequence[str] = (),
 ) -> Assets:
-    """Everything managed mode needs (with `embedding`, the MiniLM GGUF; with `rank_head`,
-    MiniLM with an untrained rank head for `llama-server --rerank`); prints what it did
-    and records it in manifest.json."""
+    """Everything managed mode needs (with `chat`, the SmolLM2 chat model; with
+    `rank_head`, MiniLM with an untrained rank head for `llama-server --rerank`); prints
+    what it did and records it in manifest.json."""
     with cache_lock(cache):
-        return _prepare(cache, llama_server, model, embedding, rank_head, amx_mode, speed_twin)
+        return _prepare(cache, llama_server, model, chat, rank_head, amx_mode, speed_twin)
 
 
 def _prepare(
     cache: Path,
     llama_server: Path | None,
-    model: Path | None,
-    embedding: bool,
+    model: Path | str | None,
+    chat: bool,
     rank_head: bool,
     amx_mode: LlamaAmx,
     speed_twin: Sequence[str] = (),
@@ -146,19 +163,21 @@ def _prepare(
             "source": f"{LLAMA_CPP_SOURCE.project}=={LLAMA_CPP_SOURCE.version}",
             "source_sha256": LLAMA_CPP_SOURCE.sha256,
         },
-        "model": {
-            "path": str(model_path),
+        "model": {"path": str(model_path), "sha256": sha256_of(model_path)},
+    }
+    minilm = f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version}"
+    if model is None:
+        manifest["model"].update(source=minilm, converter="rerank_server/managed/bert_gguf.py, f16")
+    if chat:
+        stand_in = resolve_stand_in(cache, fetch_missing=True, verify=True)
+        say(f"chat model: {stand_in} ({stand_in.stat().st_size} bytes)")
+        manifest["chat_model"] = {
+            "path": str(stand_in),
             "name": STAND_IN_MODEL.name,
             "source": f"{SMOLLM2_WHEEL.project}=={SMOLLM2_WHEEL.version}",
             "member": STAND_IN_MODEL.member,
             "sha256": STAND_IN_MODEL.sha256,
-        },
-    }
-    minilm = f"{MINILM_WHEEL.project}=={MINILM_WHEEL.version}"
-    if embedding:
-        manifest["embedding_model"] = _converted(
-            "embedding model", prepare_embedding_model(cache), minilm
-        )
+        }
     if rank_head:
         manifest["rank_head_model"] = _converted(
             "rank-head model",
@@ -197,7 +216,7 @@ def _converted(what: str, path: Path, source: str) -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rerank-server prepare",
-        description="Build or find llama-server and fetch the stand-in model into the cache.",
+        description="Build or find llama-server and prepare the models into the cache.",
     )
     # As the server reads it: an empty RERANK_CACHE_DIR is refused, not the default.
     from_env = os.environ.get("RERANK_CACHE_DIR")
@@ -213,13 +232,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--llama-server", type=Path, default=os.environ.get("RERANK_LLAMA_SERVER") or None
     )
     parser.add_argument(
-        "--model-path", type=Path, default=os.environ.get("RERANK_MODEL_PATH") or None
+        "--model-path",
+        default=os.environ.get("RERANK_MODEL_PATH") or None,
+        help="a GGUF file, or hf:ORG/REPO[/FILE.gguf] to fetch (default: MiniLM-L6)",
     )
     parser.add_argument(
         "--embedding-model",
         action="store_true",
-        help="also convert MiniLM-L6 to GGUF for the embedding backend "
-        "(installs torch into a venv in the cache, once)",
+        help="MiniLM-L6 for the embedding backend: the default model, always prepared",
+    )
+    parser.add_argument(
+        "--chat-model",
+        action="store_true",
+        help="also fetch SmolLM2-135M-Instruct, the small chat model of the tests of the "
+        "chat and completion paths",
     )
     parser.add_argument(
         "--rank-head-model",
@@ -255,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.cache_dir.expanduser(),
             args.llama_server,
             args.model_path,
-            embedding=args.embedding_model,
+            chat=args.chat_model,
             rank_head=args.rank_head_model,
             amx_mode=LlamaAmx(raw),
             speed_twin=twin,

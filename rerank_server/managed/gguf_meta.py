@@ -1,6 +1,6 @@
-"""What a GGUF file says of itself: its header's key/value metadata, without its tensors.
+"""What a GGUF file says of itself: its header's metadata and tensor entries.
 
-Managed mode reads it to tell a reranker from a chat model (`reranker_kind`).
+Managed mode reads it to choose a scoring path (`managed/scoring_path.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import IO, Any
 
 MAGIC = b"GGUF"
 MAX_KEYS = 100_000
+MAX_TENSORS = 1_000_000
 MAX_KEPT_ARRAY = 64  # arrays longer than this are skipped (vocabularies, merges)
 MAX_KEPT_STRING = 64 * 1024  # a chat template is a few KB; longer strings are cut
 _SCALARS = {
@@ -29,6 +30,8 @@ _SCALARS = {
 }
 STRING, ARRAY = 8, 9
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
+TOKENS_KEY = "tokenizer.ggml.tokens"
+ANSWER_TOKENS = ("yes", "no")  # a Qwen3-Reranker's head: these two rows of its LM head
 
 
 class GgufError(ValueError):
@@ -36,19 +39,41 @@ class GgufError(ValueError):
 
 
 @dataclass(frozen=True)
-class Reranker:
-    """A GGUF made for reranking: `rank_head` when llama-server --rerank can serve it
-    (rank pooling), else a causal LM prompted as one (`chat`/`completion` paths)."""
+class Tensor:
+    """A tensor's entry in the header: its shape (ggml order, fastest first), its ggml
+    type and where its data starts in the file."""
 
-    rank_head: bool
-    why: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Gguf:
+    """A GGUF's header: metadata, tensor entries, and the ids of "yes" and "no" in its
+    vocabulary (the vocabulary itself is not kept)."""
+
+    path: Path
+    meta: dict[str, Any]
+    tensors: dict[str, Tensor]
+    answer_ids: dict[str, int]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.meta.get("general.architecture", ""))
 
 
 def read(path: Path) -> dict[str, Any]:
-    """The metadata of the GGUF at `path` (skipped arrays read as None).
+    """The metadata of the GGUF at `path` (skipped arrays read as None)."""
+    return read_header(path).meta
+
+
+def read_header(path: Path) -> Gguf:
+    """The header of the GGUF at `path`: metadata, then the tensor entries.
 
     The format (ggml's docs/gguf.md): "GGUF", a version (2 or 3), the tensor and key
-    counts, then each key as a length-prefixed UTF-8 string, a value type and the value.
+    counts, then each key as a length-prefixed UTF-8 string, a value type and the value;
+    then each tensor's name, dimensions, type and offset; the data after that, aligned.
     Arrays are kept only when short (a vocabulary is 150,000 strings), strings up to a
     cap. Nothing here trusts the file: a count or length past what it can hold is an error.
     """
@@ -58,15 +83,44 @@ def read(path: Path) -> dict[str, Any]:
         version = _unpack(f, "<I")
         if version not in (2, 3):
             raise GgufError(f"{path}: GGUF version {version} is not 2 or 3")
-        _unpack(f, "<Q")  # tensors
+        n_tensors = _unpack(f, "<Q")
         count = _unpack(f, "<Q")
         if count > MAX_KEYS:
             raise GgufError(f"{path}: {count} metadata keys")
-        out: dict[str, Any] = {}
+        if n_tensors > MAX_TENSORS:
+            raise GgufError(f"{path}: {n_tensors} tensors")
+        meta: dict[str, Any] = {}
+        answers: dict[str, int] = {}
         for _ in range(count):
             key = _string(f, 1024)
-            out[key] = _value(f, _unpack(f, "<I"))
-        return out
+            kind = _unpack(f, "<I")
+            if key == TOKENS_KEY and kind == ARRAY:
+                meta[key] = _vocabulary(f, answers)
+            else:
+                meta[key] = _value(f, kind)
+        entries: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(n_tensors):
+            name = _string(f, 1024)
+            dims = _unpack(f, "<I")
+            if dims > 8:
+                raise GgufError(f"{path}: tensor {name} has {dims} dimensions")
+            shape = tuple(_unpack(f, "<Q") for _ in range(dims))
+            entries.append((name, shape, _unpack(f, "<I"), _unpack(f, "<Q")))
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise GgufError(f"{path}: general.alignment is {alignment!r}")
+        start = -(-f.tell() // alignment) * alignment
+    tensors = {name: Tensor(shape, kind, start + at) for name, shape, kind, at in entries}
+    return Gguf(path, meta, tensors, answers)
+
+
+@dataclass(frozen=True)
+class Reranker:
+    """A GGUF made for reranking: `rank_head` when llama-server --rerank can serve it
+    (rank pooling), else a causal LM prompted as one (`chat`/`completion` paths)."""
+
+    rank_head: bool
+    why: str
 
 
 def reranker_kind(meta: dict[str, Any]) -> Reranker | None:
@@ -82,6 +136,21 @@ def reranker_kind(meta: dict[str, Any]) -> Reranker | None:
     if "reranker" in name.lower():
         return Reranker(False, f"general.name is {name!r}")
     return None
+
+
+def _vocabulary(f: IO[bytes], answers: dict[str, int]) -> list[Any] | None:
+    """The tokens array, kept when short; the ids of "yes" and "no" noted either way."""
+    item, length = _unpack(f, "<I"), _unpack(f, "<Q")
+    if item != STRING:
+        raise GgufError(f"{TOKENS_KEY} is an array of type {item}, not of strings")
+    kept: list[Any] | None = [] if length <= MAX_KEPT_ARRAY else None
+    for i in range(length):
+        token = _string(f, 64)
+        if token in ANSWER_TOKENS and token not in answers:
+            answers[token] = i
+        if kept is not None:
+            kept.append(token)
+    return kept
 
 
 def _unpack(f: IO[bytes], fmt: str) -> Any:

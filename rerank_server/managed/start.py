@@ -1,5 +1,5 @@
-"""Managed mode's start: the assets resolved, the scoring path chosen by the model, and
-the supervised llama-server started (`ManagedLlamaServer`)."""
+"""Managed mode's start: the assets resolved (a model fetched by name too), the scoring
+path chosen by the model, and the supervised llama-server started."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import structlog
 from ..domain import BackendKind
 from ..observability.instruments import Adder
 from ..settings import LlamaAmx, ManagedBackend, Settings
-from . import assets, gguf_meta, llama_build
+from . import assets, llama_build, scoring_path
+from .downloads import STAND_IN_MODEL
+from .gguf_meta import GgufError
 from .llama_server import ManagedLlamaServer
 from .output_log import prune
+from .scoring_path import ScoringPath
 
 log = structlog.get_logger(__name__)
 
@@ -37,20 +40,30 @@ def default_log_path(cache_dir: Path) -> Path:
 async def start_managed(
     settings: Settings,
     restart_counter: Adder | None = None,
+    name: str = "",
 ) -> tuple[Settings, ManagedLlamaServer]:
     """Prepare assets, start llama-server, and return the settings pointed at it;
-    `restart_counter` counts its restarts."""
+    `restart_counter` counts its restarts; `name`: the served model's (in log lines)."""
     cache = settings.cache_dir
     binary, model = await asyncio.to_thread(
         _resolve_assets, cache, settings.llama_server, settings.model_path, settings.llama_amx
     )
-    backend, scoring_args = _scoring_path(settings, model)
+    path = _scoring_path(settings, model, name)
+    ctx_per_slot = settings.llama_ctx_per_slot
+    if path.context_length is not None and path.context_length < ctx_per_slot:
+        # An encoder's position table ends at its context length: a longer slot would
+        # let a sequence run past it.
+        ctx_per_slot = path.context_length
+    extra = [*split_args(settings.llama_args), *path.llama_args]
+    if path.context_length is not None and not any(a in ("-ub", "--ubatch-size") for a in extra):
+        # An encoder reads a sequence in one physical batch: it must hold a whole slot.
+        extra += ["-b", str(max(ctx_per_slot, 512)), "-ub", str(max(ctx_per_slot, 512))]
     managed = ManagedLlamaServer(
         binary,
         model,
         slots=settings.llama_slots or settings.concurrency,
-        ctx_per_slot=settings.llama_ctx_per_slot,
-        extra_args=[*split_args(settings.llama_args), *scoring_args],
+        ctx_per_slot=ctx_per_slot,
+        extra_args=extra,
         log_path=default_log_path(cache),
         ready_timeout_s=settings.llama_ready_timeout_s,
         restart_counter=restart_counter,
@@ -58,8 +71,8 @@ async def start_managed(
         amx_free_build=llama_build.is_amx_free_build(binary, cache),
     )
     await managed.start()
-    changes: dict[str, object] = {"backend_url": managed.url, "backend": backend}
-    if not settings.model_path and settings.assistant_prefill:
+    changes: dict[str, object] = {"backend_url": managed.url, "backend": path.backend}
+    if model.name == STAND_IN_MODEL.name and settings.assistant_prefill:
         # The stand-in chat model does not know Qwen3-Reranker's think block: with it, no
         # yes/no token reaches its top logprobs and every pair would fail.
         changes["assistant_prefill"] = False
@@ -67,35 +80,48 @@ async def start_managed(
     return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
 
 
-RERANKER_PATH_WHY = (
-    "completion: prompt arrays, each slot reusing the prompt prefix the "
-    "request's passages share, scored 40 passages 2.2x faster than "
-    "llama-server --rerank on the CPU"
-)
-
-
-def _scoring_path(settings: Settings, model: Path) -> tuple[BackendKind, list[str]]:
-    """The backend managed mode scores by, and what llama-server needs for it; said in one
-    `managed_backend` line."""
+def _scoring_path(settings: Settings, model: Path, name: str = "") -> ScoringPath:
+    """The backend managed mode scores `model` by, and what llama-server needs for it;
+    said in one `managed_backend` line. The operator's `--managed-backend` (or
+    `--backend`) wins; else the file's metadata decides; else `--backend`."""
     chosen = settings.managed_backend
-    if chosen is not ManagedBackend.AUTO:
-        backend, why = BackendKind(chosen.value), "--managed-backend"
-    elif not settings.model_path:
-        backend, why = settings.backend, "the stand-in model"
+    try:
+        found = scoring_path.read_path(model)
+    except (OSError, GgufError) as exc:
+        found, unread = None, f"its metadata could not be read ({exc})"
     else:
-        try:
-            kind = gguf_meta.reranker_kind(gguf_meta.read(model))
-        except (OSError, gguf_meta.GgufError) as exc:
-            kind, unread = None, f"its metadata could not be read ({exc})"
-        else:
-            unread = "not a reranker GGUF"
-        if kind is None:
-            backend, why = settings.backend, f"{unread}: --backend"
-        else:
-            backend, why = BackendKind.COMPLETION, f"{kind.why}; {RERANKER_PATH_WHY}"
-    args = ["--rerank"] if backend is BackendKind.RERANK else []
-    log.info("managed_backend", backend=backend.value, model=model.name, reason=why)
-    return backend, args
+        unread = "not a reranker, cross-encoder or embedding GGUF"
+    if chosen is not ManagedBackend.AUTO:
+        backend = BackendKind(chosen.value)
+        path = ScoringPath(
+            backend,
+            "the operator's --managed-backend / --backend",
+            _args_for(backend, found),
+            found.context_length if found else None,
+        )
+    elif found is not None:
+        path = found
+    else:
+        path = ScoringPath(settings.backend, f"{unread}: --backend")
+    log.info(
+        "managed_backend",
+        backend=path.backend.value,
+        model=model.name,
+        served_as=name or None,
+        reason=path.why,
+    )
+    return path
+
+
+def _args_for(backend: BackendKind, found: ScoringPath | None) -> tuple[str, ...]:
+    """llama-server's arguments for a path the operator chose."""
+    if found is not None and found.backend is backend:
+        return found.llama_args
+    if backend is BackendKind.RERANK:
+        return ("--rerank",)
+    if backend is BackendKind.EMBEDDING:
+        return ("--embedding",)
+    return ()
 
 
 def _resolve_assets(
@@ -105,7 +131,5 @@ def _resolve_assets(
         binary = llama_build.resolve_llama_server(
             Path(llama_server) if llama_server else None, cache, build=True, amx_mode=amx_mode
         )
-        model = assets.resolve_model(
-            Path(model_path) if model_path else None, cache, fetch_missing=True
-        )
+        model = assets.resolve_model(model_path or None, cache, fetch_missing=True)
     return binary, model

@@ -173,6 +173,7 @@ def rpc_answered(rpc: str, s: RerankSummary, returned: int, **extra: Any) -> Non
         blend_profile=s.blend_profile or None,
         reranker_weight=None if s.reranker_weight is None else round(s.reranker_weight, 3),
         backend=s.backend,
+        model=s.model or None,
         total_ms=round(s.total_ms, 2),
         scoring_ms=round(s.scoring_ms, 2),
         **extra,

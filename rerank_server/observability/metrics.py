@@ -38,6 +38,7 @@ HTTP_METHOD = "http.request.method"
 HTTP_STATUS = "http.response.status_code"
 ERROR_TYPE = "error.type"
 BACKEND = "rerank.backend"
+MODEL = "rerank.model"  # the served model (`--model NAME=SOURCE`), or the backend's name
 REASON = "rerank.degraded_reason"
 RERANKED = "rerank.reranked"
 PAIR_OUTCOME = "rerank.pair.outcome"
@@ -148,7 +149,7 @@ class Metrics:
             "rerank.requests",
             "{request}",
             "Rerank requests answered, by whether they were reranked and why not.",
-            keys=(RERANKED, REASON, BACKEND),
+            keys=(RERANKED, REASON, BACKEND, MODEL),
         )
         self.candidates = make.histogram(
             "rerank.request.candidates",
@@ -167,7 +168,7 @@ class Metrics:
             "{pair}",
             "Query-document pairs by outcome: scored (by the backend), cached (from the "
             "score cache), failed (error.type says how).",
-            keys=(PAIR_OUTCOME, BACKEND, ERROR_TYPE),
+            keys=(PAIR_OUTCOME, BACKEND, MODEL, ERROR_TYPE),
         )
         self.duration = make.histogram(
             "rerank.request.duration",
@@ -285,21 +286,39 @@ class Metrics:
     def record_rerank(self, summary: RerankSummary) -> None:
         """Everything one answered rerank request contributes."""
         reason = summary.degraded.code.value if summary.degraded else "none"
-        self.requests.add(1, {RERANKED: summary.reranked, REASON: reason, BACKEND: summary.backend})
+        self.requests.add(
+            1,
+            {
+                RERANKED: summary.reranked,
+                REASON: reason,
+                BACKEND: summary.backend,
+                MODEL: summary.model,
+            },
+        )
         self.candidates.record(summary.candidates)
         self.pairs_scored.record(summary.scored)
         if summary.scored - summary.cached:
             self.pairs.add(
-                summary.scored - summary.cached, {PAIR_OUTCOME: "scored", BACKEND: summary.backend}
+                summary.scored - summary.cached,
+                {PAIR_OUTCOME: "scored", BACKEND: summary.backend, MODEL: summary.model},
             )
         if summary.cached:
-            self.pairs.add(summary.cached, {PAIR_OUTCOME: "cached", BACKEND: summary.backend})
+            self.pairs.add(
+                summary.cached,
+                {PAIR_OUTCOME: "cached", BACKEND: summary.backend, MODEL: summary.model},
+            )
         if summary.threshold is not None:
             self.threshold.record(summary.threshold.threshold)
             self.threshold_steps.record(summary.threshold.steps)
         for failure, n in summary.failures.items():
             self.pairs.add(
-                n, {PAIR_OUTCOME: "failed", ERROR_TYPE: failure, BACKEND: summary.backend}
+                n,
+                {
+                    PAIR_OUTCOME: "failed",
+                    ERROR_TYPE: failure,
+                    BACKEND: summary.backend,
+                    MODEL: summary.model,
+                },
             )
         if summary.reranker_weight is not None:
             self.reranker_weight.record(

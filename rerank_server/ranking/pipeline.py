@@ -48,9 +48,14 @@ class Reranker:
         cache: ScoreCache | None = None,
         blends: BlendResolver | None = None,
         loop_lag: Callable[[], float] = lambda: 0.0,
+        name: str = "",
     ) -> None:
         self.rules = rules
         self.scorer = scorer
+        # The name the model is served by (`--model NAME=SOURCE`), reported in answers
+        # and keying its cached scores apart from another served model's; "" when the
+        # server names none: the backend's own name for its model is reported.
+        self.name = name
         self.telemetry = telemetry or Telemetry.disabled()
         self.cache = cache if cache is not None else ScoreCache(0, 0)
         self.blends = blends or BlendResolver(blend_profiles.load())
@@ -252,7 +257,7 @@ class Reranker:
         """What a cached score is keyed by besides its text."""
         return Scope(
             self.scorer.kind,
-            self.scorer.model,
+            self._cache_model(),
             request.instruction,
             request.query,
             request.max_tokens_per_doc,
@@ -287,12 +292,22 @@ class Reranker:
         under the logits' key."""
         if self.scorer.variant != scope.variant:
             return
-        model = self.scorer.model
+        model = self._cache_model()
         self.cache.store(
             looked_up,
             scope if model == scope.model else dataclasses.replace(scope, model=model),
             fresh,
         )
+
+    def _cache_model(self) -> str:
+        """The model a cached score belongs to: the served name too, so that two served
+        models whose backends report one name (two files called model.gguf) share none."""
+        return f"{self.name}/{self.scorer.model}" if self.name else self.scorer.model
+
+    @property
+    def model(self) -> str:
+        """The model's name in answers, logs and metrics."""
+        return self.name or self.scorer.model
 
     def _settle(
         self, emitter: Emitter, ranking: IncrementalRanking, blend: Callable[[], Blend]
@@ -329,7 +344,7 @@ class Reranker:
             reranked=outcome.scored > 0,
             degraded_reasons=tuple(r for r in reasons if r is not None),
             backend=self.scorer.kind,
-            model=self.scorer.model,
+            model=self.model,
             blend=blend.strategy,
             candidates=request.occurrences,
             submitted=outcome.submitted,

@@ -565,6 +565,7 @@ class RerankRequest(_message.Message):
     INSTRUCTION_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
     LISTS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's identifier for the request; echoed back in the response and logged. The
     server generates one when empty. Needed to match responses in `RerankBatch`.
@@ -576,6 +577,12 @@ class RerankRequest(_message.Message):
     instruction: _builtins.str
     """Task instruction for the scorer, e.g. "Given a web search query, retrieve relevant
     passages". The server's default applies when absent.
+    """
+    model: _builtins.str
+    """Which served model ranks the request, by name or alias (`--model NAME=SOURCE`).
+    With one model served any name is accepted; with several, empty means the default
+    and an unknown name is NOT_FOUND, its message listing the served names (unless the
+    operator named a default, which then answers). See docs/models.md.
     """
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]:
@@ -602,10 +609,11 @@ class RerankRequest(_message.Message):
         instruction: _builtins.str | None = ...,
         options: Global___RerankOptions | None = ...,
         lists: _abc.Iterable[Global___RankedList] | None = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_instruction", b"_instruction", "instruction", b"instruction", "options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instruction", b"_instruction", "candidates", b"candidates", "instruction", b"instruction", "lists", b"lists", "options", b"options", "query", b"query", "request_id", b"request_id", "top_k", b"top_k"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instruction", b"_instruction", "candidates", b"candidates", "instruction", b"instruction", "lists", b"lists", "model", b"model", "options", b"options", "query", b"query", "request_id", b"request_id", "top_k", b"top_k"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__instruction: _TypeAlias = _typing.Literal["instruction"]  # noqa: Y015
     _WhichOneofArgType__instruction: _TypeAlias = _typing.Literal["_instruction", b"_instruction"]  # noqa: Y015
@@ -906,7 +914,9 @@ class RerankSummary(_message.Message):
     backend: _builtins.str
     """Backend kind that scored the request, e.g. "chat"."""
     model: _builtins.str
-    """Model name the backend reported or was configured with."""
+    """The served model's name (`--model NAME=SOURCE`); with none named, the model name
+    the backend reported or was configured with.
+    """
     blend_strategy: Global___BlendStrategy.ValueType
     """The strategy that blended the scores."""
     blend_profile: _builtins.str
