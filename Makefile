@@ -34,11 +34,11 @@ install: $(DEV_STAMP)
 assets: install-serve
 	$(BIN)/rerank-server prepare
 
-# The tests also drive the embedding backend (MiniLM-L6 converted to GGUF) and the rerank
-# backend (MiniLM-L6 with an untrained rank head, for llama-server --rerank): about a
-# minute each, once.
+# The tests also drive the chat and completion paths (SmolLM2-135M-Instruct) and the
+# rerank backend (MiniLM-L6 with an untrained rank head, for llama-server --rerank, made
+# with llama.cpp's converter in a venv with torch): minutes, once.
 test-assets: install
-	$(BIN)/rerank-server prepare --embedding-model --rank-head-model
+	$(BIN)/rerank-server prepare --chat-model --rank-head-model
 
 run: assets
 	@echo

@@ -139,7 +139,7 @@ def llama_server(slots: int, extra: Sequence[str] = ()) -> Iterator[str]:
     settings = load([])  # RERANK_CACHE_DIR and RERANK_LLAMA_AMX, as `prepare` reads them
     cache = settings.cache_dir
     binary = llama_build.resolve_llama_server(None, cache, build=False, amx_mode=settings.llama_amx)
-    model = assets.resolve_model(None, cache, fetch_missing=False)
+    model = assets.resolve_stand_in(cache, fetch_missing=False)
     # As managed mode runs it: without the host-memory prompt cache, which grows toward
     # its 8 GiB bound over a run and slows every task as it grows (docs/decisions.md).
     args = ["-np", str(slots), "-c", str(slots * 2048), *RAM_CACHE_OFF, *extra]

@@ -110,7 +110,7 @@ def _eager_setting(args: argparse.Namespace, external: bool) -> Eager:
         return Eager(skipped="--no-eager")
     cache = load([]).cache_dir
     model_path = args.eager_model or (
-        None if external else assets.resolve_model(None, cache, fetch_missing=False)
+        None if external else assets.resolve_stand_in(cache, fetch_missing=False)
     )
     if model_path is None:
         return Eager(skipped="--eager-model names the GGUF that --backend-url serves")

@@ -136,6 +136,7 @@ def add_operation_routes(app: FastAPI, operations: OperationEndpoints) -> None:
         operations.models,
         methods=["GET"],
         response_model=m.ModelList,
+        response_model_exclude_none=True,
         tags=["operations"],
         responses={401: {"model": m.Error}},
     )

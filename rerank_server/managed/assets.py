@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..settings import LlamaAmx, default_cache_dir, env_name
+from . import hub
 from .converted import (
     MINILM_WHEEL,
     SPEED_TWIN_TYPES,
@@ -59,8 +60,6 @@ def resolve_model(
     or the embedded default, MiniLM-L6 for the `embedding` backend (made in the cache
     when missing and `fetch_missing`)."""
     if explicit is not None and str(explicit).startswith("hf:"):
-        from . import hub  # TEMP until hub.py lands
-
         return hub.fetch(hub.HubSource.parse(str(explicit)), cache)
     if explicit is not None:
         path = Path(explicit).expanduser()

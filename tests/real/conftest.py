@@ -39,7 +39,7 @@ def assets_or_fail() -> tuple[Path, Path]:
         binary = llama_build.resolve_llama_server(
             Path(explicit) if explicit else None, cache, build=False, amx_mode=loaded.llama_amx
         )
-        model = assets.resolve_model(None, cache, fetch_missing=False)
+        model = assets.resolve_stand_in(cache, fetch_missing=False)
     except downloads.AssetError as exc:
         pytest.fail(f"real-backend assets missing: {exc}", pytrace=False)
     return binary, model

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from rerank_server.managed import llama_build
+from rerank_server import settings
+from rerank_server.managed import converted, llama_build
 from rerank_server.managed.child_process import free_port
 from rerank_server.managed.llama_server import ManagedLlamaServer
 from tests.conftest import client_of
@@ -58,9 +59,9 @@ def _launches(script: Path) -> list[str]:
 
 
 def _env(cache: Path, script: Path, *extra: str) -> dict[str, str]:
-    """The server's environment: `cache` holds the stand-in model where `make run` finds
-    it, and `script` is the llama-server to run."""
-    _, model = assets_or_fail()
+    """The server's environment: `cache` holds the default model (MiniLM-L6) where `make
+    run` finds it, and `script` is the llama-server to run."""
+    model = converted.embedding_model_path(settings.load([]).cache_dir)
     (cache / "models").mkdir(exist_ok=True)
     (cache / "models" / model.name).symlink_to(model)
     env = {
