@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,11 +67,29 @@ def logging_as_it_was() -> Iterator[None]:
             lg.filters[:], lg.handlers[:] = before.get(name, ([], []))
 
 
-@pytest.fixture
-async def server(start_server: StartServer, real_embedding: RealLlama) -> RunningServer:
-    running = await start_server(
-        backend="embedding", backend_url=real_embedding.url, http_port=free_port()
-    )
+@pytest.fixture(params=["one model", "two models"])
+async def server(
+    request: pytest.FixtureRequest,
+    start_server: StartServer,
+    real_embedding: RealLlama,
+    tmp_path: Path,
+) -> RunningServer:
+    """One model, any name accepted; or two, MiniLM the operator's default, which the
+    clients' own model names ("rerank-v3.5", ...) reach."""
+    if request.param == "one model":
+        running = await start_server(
+            backend="embedding", backend_url=real_embedding.url, http_port=free_port()
+        )
+    else:
+        real_rank_head: RealLlama = request.getfixturevalue("real_rank_head")
+        models = tmp_path / "models.toml"
+        models.write_text(
+            'default = "minilm"\n'
+            f'[models.minilm]\nsource = "{real_embedding.url}"\nbackend = "embedding"\n'
+            f'[models.untrained]\nsource = "{real_rank_head.url}"\nbackend = "rerank"\n'
+        )
+        running = await start_server(models_file=str(models), http_port=free_port())
+        assert running.models.names == ["minilm", "untrained"]
     await asyncio.wait_for(running.monitor.ready.wait(), 30)  # the model's name is known
     return running
 

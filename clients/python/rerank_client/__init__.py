@@ -4,6 +4,7 @@ from .client import AsyncRerankClient, InsecureTokenWarning, RerankClient, chann
 from .errors import (
     DeadlineExceededError,
     InvalidRequestError,
+    ModelNotFoundError,
     RerankError,
     ServerBusyError,
     UnavailableError,
@@ -26,6 +27,7 @@ __all__ = [
     "DeadlineExceededError",
     "InsecureTokenWarning",
     "InvalidRequestError",
+    "ModelNotFoundError",
     "RankedList",
     "RerankAnswer",
     "RerankClient",

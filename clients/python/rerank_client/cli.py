@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="JSONL file of candidates ('-' for stdin)")
     p.add_argument("--top-k", type=int, default=0, help="results to return (0: all)")
     p.add_argument("--instruction", help="task instruction for the scorer")
+    p.add_argument("--model", default="", help="the served model to rank with, by name")
     p.add_argument("--blend", choices=sorted(BLEND_STRATEGIES), help="blend strategy")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
     p.add_argument(
@@ -140,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options: dict[str, Any] = {
         "top_k": args.top_k,
         "instruction": args.instruction,
+        "model": args.model,
         "blend_strategy": args.blend,
         "always_score": args.always_score,
     }

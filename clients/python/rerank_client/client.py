@@ -228,8 +228,9 @@ class AsyncRerankClient(_Calls):
         metadata: Metadata | None = None,
         **options: Any,
     ) -> RerankAnswer:
-        """Rerank `candidates` for `query`. `options`: top_k, instruction, request_id,
-        blend_strategy, max_candidates, max_chunk_chars, timeout_ms, return_text.
+        """Rerank `candidates` for `query`. `options`: model (a served model's name),
+        top_k, instruction, request_id, blend_strategy, max_candidates, max_chunk_chars,
+        timeout_ms, return_text, and the rest of `build_request`'s.
         `metadata` goes out with the call (a W3C `traceparent` continues your trace)."""
         request = build_request(query, candidates, **options)
         try:

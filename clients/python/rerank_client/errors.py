@@ -20,6 +20,11 @@ class InvalidRequestError(RerankError):
     """The request broke a rule (INVALID_ARGUMENT); the message names the field. Fix it."""
 
 
+class ModelNotFoundError(RerankError):
+    """The request named a model the server does not serve (NOT_FOUND); the message
+    lists those it does."""
+
+
 class ServerBusyError(RerankError):
     """The server is shedding load (RESOURCE_EXHAUSTED). Retry later, with back-off."""
 
@@ -34,6 +39,7 @@ class DeadlineExceededError(RerankError):
 
 _BY_CODE: dict[grpc.StatusCode, type[RerankError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ServerBusyError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,

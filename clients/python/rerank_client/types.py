@@ -373,6 +373,7 @@ def build_request(
     score_kind: str = "auto",
     max_tokens_per_doc: int | None = None,
     always_score: bool = False,
+    model: str = "",
 ) -> pb.RerankRequest:
     """The wire request; raises ValueError for an unknown strategy, kind or mode name, or
     a number out of its field's range, and TypeError for a candidate of another type."""
@@ -406,7 +407,12 @@ def build_request(
         always_score=always_score,
     )
     request = pb.RerankRequest(
-        request_id=request_id, query=query, top_k=top_k, instruction=instruction, options=options
+        request_id=request_id,
+        query=query,
+        top_k=top_k,
+        instruction=instruction,
+        options=options,
+        model=model,
     )
     _add_wire(request.candidates, candidates)
     for lst in lists:
