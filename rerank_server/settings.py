@@ -606,7 +606,8 @@ class Settings:
     model_path: str = field(
         default="",
         metadata=_opt(
-            "GGUF model for managed mode (empty: the SmolLM2-135M stand-in from the cache).",
+            "GGUF model for managed mode, a file or hf:ORG/REPO[/FILE.gguf] (empty: "
+            "MiniLM-L6, prepared in the cache).",
             group="managed",
         ),
     )

@@ -184,7 +184,13 @@ class Reranker:
             )
             with self.admission.sent(len(pending)) as sent:
                 async for arrived in score_within(
-                    self.scorer, pairs, budget, self.telemetry.tracer, self.stopping, request_span
+                    self.scorer,
+                    pairs,
+                    budget,
+                    self.telemetry.tracer,
+                    self.stopping,
+                    request_span,
+                    self.model,
                 ):
                     sent.back(len(arrived))
                     ranking.resolve_all(_count(arrived, pending, scored_set, outcome, fresh))

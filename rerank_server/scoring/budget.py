@@ -99,6 +99,7 @@ async def score_within(
     tracer: trace.Tracer,
     stop: StopSignal | None = None,
     span: trace.Span | None = None,
+    model: str = "",
 ) -> AsyncIterator[list[PairOutcome]]:
     """The pairs' outcomes as they arrive, each exactly once; those left when `budget`
     runs out as timeouts, and those left when `stop` is set (the server is shutting
@@ -106,7 +107,8 @@ async def score_within(
 
     Traced in a `rerank.score` span of its own, or, given `span` (the request's own span,
     current here), in that one: its attributes go there and the backend calls continue
-    it, one span fewer per request.
+    it, one span fewer per request. `model`: the served model's name for the span
+    (default: what the scorer calls its model).
 
     A scorer that returns without reporting every pair fails the rest as malformed, one
     that crashes as a backend error: backend trouble never raises here.
@@ -192,7 +194,7 @@ async def score_within(
             span.set_attributes(
                 {
                     **attributes,
-                    "rerank.model": scorer.model,
+                    "rerank.model": model or scorer.model,
                     "rerank.scored": scored,
                     "rerank.failed": failed,
                 }

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -46,27 +48,33 @@ def hub() -> Iterator[FakeHub]:
     fake.stop()
 
 
+def two_models(hub: FakeHub) -> list[str]:
+    _, chat_model = assets_or_fail()
+    return [
+        *("--llama-ctx-per-slot", "1024", "--concurrency", "2"),
+        *("--model", f"mini=hf:{REPO}/{FILE}", "--model", f"chat={chat_model}"),
+    ]
+
+
 @asynccontextmanager
 async def serving(
-    cache: Path, hub: FakeHub, *extra: str, **env: str
+    cache: Path, args: list[str], logs: Path, **env: str
 ) -> AsyncIterator[tuple[int, int, Path]]:
-    """(gRPC port, HTTP port, stderr file) of the server, once it answers `/health`."""
-    binary, chat_model = assets_or_fail()
+    """(gRPC port, HTTP port, stderr file) of `rerank-server --managed ARGS` with its
+    assets in `cache`, once it answers `/health`."""
+    binary, _ = assets_or_fail()
     port, http_port = free_port(), free_port()
-    stderr = cache / f"stderr-{port}.txt"
+    stderr = logs / f"stderr-{port}.txt"
     full = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("HF_", "RERANK_"))},
         "RERANK_CACHE_DIR": str(cache),
         "RERANK_LLAMA_SERVER": str(binary),
         "RERANK_LOG_FORMAT": "json",
-        "HF_ENDPOINT": hub.url,
         **env,
     }
     args = [
         *("--managed", "--port", str(port), "--http-port", str(http_port)),
-        *("--metrics-port", "0", "--llama-ctx-per-slot", "1024", "--concurrency", "2"),
-        *("--model", f"mini=hf:{REPO}/{FILE}", "--model", f"chat={chat_model}"),
-        *extra,
+        *("--metrics-port", "0", *args),
     ]
     with stderr.open("wb") as err:
         proc = subprocess.Popen(  # noqa: ASYNC220 (waited for below, off the loop)
@@ -111,7 +119,8 @@ async def rerank_json(http_port: int, **body: Any) -> httpx.Response:
 async def test_two_models_fetched_served_and_routed_then_started_offline(
     tmp_path: Path, hub: FakeHub
 ) -> None:
-    async with serving(tmp_path, hub) as (port, http_port, stderr):
+    fetch = {"HF_ENDPOINT": hub.url}
+    async with serving(tmp_path, two_models(hub), tmp_path, **fetch) as (port, http_port, stderr):
         said = stderr.read_text()
         assert f"downloading {REPO}/{FILE}" in said and "downloaded" in said, said[-2000:]
         mini = (await rerank_json(http_port, model="mini")).json()
@@ -138,7 +147,33 @@ async def test_two_models_fetched_served_and_routed_then_started_offline(
     fetched = len(hub.requests("GET", REPO, FILE))
     assert fetched >= 1
     calls = len(hub.calls)
-    async with serving(tmp_path, hub, HF_HUB_OFFLINE="1") as (_, http_port, _):
+    offline = {**fetch, "HF_HUB_OFFLINE": "1"}
+    async with serving(tmp_path, two_models(hub), tmp_path, **offline) as (_, http_port, _):
         again = (await rerank_json(http_port, model="mini")).json()
         assert again["results"][0]["index"] == 2
     assert len(hub.calls) == calls, "an offline start asked the hub"
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+async def test_the_readmes_first_command_puts_the_cats_document_first(tmp_path: Path) -> None:
+    """`make run` (managed mode, the default model) and the README's client command, as
+    pasted: the cats document first, reranked by the model."""
+    command = re.search(r"```bash\n(\.venv/bin/rerank-client .*?)```", README.read_text(), re.S)
+    assert command is not None
+    argv = shlex.split(command.group(1).replace("\\\n", " "))
+    cache = settings.load([]).cache_dir
+    async with serving(cache, [], tmp_path) as (port, _, _):
+        client = Path(sys.executable).parent / "rerank-client"
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [str(client), *argv[1:], "--target", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    lines = shown.stdout.splitlines()
+    assert shown.returncode == 0, shown.stderr
+    assert lines[1].split(maxsplit=5)[-1] == "Cats are obligate carnivores that eat meat.", lines
+    assert lines[-1].startswith("reranked by embedding (all-MiniLM-L6-v2.f16.gguf)"), lines

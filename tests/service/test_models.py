@@ -14,10 +14,14 @@ from typing import Any
 import httpx
 import pytest
 import structlog
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from rerank_client import ModelNotFoundError
 
 from rerank_server.managed.child_process import free_port
-from rerank_server.server import RunningServer
+from rerank_server.observability.telemetry import Telemetry
+from rerank_server.server import RunningServer, build_server
+from rerank_server.settings import Settings
 from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 
@@ -176,3 +180,22 @@ async def test_each_model_logs_and_counts_under_its_name(
     models = [e["model"] for e in logged if e.get("event") == "rpc"]
     assert models == ["english", "BAAI/bge-reranker-v2-m3"]
     assert server.stacks[1].settings.concurrency == 2  # its own setting from the file
+
+
+async def test_spans_carry_the_served_model(
+    fake_llama: FakeLlamaServer, second_llama: FakeLlamaServer, tmp_path: Path
+) -> None:
+    exporter = InMemorySpanExporter()
+    path = models_file(
+        tmp_path, english={"source": fake_llama.url}, second={"source": second_llama.url}
+    )
+    settings = Settings(port=0, http_port=0, probe=False, metrics=False, models_file=path)
+    telemetry = Telemetry.create(settings, span_processor=SimpleSpanProcessor(exporter), environ={})
+    server = await build_server(settings, telemetry=telemetry)
+    try:
+        async with client_of(server) as client:
+            await client.rerank(QUERY, DOCS[:4], model="second")
+    finally:
+        await server.stop(grace=0)
+    models = {s.attributes.get("rerank.model") for s in exporter.get_finished_spans()}
+    assert "second" in models and "english" not in models
