@@ -60,11 +60,11 @@ def two_models(hub: FakeHub) -> list[str]:
 async def serving(
     cache: Path, args: list[str], logs: Path, **env: str
 ) -> AsyncIterator[tuple[int, int, Path]]:
-    """(gRPC port, HTTP port, stderr file) of `rerank-server --managed ARGS` with its
-    assets in `cache`, once it answers `/health`."""
+    """(gRPC port, HTTP port, output file: log lines and stderr) of `rerank-server
+    --managed ARGS` with its assets in `cache`, once it answers `/health`."""
     binary, _ = assets_or_fail()
     port, http_port = free_port(), free_port()
-    stderr = logs / f"stderr-{port}.txt"
+    stderr = logs / f"output-{port}.txt"
     full = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("HF_", "RERANK_"))},
         "RERANK_CACHE_DIR": str(cache),
@@ -80,8 +80,8 @@ async def serving(
         proc = subprocess.Popen(  # noqa: ASYNC220 (waited for below, off the loop)
             [sys.executable, "-m", "rerank_server", *args],
             env=full,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
+            stdout=err,
+            stderr=subprocess.STDOUT,
         )
     try:
         await _healthy(http_port, proc, stderr)
@@ -177,3 +177,18 @@ async def test_the_readmes_first_command_puts_the_cats_document_first(tmp_path: 
     assert shown.returncode == 0, shown.stderr
     assert lines[1].split(maxsplit=5)[-1] == "Cats are obligate carnivores that eat meat.", lines
     assert lines[-1].startswith("reranked by embedding (all-MiniLM-L6-v2.f16.gguf)"), lines
+
+
+async def test_a_cross_encoder_gguf_is_scored_by_rerank(tmp_path: Path) -> None:
+    """The suite's MiniLM with a classification head (no pooling key, `cls.output`
+    tensors) under managed mode: llama-server --rerank, every pair scored."""
+    head = converted.rank_head_model_path(settings.load([]).cache_dir)
+    async with serving(settings.load([]).cache_dir, ["--model", f"ce={head}"], tmp_path) as (
+        _,
+        http_port,
+        stderr,
+    ):
+        answer = (await rerank_json(http_port, model="ce")).json()
+        said = stderr.read_text()
+    assert answer["meta"]["backend"] == "rerank" and answer["meta"]["scored"] == len(DOCS)
+    assert "cross-encoder (bert, a classification head (cls.output.weight))" in said
