@@ -465,6 +465,36 @@ class Settings:
             "SQLite file that keeps scores across restarts (empty: memory only).", group="cache"
         ),
     )
+    cache_url: str = field(
+        default="",
+        metadata=_opt(
+            "Redis or Valkey shared by replicas for scores, behind the memory tier: "
+            "redis://[USER:PASSWORD@]HOST:6379/0, rediss:// for TLS (empty: none; "
+            'docs/deploy.md, "Scaling out"). Per-token limits are counted there too.',
+            group="cache",
+        ),
+    )
+    cache_timeout_ms: float = field(
+        default=5.0,
+        metadata=_opt(
+            "Longest a request waits for the shared cache (--cache-url); past it, its "
+            "lookups count as misses and scoring goes on.",
+            minimum=0.1,
+            group="cache",
+        ),
+    )
+    cache_key_prefix: str = field(
+        default="rerank:",
+        metadata=_opt("Prefix of every key rerank-server writes to --cache-url.", group="cache"),
+    )
+    cache_tls_ca: str = field(
+        default="",
+        metadata=_opt(
+            "PEM CA bundle that signed the shared cache's certificate (rediss://; empty: "
+            "the system's).",
+            group="cache",
+        ),
+    )
 
     # --- input limits
     max_request_candidates: int = field(
