@@ -8,7 +8,8 @@ fake serves:
   file, without the CDN redirect (the client reads the same headers either way): `ETag`
   and `X-Linked-Etag` (the sha256 of the bytes, which the client names the cached blob
   after), `X-Linked-Size`, `X-Repo-Commit`, `Content-Length`, `Accept-Ranges`; a `GET`
-  with `Range: bytes=N-` gets a 206 with the rest.
+  with `Range: bytes=N-` gets a 206 with the rest (or, with `ranges` off, a 200 with the
+  whole file, as a server without range support answers).
 - `GET /api/models/{repo}[/revision/{revision}]`: model info with `id`, `sha` and
   `siblings`.
 
@@ -43,8 +44,11 @@ class FakeHub:
     # fake refuses as the hub does a gated repository (`gated`) or a private one.
     token: str | None = None
     gated: bool = False
-    # The next file GET closes its connection after this many body bytes (once).
-    cut_after: int | None = None
+    # The next file GETs close their connections after these many body bytes, one a GET,
+    # as dropped connections would.
+    cuts: list[int] = field(default_factory=list)
+    # False: `Range` is ignored and every file GET gets the whole file with 200.
+    ranges: bool = True
     # File GETs send other bytes than the ones the headers describe (same length).
     corrupt: bool = False
     calls: list[Call] = field(default_factory=list)
@@ -180,7 +184,7 @@ class FakeHub:
         sha256 = hashlib.sha256(data).hexdigest()
         meta = {
             "Content-Type": "application/octet-stream",
-            "Accept-Ranges": "bytes",
+            "Accept-Ranges": "bytes" if self.ranges else "none",
             "ETag": f'"{sha256}"',
             "X-Linked-Etag": f'"{sha256}"',
             "X-Linked-Size": str(len(data)),
@@ -190,9 +194,9 @@ class FakeHub:
             _send(http, method, 200, meta, data)
             return
         with self._lock:
-            cut, self.cut_after = self.cut_after, None
+            cut = self.cuts.pop(0) if self.cuts else None
         body = bytes(b ^ 0xFF for b in data) if self.corrupt else data
-        start = _range_start(headers.get("range"))
+        start = _range_start(headers.get("range")) if self.ranges else 0
         status = 200
         if start:
             status = 206

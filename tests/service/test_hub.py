@@ -8,13 +8,19 @@ huggingface_hub was imported: that they take effect shows `fetch` reads them at 
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
+import os
 import random
 import re
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub
+import huggingface_hub.file_download
 import pytest
 
 from rerank_server.errors import ConfigError
@@ -24,6 +30,8 @@ from rerank_server.managed.hub import HubSource, fetch
 from tests.fakes.hub import FakeHub
 
 MIB = 1 << 20
+# What huggingface_hub receives before it writes, in the tests that set it (10 MiB else).
+CHUNK = 64 << 10
 
 
 def blob(size: int, seed: int = 0) -> bytes:
@@ -46,8 +54,46 @@ def get(source: str, cache: Path) -> Path:
 
 
 def blobs(cache: Path, repo: str = "org/model") -> list[Path]:
+    """Every file in the repository's `blobs/`: the blobs, and any partial or temporary file."""
     folder = cache / "hub" / f"models--{repo.replace('/', '--')}" / "blobs"
     return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub writes what it receives in chunks of 10 MiB: smaller ones let a
+    download of 1 MiB stop part way with something written."""
+    monkeypatch.setattr(huggingface_hub.constants, "DOWNLOAD_CHUNK_SIZE", CHUNK)
+
+
+class CtrlCOn:
+    """A stderr on which Ctrl-C is pressed when a progress line shows `text`: the
+    KeyboardInterrupt comes from inside the download, as a real one does."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def write(self, text: str) -> int:
+        if self.text in text:
+            raise KeyboardInterrupt
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def interrupted(source: str, cache: Path) -> Path:
+    """Fetch `source` into `cache` until Ctrl-C is pressed at 30%; the partial file left."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "stderr", CtrlCOn("30%"))
+        with pytest.raises(KeyboardInterrupt):
+            get(source, cache)
+    (partial,) = blobs(cache)
+    return partial
 
 
 @pytest.mark.parametrize(
@@ -174,7 +220,7 @@ def test_an_interrupted_download_resumes_with_a_range_request(
     from the end of the last whole chunk, so the cut comes after the first one."""
     data = blob(12 * MIB)
     hub.repos["org/model"] = {"m.gguf": data}
-    hub.cut_after = 11 * MIB
+    hub.cuts = [11 * MIB]
 
     path = get("hf:org/model/m.gguf", tmp_path)
 
@@ -184,6 +230,159 @@ def test_an_interrupted_download_resumes_with_a_range_request(
     assert second.headers["range"] == f"bytes={10 * MIB}-"
     assert [b.name for b in blobs(tmp_path)] == [path.resolve().name]  # no partial file left
     assert "downloading org/model/m.gguf: 80% (10.5 MB of 12.6 MB)" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_download_ended_by_ctrl_c_is_resumed_by_the_next_start(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = blob(MIB)
+    hub.repos["org/model"] = {"m.gguf": data}
+
+    partial = interrupted("hf:org/model/m.gguf", tmp_path)
+
+    assert partial.name == f"{sha256(data)}.rerank-partial"
+    kept = partial.stat().st_size
+    assert 0 < kept < len(data)
+    path = get("hf:org/model/m.gguf", tmp_path)
+    assert path.read_bytes() == data
+    first, second = hub.requests("GET", "org/model", "m.gguf")
+    assert "range" not in first.headers
+    assert second.headers["range"] == f"bytes={kept}-"
+    assert blobs(tmp_path) == [path.resolve()]  # the partial became the blob
+    err = capsys.readouterr().err
+    assert f"[prepare] resuming org/model/m.gguf at {kept / 1e6:.1f} MB of 1.0 MB from " in err
+    assert "[prepare] checking the sha256 of org/model/m.gguf (1.0 MB)" in err
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_download_given_up_on_a_dropping_connection_is_resumed_by_the_next_start(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection drops after three chunks, then at each retry before a whole chunk
+    comes, until the library gives up; the next start asks for the rest."""
+    monkeypatch.setattr(time, "sleep", lambda _s: None)  # the library's pause between tries
+    data = blob(MIB)
+    hub.repos["org/model"] = {"m.gguf": data}
+    hub.cuts = [3 * CHUNK + 1000, *[1000] * 20]
+
+    with pytest.raises(AssetError, match=r"cannot fetch .* \(RemoteProtocolError: "):
+        get("hf:org/model/m.gguf", tmp_path)
+
+    hub.cuts.clear()
+    (partial,) = blobs(tmp_path)
+    assert partial.stat().st_size == 3 * CHUNK
+    path = get("hf:org/model/m.gguf", tmp_path)
+    assert path.read_bytes() == data
+    assert hub.requests("GET", "org/model", "m.gguf")[-1].headers["range"] == f"bytes={3 * CHUNK}-"
+    assert blobs(tmp_path) == [path.resolve()]
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_partial_the_hub_answers_whole_is_downloaded_anew(hub: FakeHub, tmp_path: Path) -> None:
+    """A server that ignores `Range` sends the whole file with 200: it replaces the
+    partial instead of being appended to it."""
+    data = blob(MIB)
+    hub.repos["org/model"] = {"m.gguf": data}
+    interrupted("hf:org/model/m.gguf", tmp_path)
+    hub.ranges = False
+
+    path = get("hf:org/model/m.gguf", tmp_path)
+
+    assert path.read_bytes() == data
+    assert "range" in hub.requests("GET", "org/model", "m.gguf")[-1].headers
+    assert blobs(tmp_path) == [path.resolve()]
+
+
+def test_a_whole_partial_is_checked_and_placed_without_a_download(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """The process ended between the last byte and the move into place."""
+    data = blob(300_000)
+    hub.repos["org/model"] = {"m.gguf": data}
+    folder = tmp_path / "hub" / "models--org--model" / "blobs"
+    folder.mkdir(parents=True)
+    (folder / f"{sha256(data)}.rerank-partial").write_bytes(data)
+
+    assert get("hf:org/model/m.gguf", tmp_path).read_bytes() == data
+    assert hub.requests("GET", "org/model", "m.gguf") == []
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_resumed_download_is_in_the_cache_as_the_library_lays_it_out(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline, our fetch and the library's own find it: a relative link in the commit's
+    snapshot, and `refs/main` naming the commit."""
+    data = blob(MIB)
+    hub.repos["org/model"] = {"m.gguf": data}
+    commit = FakeHub.commit(hub.repos["org/model"])
+    interrupted("hf:org/model/m.gguf", tmp_path)
+    online = get("hf:org/model/m.gguf", tmp_path)
+    asked = len(hub.calls)
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    storage = tmp_path / "hub" / "models--org--model"
+    assert online == storage / "snapshots" / commit / "m.gguf"
+    assert os.readlink(online) == f"../../blobs/{sha256(data)}"
+    assert (storage / "refs" / "main").read_text() == commit
+    assert get("hf:org/model/m.gguf", tmp_path) == online
+    assert get("hf:org/model", tmp_path) == online
+    library = huggingface_hub.hf_hub_download(
+        "org/model", "m.gguf", cache_dir=tmp_path / "hub", local_files_only=True
+    )
+    assert library == str(online)
+    assert len(hub.calls) == asked
+
+
+def test_the_librarys_leftover_temporary_files_of_the_blob_are_removed(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """hf_hub_download's temporary file of a process killed mid-download is never reused;
+    another blob's is left alone."""
+    data = blob(300_000)
+    hub.repos["org/model"] = {"m.gguf": data}
+    folder = tmp_path / "hub" / "models--org--model" / "blobs"
+    folder.mkdir(parents=True)
+    (folder / f"{sha256(data)}.0a1b2c3d.incomplete").write_bytes(data[:1000])
+    other = folder / f"{sha256(b'other')}.4e5f6a7b.incomplete"
+    other.write_bytes(b"other")
+
+    path = get("hf:org/model/m.gguf", tmp_path)
+
+    assert blobs(tmp_path) == sorted([path.resolve(), other])
+
+
+def test_a_download_another_process_holds_is_waited_for(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two replicas sharing a cache: the second waits on the blob's lock, the one
+    hf_hub_download takes (`.locks/models--ORG--REPO/<sha256>.lock`), here held by flock."""
+    data = blob(300_000)
+    hub.repos["org/model"] = {"m.gguf": data}
+    lock = tmp_path / "hub" / ".locks" / "models--org--model" / f"{sha256(data)}.lock"
+    lock.parent.mkdir(parents=True)
+    fetched: dict[str, Path] = {}
+    fetch_in_thread = threading.Thread(
+        target=lambda: fetched.update(path=get("hf:org/model/m.gguf", tmp_path))
+    )
+
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        fetch_in_thread.start()
+        said, deadline = "", time.monotonic() + 10
+        while "waiting" not in said and time.monotonic() < deadline:
+            time.sleep(0.01)
+            said += capsys.readouterr().err
+        assert hub.requests("GET", "org/model", "m.gguf") == []
+
+    fetch_in_thread.join(10)
+    assert "[prepare] org/model/m.gguf: waiting for another process that is downloading it" in (
+        said
+    )
+    assert fetched["path"].read_bytes() == data
+    assert len(hub.requests("GET", "org/model", "m.gguf")) == 1
 
 
 def test_a_download_that_fails_the_checksum_is_deleted_and_fetched_anew(
@@ -196,12 +395,27 @@ def test_a_download_that_fails_the_checksum_is_deleted_and_fetched_anew(
     with pytest.raises(AssetError, match=r"hf:org/model/m.gguf: m.gguf does not match the sha256"):
         get("hf:org/model/m.gguf", tmp_path)
 
-    assert blobs(tmp_path) == []
+    assert blobs(tmp_path) == []  # neither the partial nor a blob
     snapshots = tmp_path / "hub" / "models--org--model" / "snapshots"
     assert [p for p in snapshots.rglob("*") if not p.is_dir()] == []
     hub.corrupt = False
     assert get("hf:org/model/m.gguf", tmp_path).read_bytes() == data
     assert len(hub.requests("GET", "org/model", "m.gguf")) == 2
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_resumed_download_that_fails_the_checksum_leaves_nothing(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.repos["org/model"] = {"m.gguf": blob(MIB)}
+    interrupted("hf:org/model/m.gguf", tmp_path)
+    hub.corrupt = True
+
+    with pytest.raises(AssetError, match="does not match the sha256"):
+        get("hf:org/model/m.gguf", tmp_path)
+
+    assert blobs(tmp_path) == []
+    assert not (tmp_path / "hub" / "models--org--model" / "snapshots").exists()
 
 
 def test_a_cached_file_changed_after_its_check_is_checked_again(
@@ -338,11 +552,12 @@ def test_a_full_disk_names_the_hub_cache(
     hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The library's own error, raised where the download writes (no disk is filled)."""
+    hub.repos["org/model"] = {"m.gguf": blob(1000)}
 
-    def full(*_args: object, **_kwargs: object) -> str:
+    def full(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", full)
+    monkeypatch.setattr(huggingface_hub.file_download, "http_get", full)
     with pytest.raises(AssetError) as caught:
         get("hf:org/model/m.gguf", tmp_path)
     assert str(caught.value) == (
