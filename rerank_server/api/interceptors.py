@@ -1,11 +1,13 @@
 """The server interceptor every RPC passes: log context, the server span, authentication,
-load shedding, stalled streams and RPC metrics (docs/architecture.md, "The gRPC edge").
+per-token limits, load shedding, stalled streams and RPC metrics (docs/architecture.md,
+"The gRPC edge"; docs/security.md, "Per-token limits").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,11 +15,24 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import (  # type: ignore[import-untyped]  # stubs without py.typed
+    error_details_pb2,
+    status_pb2,
+)
 from opentelemetry import trace
 
-from ..observability.metrics import RPC_METHOD, RPC_STATUS, RPC_SYSTEM_NAME, Metrics
+from ..observability.metrics import (
+    LIMIT,
+    RPC_METHOD,
+    RPC_STATUS,
+    RPC_SYSTEM_NAME,
+    TOKEN,
+    Metrics,
+)
 from ..observability.server_spans import Opened, close_server_span, open_server_span
-from ..security import timeouts
+from ..security import limits, timeouts
+from ..security.limits import ANONYMOUS, Caller, Refusal
 from ..security.tokens import TokenSet
 
 log = structlog.get_logger("rerank_server.rpc")
@@ -25,6 +40,13 @@ log = structlog.get_logger("rerank_server.rpc")
 # Methods open without a token: health, for load balancers and kubelet probes.
 OPEN_PREFIX = "/grpc.health.v1.Health/"
 UNTRACED_PREFIX = "/grpc."  # health and reflection: probes every few seconds
+# A refused request of a RerankBatch stream is answered in the stream, which goes on: its
+# retry information cannot be the call's.
+IN_STREAM_REFUSALS = "/RerankBatch"
+# The standard rich status (google.rpc.Status with a RetryInfo), as grpcio-status's
+# `rpc_status.to_status` sends it, and a plain entry for clients that do not parse it.
+DETAILS_KEY = "grpc-status-details-bin"
+RETRY_AFTER_KEY = "retry-after-ms"
 # Status codes that mark a server span as failed (OpenTelemetry's gRPC conventions: the
 # server's fault, not the caller's).
 SERVER_FAULTS = frozenset(
@@ -80,7 +102,8 @@ class _SendWatch:
 
 
 class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Binds log context, sheds load above `max_active` Reranker RPCs, records each call."""
+    """Binds log context, holds each token to its limits, sheds load above `max_active`
+    Reranker RPCs (a low-priority token's sooner: `TokenSet.places`), records each call."""
 
     def __init__(
         self,
@@ -95,6 +118,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._limited_prefix = f"/{limited_service}/"
         self._max_active = max_active
         self._tokens = tokens or TokenSet()
+        self._places = self._tokens.places(max_active)
         self.active = 0
 
     async def intercept_service(
@@ -109,14 +133,16 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None
         method = details.method.lstrip("/")
         limited = details.method.startswith(self._limited_prefix)
-        allowed = details.method.startswith(OPEN_PREFIX) or self._tokens.accepts(
-            _metadata(details, "authorization")
+        caller = (
+            ANONYMOUS
+            if details.method.startswith(OPEN_PREFIX)
+            else self._tokens.identify(_metadata(details, "authorization"))
         )
         span = self._span_starter(details)
         if handler.response_streaming:
-            wrapped = self._streaming(handler_behavior(handler), method, limited, allowed, span)
+            wrapped = self._streaming(handler_behavior(handler), method, limited, caller, span)
         else:
-            wrapped = self._unary(handler_behavior(handler), method, limited, allowed, span)
+            wrapped = self._unary(handler_behavior(handler), method, limited, caller, span)
         return replace_behavior(handler, wrapped)
 
     def _span_starter(
@@ -142,10 +168,10 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         return start
 
-    def _admit(self, method: str, limited: bool) -> bool:
+    def _admit(self, method: str, limited: bool, caller: Caller) -> bool:
         if not limited:
             return True
-        if self.active >= self._max_active:
+        if self.active >= self._places[caller.limits.priority]:
             self._metrics.rpc_rejected.add(1, {RPC_METHOD: method})
             return False
         self.active += 1
@@ -156,6 +182,33 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if limited:
             self.active -= 1
             self._metrics.rpc_active.add(-1, {RPC_METHOD: method})
+
+    def _busy(self, caller: Caller) -> str:
+        """Why a call was shed: the server is full, for this caller's priority."""
+        priority = caller.limits.priority
+        if self._places[priority] < self._max_active:
+            return (
+                f"server busy: {self.active} calls in progress, all that "
+                f"{priority.value}-priority callers may take of {self._max_active}"
+            )
+        return f"server busy: {self._max_active} calls in progress"
+
+    def _over_limit(self, refusal: Refusal) -> None:
+        """A token over one of its limits: counted, and its `rpc` line says which."""
+        self._metrics.limit_refusals.add(1, {TOKEN: refusal.caller, LIMIT: refusal.limit})
+        structlog.contextvars.bind_contextvars(limit=refusal.limit)
+
+    def _over_limit_later(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext[Any, Any],
+        refusal: Refusal,
+    ) -> None:
+        """A refusal the handler found (pairs, once the message is read), before the
+        handler ends the call with it: its retry information goes in the trailers."""
+        self._over_limit(refusal)
+        if not method.endswith(IN_STREAM_REFUSALS):
+            context.set_trailing_metadata(_retry_trailers(refusal))
 
     def _record(self, method: str, started: float, code: grpc.StatusCode) -> None:
         self._metrics.rpc_duration.record(
@@ -168,13 +221,14 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self,
         method: str,
         limited: bool,
-        allowed: bool,
+        caller: Caller | None,
         context: grpc.aio.ServicerContext[Any, Any],
         span: Callable[[], Opened] | None,
     ) -> AsyncIterator[None]:
-        """Admit the call (or abort it with UNAUTHENTICATED or RESOURCE_EXHAUSTED), then
-        record how it ended; when traced, inside its server span, current throughout,
-        which records the status code.
+        """Admit the call (or abort it with UNAUTHENTICATED, or RESOURCE_EXHAUSTED for its
+        token's limits or the server's cap), then record how it ended; when traced,
+        inside its server span, current throughout, which records the status code. The
+        token's concurrency place is given back however the call ends.
 
         One context manager for both: each layer of generator-based context manager cost
         a few microseconds of a request that takes a few hundred on a batching backend."""
@@ -182,8 +236,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         opened = span() if span is not None else None
         code = grpc.StatusCode.OK
         admitted = False
+        admission: limits.Admission | None = None
         try:
-            if not allowed:
+            if caller is None:
                 code = grpc.StatusCode.UNAUTHENTICATED
                 log.info(
                     "rpc",
@@ -196,18 +251,29 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     "missing or invalid bearer token: send "
                     "'authorization: Bearer <token>' metadata",
                 )
-            if not self._admit(method, limited):
+            assert caller is not None  # abort raised
+            if caller.name:
+                structlog.contextvars.bind_contextvars(token=caller.name)  # never the token
+            if limited and caller.limits.counted:
+                outcome = await self._tokens.limiter.admit(caller)
+                if isinstance(outcome, Refusal):
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                    self._over_limit(outcome)
+                    log.info("rpc", rpc=method, status=code.name, error=outcome.message)
+                    await context.abort(code, outcome.message, _retry_trailers(outcome))
+                else:
+                    admission = outcome
+                    admission.on_refusal = functools.partial(
+                        self._over_limit_later, method, context
+                    )
+                    limits.current.set(admission)  # the handler charges its pairs
+            if not self._admit(method, limited, caller):
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                log.info(
-                    "rpc",
-                    rpc=method,
-                    status="RESOURCE_EXHAUSTED",
-                    error=f"server busy: {self._max_active} calls in progress",
-                )
+                busy = self._busy(caller)
+                log.info("rpc", rpc=method, status="RESOURCE_EXHAUSTED", error=busy)
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"server busy: {self._max_active} calls in progress "
-                    "(max_concurrent_rpcs); retry with backoff",
+                    f"{busy} (max_concurrent_rpcs); retry with backoff",
                 )
             admitted = True
             yield
@@ -220,6 +286,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise
         finally:
             try:
+                if admission is not None:
+                    admission.release()
                 if admitted:
                     self._release(method, limited)
                 self._record(method, started, code)
@@ -236,12 +304,12 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         behavior: Behavior,
         method: str,
         limited: bool,
-        allowed: bool,
+        caller: Caller | None,
         span: Callable[[], Opened] | None,
     ) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             try:
-                async with self._admitted(method, limited, allowed, context, span):
+                async with self._admitted(method, limited, caller, context, span):
                     return await behavior(request, context)
             except BaseException:
                 # The failure's traceback keeps this frame (through gRPC's abort, in a
@@ -256,14 +324,14 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         behavior: Behavior,
         method: str,
         limited: bool,
-        allowed: bool,
+        caller: Caller | None,
         span: Callable[[], Opened] | None,
     ) -> Behavior:
         if not inspect.isasyncgenfunction(behavior):
             # A handler that sends with `context.write` and returns (grpc_health's
             # Watch): grpc awaits it rather than iterating it, and so must the wrapper.
             async def written(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                async with self._admitted(method, limited, allowed, context, span):
+                async with self._admitted(method, limited, caller, context, span):
                     return await behavior(request, context)
 
             return written
@@ -273,7 +341,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             context: grpc.aio.ServicerContext[Any, Any],
         ) -> AsyncIterator[Any]:
             try:
-                async with self._admitted(method, limited, allowed, context, span):
+                async with self._admitted(method, limited, caller, context, span):
                     if not limited:  # health's Watch: quiet for long spells by design
                         async for response in behavior(request, context):
                             yield response
@@ -291,6 +359,24 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise
 
         return call
+
+
+def _retry_trailers(refusal: Refusal) -> tuple[tuple[str, str | bytes], ...]:
+    """RESOURCE_EXHAUSTED's retry information: `google.rpc.RetryInfo` in the rich status
+    (its message the call's, as grpcio-status's `from_call` checks), and in plain ms."""
+    info = any_pb2.Any()
+    info.Pack(
+        error_details_pb2.RetryInfo(
+            retry_delay=duration_pb2.Duration(seconds=refusal.retry_after_s)
+        )
+    )
+    status = status_pb2.Status(
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message=refusal.message, details=[info]
+    )
+    return (
+        (DETAILS_KEY, status.SerializeToString()),
+        (RETRY_AFTER_KEY, str(refusal.retry_after_s * 1000)),
+    )
 
 
 def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:

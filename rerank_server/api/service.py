@@ -25,7 +25,7 @@ from ..ranking.request import RequestRules
 from ..ranking.served_models import ServedModels, UnknownModel
 from ..ranking.validation import check_candidate_count, check_list_count
 from ..scoring.budget import StopSignal
-from ..security import timeouts
+from ..security import limits, timeouts
 from ..security.inflight_bytes import InflightBytes, Overloaded
 from . import convert
 from .pb import rerank_pb2 as pb
@@ -216,6 +216,9 @@ class RerankService:
             seen.request_id = self._rules.echoable_id(request.request_id)
             _check_counts(request, self._rules)
             reranker = self._models.select(request.model).reranker
+            # The token's pairs per minute: candidates as received, capped at what is scored.
+            sent = len(request.candidates) + sum(len(lst.candidates) for lst in request.lists)
+            await limits.charge_pairs(min(sent, self._rules.max_candidates))
             yield convert.query_from_pb(request), reranker
         finally:
             self.inflight.give_back(size)

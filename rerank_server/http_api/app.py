@@ -79,6 +79,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         rules=rules,
         tracer=telemetry.tracer if telemetry.tracing else None,
+        metrics=telemetry.metrics,
     )
     app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(HttpError, http_error)  # type: ignore[arg-type]

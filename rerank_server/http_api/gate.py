@@ -1,22 +1,27 @@
 """The JSON edge's gate: what a rerank request must pass before FastAPI sees it (token,
-caps, the body read once and counted; docs/architecture.md, "The JSON edge").
+its limits, caps, the body read once and counted; docs/architecture.md, "The JSON edge";
+docs/security.md, "Per-token limits").
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
+import structlog
 from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..observability.logs import rpc_failed
+from ..observability.metrics import LIMIT, TOKEN, Metrics
 from ..observability.server_spans import close_server_span, open_server_span
 from ..ranking.request import RequestRules
 from ..security import timeouts
 from ..security.inflight_bytes import InflightBytes, Overloaded
+from ..security.limits import ANONYMOUS, Admission, Caller, Refusal
 from ..security.tokens import TokenSet
 from . import wire
 from .route import DECODED
@@ -31,8 +36,10 @@ RERANK_PATHS = frozenset({"/v1/rerank", "/v2/rerank", "/rerank"})
 
 
 class Gate:
-    """ASGI middleware for the rerank routes: the token and the concurrency cap are
-    checked from the headers, before any byte of the body is read. Then the body is read
+    """ASGI middleware for the rerank routes: the token, its request rate and concurrency
+    (`security/limits.py`) and the concurrency cap (less of it for a low-priority token:
+    `TokenSet.places`) are checked from the headers, before any byte of the body is
+    read; the token's pairs once the body is parsed. Then the body is read
     here, whole, before FastAPI sees it: each chunk is counted against
     `--max-inflight-bytes` as it arrives (429 when the server has no room), the total
     against `--max-message-bytes` (413), and the whole within `timeouts.BODY_TIMEOUT_S` (408). A
@@ -50,11 +57,14 @@ class Gate:
         max_body_bytes: int,
         rules: RequestRules,
         tracer: trace.Tracer | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._app = app
         self._rules = rules
         self._tokens = tokens
         self._max_active = max_active
+        self._places = tokens.places(max_active)
+        self._metrics = metrics or Metrics.noop()
         self._inflight = inflight
         self._max_body = max_body_bytes
         self._tracer = tracer  # None: tracing off
@@ -109,11 +119,12 @@ class Gate:
         scope[ARRIVED] = time.perf_counter()
         headers = Headers(scope=scope)
         path = route_path(scope)
-        if (
-            path not in OPEN_PATHS
-            and not path.startswith(f"{DOCS_ASSETS}/")
-            and not self._tokens.accepts(headers.get("authorization"))
-        ):
+        caller = (
+            ANONYMOUS
+            if path in OPEN_PATHS or path.startswith(f"{DOCS_ASSETS}/")
+            else self._tokens.identify(headers.get("authorization"))
+        )
+        if caller is None:
             await _refuse(
                 send,
                 401,
@@ -130,20 +141,59 @@ class Gate:
             # head, as the 401 is: the body is not read into the budget.
             await self._refuse(scope, send, 415, "Content-Type must be application/json", {})
             return
-        if await self._busy(scope, send):
+        if not caller.name:
+            await self._limited(scope, headers, receive, send, caller)
+            return
+        with structlog.contextvars.bound_contextvars(token=caller.name):  # never the token
+            await self._limited(scope, headers, receive, send, caller)
+
+    async def _limited(
+        self, scope: Scope, headers: Headers, receive: Receive, send: Send, caller: Caller
+    ) -> None:
+        """A rerank request within its token's rate and concurrency (429 when over), its
+        concurrency place given back however it ends."""
+        if not caller.limits.counted:
+            await self._admitted(scope, headers, receive, send, caller, None)
+            return
+        outcome = await self._tokens.limiter.admit(caller)
+        if isinstance(outcome, Refusal):
+            await self._over_limit(scope, send, outcome)
+            return
+        try:
+            await self._admitted(scope, headers, receive, send, caller, outcome)
+        finally:
+            outcome.release()
+
+    async def _admitted(
+        self,
+        scope: Scope,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
+        caller: Caller,
+        admission: Admission | None,
+    ) -> None:
+        """Within the server's cap (by the caller's priority), the body read, its pairs
+        charged to the token, then the app."""
+        if await self._busy(scope, send, caller):
             return
         body = await self._read_body(scope, headers, receive, send)
         if body is None:
             return  # answered already
         try:
-            if await self._busy(scope, send):  # others came in while this body arrived
+            if await self._busy(scope, send, caller):  # others came in while this body arrived
                 return
             if scope["method"] == "POST":
                 try:
-                    scope[DECODED] = wire.decoded(path, body, self._rules)
+                    scope[DECODED] = decoded = wire.decoded(route_path(scope), body, self._rules)
                 except wire.ShapeError as exc:
                     await self._refuse(scope, send, 422, str(exc), {})
                     return
+                if admission is not None:
+                    refusal = await admission.charge_pairs(self._pairs(decoded))
+                    if refusal is not None:
+                        await self._over_limit(scope, send, refusal)
+                        return
             self.active += 1
             try:
                 await self._app(scope, _replay(body, receive), send)
@@ -152,18 +202,38 @@ class Gate:
         finally:
             self._inflight.give_back(len(body))
 
-    async def _busy(self, scope: Scope, send: Send) -> bool:
-        if self.active < self._max_active:
+    def _pairs(self, decoded: dict[str, Any]) -> int:
+        """What a request counts against its token's pairs per minute: its documents as
+        received, capped at what the server scores (`--max-candidates`)."""
+        documents = decoded.get("texts") or decoded.get("documents") or ()
+        return min(len(documents), self._rules.max_candidates)
+
+    async def _busy(self, scope: Scope, send: Send, caller: Caller) -> bool:
+        priority = caller.limits.priority
+        if self.active < self._places[priority]:
             return False
+        share = (
+            f", all that {priority.value}-priority callers may take of {self._max_active}"
+            if self._places[priority] < self._max_active
+            else ""
+        )
         await self._refuse(
             scope,
             send,
             429,
             f"server busy: {self.active} rerank requests "
-            "in progress (max_concurrent_rpcs); retry with backoff",
+            f"in progress{share} (max_concurrent_rpcs); retry with backoff",
             {"Retry-After": "1"},
         )
         return True
+
+    async def _over_limit(self, scope: Scope, send: Send, refusal: Refusal) -> None:
+        """429 for a token over one of its limits, counted, its `rpc` line naming it."""
+        self._metrics.limit_refusals.add(1, {TOKEN: refusal.caller, LIMIT: refusal.limit})
+        with structlog.contextvars.bound_contextvars(limit=refusal.limit):
+            await self._refuse(
+                scope, send, 429, refusal.message, {"Retry-After": str(refusal.retry_after_s)}
+            )
 
     async def _read_body(
         self, scope: Scope, headers: Headers, receive: Receive, send: Send

@@ -43,6 +43,8 @@ REASON = "rerank.degraded_reason"
 RERANKED = "rerank.reranked"
 PAIR_OUTCOME = "rerank.pair.outcome"
 CACHE_RESULT = "rerank.cache.result"
+TOKEN = "rerank.token"  # a bearer token's name (docs/security.md), never the token
+LIMIT = "rerank.limit"  # rps, pairs_per_minute or concurrent
 THRESHOLD_BUCKETS = (0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 1.0)
 BLEND = "rerank.blend"
 BLEND_PROFILE = "rerank.blend_profile"
@@ -143,6 +145,13 @@ class Metrics:
             "Reranker RPCs refused with RESOURCE_EXHAUSTED because max_concurrent_rpcs "
             "were already in progress.",
             keys=(RPC_METHOD,),
+        )
+        self.limit_refusals = make.counter(
+            "rerank.limit.refusals",
+            "{request}",
+            "Requests refused (RESOURCE_EXHAUSTED, 429) because their token was over one "
+            "of its limits, by token name and limit; both edges.",
+            keys=(TOKEN, LIMIT),
         )
         # --- rerank requests (one per Rerank/RerankStream call and per RerankBatch item)
         self.requests = make.counter(

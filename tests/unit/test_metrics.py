@@ -22,11 +22,13 @@ from rerank_server.managed.llama_server import ManagedLlamaServer
 from rerank_server.observability.metrics import (
     BACKEND,
     CACHE_RESULT,
+    LIMIT,
     REASON,
     RERANKED,
     RPC_METHOD,
     RPC_STATUS,
     RPC_SYSTEM_NAME,
+    TOKEN,
     Instance,
     Metrics,
 )
@@ -98,6 +100,7 @@ def _record(metrics: Metrics) -> None:
     metrics.rpc_active.add(1, {RPC_METHOD: method})
     metrics.rpc_active.add(-1, {RPC_METHOD: method})
     metrics.rpc_rejected.add(1, {RPC_METHOD: method})
+    metrics.limit_refusals.add(1, {TOKEN: "svc-a", LIMIT: "rps"})
     metrics.rpc_duration.record(
         0.02, {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: "OK"}
     )
@@ -148,9 +151,9 @@ def test_every_instrument_renders_directly_as_opentelemetry_renders_it() -> None
     assert set(direct) == set(through_sdk)
     for name in through_sdk:
         assert direct[name] == through_sdk[name], name
-    # Every instrument was recorded: 21 direct families, the observed active requests
+    # Every instrument was recorded: 22 direct families, the observed active requests
     # and the exporter's target_info.
-    assert len(direct) == 23
+    assert len(direct) == 24
     assert direct["rerank_requests"][0] == "counter"
     assert direct["rerank_server_active_rpcs"][0] == "gauge"
     assert direct["rerank_backend_up"][0] == "gauge"
