@@ -181,7 +181,18 @@ class _Edges:
 
 def _open_cache(settings: Settings, telemetry: Telemetry) -> ScoreCache:
     path = Path(settings.cache_path).expanduser() if settings.cache_path else None
-    return ScoreCache(settings.cache_entries, settings.cache_ttl_s, path, metrics=telemetry.metrics)
+    shared = None
+    if settings.cache_url:  # redis-py imported only then; the cache's aclose closes it
+        from .fleet.shared_cache import RedisScoreTier
+
+        shared = RedisScoreTier.from_settings(settings, telemetry.metrics)
+    return ScoreCache(
+        settings.cache_entries,
+        settings.cache_ttl_s,
+        path,
+        metrics=telemetry.metrics,
+        shared=shared,
+    )
 
 
 async def build_server(

@@ -45,6 +45,7 @@ PAIR_OUTCOME = "rerank.pair.outcome"
 CACHE_RESULT = "rerank.cache.result"
 TOKEN = "rerank.token"  # a bearer token's name (docs/security.md), never the token
 LIMIT = "rerank.limit"  # rps, pairs_per_minute or concurrent
+CACHE_TIER = "rerank.cache.tier"  # where a hit came from: memory, shared, disk
 THRESHOLD_BUCKETS = (0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 1.0)
 BLEND = "rerank.blend"
 BLEND_PROFILE = "rerank.blend_profile"
@@ -194,9 +195,18 @@ class Metrics:
         self.cache_lookups = make.counter(
             "rerank.cache.lookups",
             "{pair}",
-            "Score cache lookups by rerank.cache.result: hit, miss, or bypass (the request "
-            "asked not to read the cache).",
-            keys=(CACHE_RESULT,),
+            "Score cache lookups by rerank.cache.result: hit (rerank.cache.tier: memory, "
+            "shared, disk), miss, or bypass (the request asked not to read the cache).",
+            keys=(CACHE_RESULT, CACHE_TIER),
+        )
+        self.cache_shared_duration = make.histogram(
+            "rerank.cache.shared.duration",
+            "s",
+            "Reads of the shared score cache (--cache-url), one per request that missed "
+            "memory, with error.type when it failed: timeout (past --cache-timeout-ms), "
+            "connection, refused, busy (not sent: too many in flight).",
+            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            keys=(ERROR_TYPE,),
         )
         self.threshold = make.histogram(
             "rerank.threshold.final",

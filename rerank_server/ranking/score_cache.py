@@ -1,4 +1,5 @@
-"""The score cache: reranker scores keyed by what determines them, in memory and on disk.
+"""The score cache: reranker scores keyed by what determines them, in memory, in a tier
+replicas share (Redis or Valkey, through `SharedTier`), and on disk.
 
 What is keyed and kept: docs/api.md, "Score cache".
 """
@@ -15,10 +16,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
-from ..observability.metrics import CACHE_RESULT, Metrics
+from ..observability.metrics import CACHE_RESULT, CACHE_TIER, Metrics
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +32,36 @@ PURGE_EVERY_S = 600.0
 # them all at shutdown.
 MAX_PENDING_WRITES = 64
 BEHIND_LOG_EVERY_S = 60.0
+
+# A lookup's counts, their attributes made once: this runs for every request.
+_MEMORY_HITS = {CACHE_RESULT: "hit", CACHE_TIER: "memory"}
+_SHARED_HITS = {CACHE_RESULT: "hit", CACHE_TIER: "shared"}
+_DISK_HITS = {CACHE_RESULT: "hit", CACHE_TIER: "disk"}
+_MISSES = {CACHE_RESULT: "miss"}
+_BYPASSES = {CACHE_RESULT: "bypass"}
+
+
+class SharedTier(Protocol):
+    """Scores that several servers share, asked after memory and before the disk
+    (`fleet.shared_cache`: Redis or Valkey; the core sees only this protocol).
+
+    An aid, never a cause of failure or delay: `get_many` returns within the tier's own
+    bound, without what it could not read by then, and never raises for the tier's
+    sake; `put_many` returns at once (the scores go out in the background, or not at
+    all while the tier is down or behind).
+    """
+
+    async def get_many(self, keys: list[bytes]) -> dict[bytes, float]:
+        """The scores held for `keys` (digests as `Scope.keys` makes them)."""
+        ...
+
+    def put_many(self, scores: Mapping[bytes, float]) -> None:
+        """Offer `scores` to the other servers; returns at once."""
+        ...
+
+    async def aclose(self) -> None:
+        """Send what is queued, within a bound, and close the connections."""
+        ...
 
 
 def _hashing(parts: Iterable[str], digest: hashlib._Hash | None = None) -> hashlib._Hash:
@@ -120,12 +152,17 @@ class Lookup:
 
 
 class ScoreCache:
-    """Memory LRU with expiry, optionally backed by a SQLite file.
+    """Memory LRU with expiry, optionally backed by a shared tier and a SQLite file.
 
     The pipeline calls `lookup` and `store`, which key a request's documents once and
-    count hits, misses and bypasses; `get_many` and `put_many` take ready keys. Only
-    successful scores are stored. The disk is an aid, never a cause of failure: an error
-    reading it is a miss, an error writing it a logged warning.
+    count hits (by tier), misses and bypasses; `get_many` and `put_many` take ready keys.
+    A lookup asks memory, then the shared tier for what memory lacks, then the disk for
+    the rest; what a lower tier had is remembered in memory. Only successful scores are
+    stored, in every tier. The shared tier and the disk are aids, never a cause of
+    failure: an error reading either is a miss, an error writing it a logged warning.
+
+    A score read from the shared tier is kept in memory for `ttl_s` from then: the
+    tier's own expiry (the same `ttl_s`, from when it was written) is not read back.
     """
 
     def __init__(
@@ -135,8 +172,10 @@ class ScoreCache:
         path: Path | None = None,
         clock: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
+        shared: SharedTier | None = None,
     ) -> None:
         self._lookups = (metrics or Metrics.noop()).cache_lookups
+        self._shared = shared
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
@@ -155,7 +194,11 @@ class ScoreCache:
 
     @property
     def enabled(self) -> bool:
-        return self.max_entries > 0 or self._disk is not None
+        return self.max_entries > 0 or self._disk is not None or self._shared is not None
+
+    @property
+    def shared(self) -> SharedTier | None:
+        return self._shared
 
     def __len__(self) -> int:
         return len(self._memory)
@@ -173,11 +216,10 @@ class ScoreCache:
             return Lookup(scope, documents, None, {})
         keys = scope.keys(documents)
         if bypass:
-            self._lookups.add(len(documents), {CACHE_RESULT: "bypass"})
+            self._lookups.add(len(documents), _BYPASSES)
             return Lookup(scope, documents, keys, {})
-        found = await self.get_many(keys)
-        self._lookups.add(len(found), {CACHE_RESULT: "hit"})
-        self._lookups.add(len(keys) - len(found), {CACHE_RESULT: "miss"})
+        found = await self._find(keys)
+        self._lookups.add(len(keys) - len(found), _MISSES)
         return Lookup(
             scope, documents, keys, {i: found[key] for i, key in enumerate(keys) if key in found}
         )
@@ -199,7 +241,11 @@ class ScoreCache:
             )
 
     async def get_many(self, keys: Iterable[bytes]) -> dict[bytes, float]:
-        """The cached scores among `keys` that have not expired."""
+        """The cached scores among `keys` that have not expired, from any tier."""
+        return await self._find(keys)
+
+    async def _find(self, keys: Iterable[bytes]) -> dict[bytes, float]:
+        """`get_many`, the hits counted by the tier they came from."""
         now = self._clock()
         found: dict[bytes, float] = {}
         missing: list[bytes] = []
@@ -212,19 +258,30 @@ class ScoreCache:
                 if entry is not None:
                     del self._memory[key]
                 missing.append(key)
+        self._lookups.add(len(found), _MEMORY_HITS)
+        if missing and self._shared is not None:
+            from_shared = await self._shared.get_many(missing)
+            self._lookups.add(len(from_shared), _SHARED_HITS)
+            if from_shared:
+                for key, score in from_shared.items():
+                    found[key] = score
+                    self._remember(key, score, now)
+                missing = [key for key in missing if key not in from_shared]
         if missing and self._disk is not None:
             try:
                 from_disk = await asyncio.to_thread(self._disk.get_many, missing)
             except sqlite3.Error as exc:  # locked past the timeout, corrupt, gone: a miss
                 log.warning("score_cache_disk_error", op="read", error=type(exc).__name__)
                 return found
+            self._lookups.add(len(from_disk), _DISK_HITS)
             for key, (score, stored) in from_disk.items():
                 found[key] = score
                 self._remember(key, score, stored)
         return found
 
     def put_many(self, scores: Mapping[bytes, float]) -> None:
-        """Store `scores`: in memory now, on disk in the background (see `flush`)."""
+        """Store `scores`: in memory now, in the shared tier and on disk in the
+        background (see `flush`)."""
         if not scores:
             return
         now = self._clock()
@@ -236,6 +293,8 @@ class ScoreCache:
                 memory[key] = (score, now)
             for _ in range(len(memory) - self.max_entries):
                 memory.popitem(last=False)
+        if self._shared is not None:
+            self._shared.put_many(scores)
         if self._disk is not None:
             self._purge(now)
             if len(self._writes) >= MAX_PENDING_WRITES:
@@ -285,11 +344,15 @@ class ScoreCache:
             self._memory.popitem(last=False)
 
     async def aclose(self) -> None:
-        await self.flush()
-        if self._disk is not None:
-            await asyncio.to_thread(self._disk.close)
-        if self._writer is not None:
-            await asyncio.to_thread(self._writer.shutdown)  # after a purge under way
+        try:
+            if self._shared is not None:
+                await self._shared.aclose()
+        finally:
+            await self.flush()
+            if self._disk is not None:
+                await asyncio.to_thread(self._disk.close)
+            if self._writer is not None:
+                await asyncio.to_thread(self._writer.shutdown)  # after a purge under way
 
 
 def _open_disk(path: Path, ttl_s: float, clock: Callable[[], float]) -> _Disk | None:

@@ -109,6 +109,9 @@ def _record(metrics: Metrics) -> None:
     )
     metrics.cache_lookups.add(3, {CACHE_RESULT: "hit"})
     metrics.cache_lookups.add(0, {CACHE_RESULT: "miss"})
+    metrics.cache_lookups.add(2, {CACHE_RESULT: "hit", "rerank.cache.tier": "shared"})
+    metrics.cache_shared_duration.record(0.0008)
+    metrics.cache_shared_duration.record(0.005, {"error.type": "timeout"})
     metrics.backend_errors.add(1, {**CHAT.attributes, "error.type": "timeout"})
     metrics.abandoned_calls.add(1, CHAT.attributes)
     metrics.abandoned_open.add(1, CHAT.attributes)
@@ -151,9 +154,9 @@ def test_every_instrument_renders_directly_as_opentelemetry_renders_it() -> None
     assert set(direct) == set(through_sdk)
     for name in through_sdk:
         assert direct[name] == through_sdk[name], name
-    # Every instrument was recorded: 22 direct families, the observed active requests
+    # Every instrument was recorded: 23 direct families, the observed active requests
     # and the exporter's target_info.
-    assert len(direct) == 24
+    assert len(direct) == 25
     assert direct["rerank_requests"][0] == "counter"
     assert direct["rerank_server_active_rpcs"][0] == "gauge"
     assert direct["rerank_backend_up"][0] == "gauge"
