@@ -11,6 +11,7 @@ from .backends.llm import LlmScorer
 from .backends.ollama import OllamaScorer
 from .backends.rerank_api import RerankApiScorer
 from .base import Scorer
+from .single_flight import SingleFlight
 from .transport.pool import BackendPool, Ejection
 
 
@@ -33,7 +34,12 @@ def build_pool(settings: Settings, telemetry: Telemetry | None = None) -> Backen
 
 
 def build_scorer(settings: Settings, pool: BackendPool) -> Scorer:
-    """The scorer for `settings.backend`, calling through `pool`."""
+    """The scorer for `settings.backend`, calling through `pool`, each pair in flight
+    sent once however many requests ask for it (`SingleFlight`)."""
+    return SingleFlight(_backend_scorer(settings, pool))
+
+
+def _backend_scorer(settings: Settings, pool: BackendPool) -> Scorer:
     s = settings
     match s.backend:
         case BackendKind.CHAT:
