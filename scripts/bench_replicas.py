@@ -26,16 +26,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_cache_tiers import PASSAGE, TTL_S, StubScorer  # noqa: E402
+from bench_cache_tiers import PASSAGE, TTL_S, StubScorer
 
-from rerank_server.domain import Candidate, RerankQuery  # noqa: E402
-from rerank_server.fleet.shared_cache import RedisScoreTier  # noqa: E402
-from rerank_server.loops import loop_factory  # noqa: E402
-from rerank_server.observability import logs  # noqa: E402
-from rerank_server.ranking.pipeline import Reranker  # noqa: E402
-from rerank_server.ranking.score_cache import ScoreCache  # noqa: E402
-from rerank_server.server import request_rules  # noqa: E402
-from rerank_server.settings import LogFormat, Settings  # noqa: E402
+from rerank_server.domain import Candidate, RerankQuery
+from rerank_server.fleet.shared_cache import RedisScoreTier
+from rerank_server.loops import loop_factory
+from rerank_server.observability import logs
+from rerank_server.ranking.pipeline import Reranker
+from rerank_server.ranking.score_cache import ScoreCache
+from rerank_server.server import request_rules
+from rerank_server.settings import LogFormat, Settings
 
 
 def workload(args: argparse.Namespace) -> list[RerankQuery]:
