@@ -132,7 +132,9 @@ class Settings:
     auth_tokens_file: str = field(
         default="",
         metadata=_opt(
-            "File of bearer tokens, one per line (mount a Kubernetes Secret here).",
+            "File of bearer tokens, one per line, each optionally followed by its name and "
+            "limits (name=, rps=, pairs_per_minute=, concurrent=, priority=; "
+            'docs/security.md, "Per-token limits"); mount a Kubernetes Secret here.',
             group="security",
         ),
     )
