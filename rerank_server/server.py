@@ -213,7 +213,6 @@ async def build_server(
     model_settings = [spec.settings(settings) for spec in plan.models]
     # Before minutes of setup: a profile file that does not load is refused now.
     profiles = {s.blend_profile: blend_profiles.load(s.blend_profile) for s in model_settings}
-    tokens = TokenSet.load(settings.auth_tokens, settings.auth_tokens_file)
     CertificateFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     if settings.api_key:
         log.warning(
@@ -226,6 +225,13 @@ async def build_server(
     async with contextlib.AsyncExitStack() as stack:
         telemetry = telemetry or Telemetry.create(settings)
         stack.push_async_callback(asyncio.to_thread, telemetry.shutdown)
+        counter = None
+        if settings.cache_url:  # redis-py imported only then; replicas count limits together
+            from .fleet.limit_counter import RedisLimitCounter
+
+            counter = RedisLimitCounter.from_settings(settings, telemetry.metrics)
+            stack.push_async_callback(counter.aclose)  # after the edges: places given back
+        tokens = TokenSet.load(settings.auth_tokens, settings.auth_tokens_file, counter)
         if any(s.managed for s in model_settings) and not reuse_port:
             # Before llama-server loads (minutes, the first time), not after. (A worker's
             # ports are its supervisor's, checked there.)

@@ -154,6 +154,15 @@ class Metrics:
             "of its limits, by token name and limit; both edges.",
             keys=(TOKEN, LIMIT),
         )
+        self.limit_counter_errors = make.counter(
+            "rerank.limit.counter_errors",
+            "{call}",
+            "Calls to the limit counter shared in --cache-url that failed or were not "
+            "sent, by rerank.limit and error.type (timeout, connection, refused, busy, "
+            "down): the request went on as if under its limit; a place not given back "
+            "is held until its lease ends.",
+            keys=(LIMIT, ERROR_TYPE),
+        )
         # --- rerank requests (one per Rerank/RerankStream call and per RerankBatch item)
         self.requests = make.counter(
             "rerank.requests",

@@ -101,6 +101,8 @@ def _record(metrics: Metrics) -> None:
     metrics.rpc_active.add(-1, {RPC_METHOD: method})
     metrics.rpc_rejected.add(1, {RPC_METHOD: method})
     metrics.limit_refusals.add(1, {TOKEN: "svc-a", LIMIT: "rps"})
+    metrics.limit_counter_errors.add(1, {LIMIT: "rps", "error.type": "timeout"})
+    metrics.limit_counter_errors.add(2, {LIMIT: "concurrent", "error.type": "down"})
     metrics.rpc_duration.record(
         0.02, {RPC_SYSTEM_NAME: "grpc", RPC_METHOD: method, RPC_STATUS: "OK"}
     )
@@ -154,9 +156,9 @@ def test_every_instrument_renders_directly_as_opentelemetry_renders_it() -> None
     assert set(direct) == set(through_sdk)
     for name in through_sdk:
         assert direct[name] == through_sdk[name], name
-    # Every instrument was recorded: 23 direct families, the observed active requests
+    # Every instrument was recorded: 24 direct families, the observed active requests
     # and the exporter's target_info.
-    assert len(direct) == 25
+    assert len(direct) == 26
     assert direct["rerank_requests"][0] == "counter"
     assert direct["rerank_server_active_rpcs"][0] == "gauge"
     assert direct["rerank_backend_up"][0] == "gauge"
