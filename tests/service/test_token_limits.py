@@ -251,12 +251,16 @@ async def test_a_low_priority_flood_leaves_room_for_high_priority_callers(
         concurrency=8,
     )
     one = DOCS[:1]
+    # Each its own passage: identical pairs in flight are sent once (single flight).
+    own = [[f"flood passage {i}"] for i in range(12)]
     async with (
         httpx.AsyncClient(timeout=10) as http,
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
-        flood = [asyncio.ensure_future(call(channel, TOKEN_A, one)) for _ in range(6)]
-        flood_json = [asyncio.ensure_future(post(http, server, TOKEN_A, one)) for _ in range(6)]
+        flood = [asyncio.ensure_future(call(channel, TOKEN_A, own[i])) for i in range(6)]
+        flood_json = [
+            asyncio.ensure_future(post(http, server, TOKEN_A, own[6 + i])) for i in range(6)
+        ]
         assert await eventually(lambda: fake_llama.in_flight >= 4, 5)
         high, high_json = await asyncio.gather(
             call(channel, TOKEN_B, one), post(http, server, TOKEN_B, one)
