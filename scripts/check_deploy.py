@@ -12,7 +12,14 @@ Usage: python scripts/check_deploy.py
    containers run non-root on a read-only root filesystem, and the rerank-server
    container's memory limit is 25% above what its settings let it hold
    (`memory_estimate`, docs/reliability.md "Memory is bounded").
-3. Parses deploy/Dockerfile and deploy/compose.yaml (Docker cannot run on our machines)
+3. Checks what kubernetes-validate has no schema for: a KEDA `ScaledObject` by the rules
+   below (`check_scaled_object`: its target is a Deployment rendered beside it, its
+   Prometheus query reads a series the server exports); any other custom resource is
+   a problem ("not validated"). And the fleet's cache: the Valkey (or Redis) container
+   evicts, has a password from a Secret and a memory limit 25% above `--maxmemory`;
+   rerank-server reads RERANK_CACHE_URL from that Secret, and no ConfigMap holds a
+   redis:// URL with a password.
+4. Parses deploy/Dockerfile and deploy/compose.yaml (Docker cannot run on our machines)
    and checks their references: stages, exec-form entry point and health check, the
    non-root user, exposed ports, the compose wiring by service name, health checks and
    restart policies.
@@ -38,12 +45,15 @@ from typing import Any
 import httpx
 import kubernetes_validate
 import yaml
+from opentelemetry.metrics import NoOpMeterProvider
+from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from rerank_server.api.grpc_server import SERVICE_NAME  # noqa: E402
 from rerank_server.managed.amx import SHELL_GUARD  # noqa: E402
 from rerank_server.managed.llama_server import RAM_CACHE_OFF  # noqa: E402
+from rerank_server.observability.metrics import Metrics  # noqa: E402
 from rerank_server.settings import ENV_PREFIX, Settings, env_name  # noqa: E402
 
 KUBERNETES_VERSION = "1.30.0"
@@ -111,10 +121,19 @@ def render(binary: Path, directory: Path) -> list[dict[str, Any]]:
 def check_objects(where: str, objects: list[dict[str, Any]], problems: Problems) -> None:
     for obj in objects:
         name = f"{where} {obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+        if (obj.get("apiVersion"), obj.get("kind")) == SCALED_OBJECT:
+            check_scaled_object(name, obj, objects, problems)
+            continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             problems.append(f"{name}: schema: {exc.message} at {list(exc.path)}")
+        except kubernetes_validate.SchemaNotFoundError:
+            problems.append(
+                f"{name}: not validated: Kubernetes {KUBERNETES_VERSION} has no schema for "
+                f"{obj.get('apiVersion')} {obj.get('kind')}, and scripts/check_deploy.py "
+                "checks no custom resource but KEDA's ScaledObject"
+            )
     config_maps = {
         o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"
     }
@@ -123,6 +142,7 @@ def check_objects(where: str, objects: list[dict[str, Any]], problems: Problems)
             check_deployment(
                 f"{where} Deployment/{obj['metadata']['name']}", obj, config_maps, problems
             )
+    check_cache(where, objects, config_maps, problems)
 
 
 def check_deployment(
@@ -299,6 +319,8 @@ def container_env(
 ) -> dict[str, str]:
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
+        if "secretRef" in source:  # created by the operator: its keys are not seen here
+            continue
         ref = source.get("configMapRef", {}).get("name")
         problems.check(ref in config_maps, where, f"envFrom names missing ConfigMap {ref}")
         env.update({k: v for k, v in config_maps.get(ref, {}).items() if k.startswith(ENV_PREFIX)})
@@ -376,7 +398,7 @@ def check_secrets(
     volumes = {v["name"] for v in pod.get("volumes", [])}
     for m in container.get("volumeMounts", []):
         problems.check(m["name"] in volumes, where, f"mount of missing volume {m['name']}")
-    for setting in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
+    for setting in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file", "cache_tls_ca"):
         path = env.get(env_name(setting), "")
         if path:
             problems.check(
@@ -389,6 +411,12 @@ def check_secrets(
         where,
         "RERANK_AUTH_TOKENS in a ConfigMap exposes the tokens: mount a Secret "
         "and use RERANK_AUTH_TOKENS_FILE",
+    )
+    problems.check(
+        not URL_WITH_PASSWORD.search(env.get(env_name("cache_url"), "")),
+        where,
+        "RERANK_CACHE_URL with a password written in the manifests: take it from a "
+        "Secret (secretKeyRef)",
     )
     if env.get(env_name("tls_cert")):
         probes = [container.get("readinessProbe", {}), container.get("livenessProbe", {})]
@@ -421,8 +449,334 @@ def check_security(
     problems.check(
         "requests" in limits and "limits" in limits,
         where,
-        "rerank-server needs resource requests and limits",
+        f"{container['name']} needs resource requests and limits",
     )
+
+
+# --- the fleet: KEDA's ScaledObject and the shared cache -------------------------------
+
+# kubernetes-validate has schemas for Kubernetes' own kinds only: this one is checked here.
+SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+# Its spec's keys in KEDA 2.x (keda.sh/docs, "ScaledObject specification").
+SCALED_OBJECT_SPEC = frozenset(
+    {
+        "scaleTargetRef",
+        "pollingInterval",
+        "cooldownPeriod",
+        "initialCooldownPeriod",
+        "idleReplicaCount",
+        "minReplicaCount",
+        "maxReplicaCount",
+        "fallback",
+        "advanced",
+        "triggers",
+    }
+)
+# Series of the server's /metrics that a scale query may read: the RPCs in flight, and the
+# request durations whose rate is the requests in flight on both edges (Little's law;
+# docs/deploy.md, "Scaling out"). Each is checked against the instruments themselves.
+SCALING_METRICS = frozenset(
+    {
+        "rerank_server_active_rpcs",
+        "rerank_request_duration_seconds_sum",
+        "rerank_request_duration_seconds_count",
+    }
+)
+PROMETHEUS_SERIES = frozenset({"up"})  # Prometheus's own: whether a target is scraped
+_PROMQL_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan"})
+_PROMQL_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_PROMQL_NAME = re.compile(r"(?<![\w:.])[A-Za-z_:][\w:]*")
+_NAMESPACE_MATCHER = re.compile(r'\bnamespace\s*=\s*"([^"]*)"')
+_POD_MATCHER = re.compile(r'\bpod\s*=~\s*"([^"]*)"')
+# A redis:// or rediss:// URL with a password (`:PASSWORD@`, with or without a user).
+URL_WITH_PASSWORD = re.compile(r"rediss?://[^/@\s]*:[^/@\s]+@")
+# The cache's memory limit over its --maxmemory: the allocator's fragmentation was 1.11-1.21
+# with a million scores written (docs/deploy.md, "Scaling out"), plus client buffers.
+CACHE_HEADROOM = 1.25
+CACHE_IMAGES = frozenset({"valkey", "redis"})  # the image's name, without registry or tag
+_REDIS_UNITS = {"gb": 2**30, "mb": 2**20, "kb": 2**10, "g": 10**9, "m": 10**6, "k": 10**3}
+
+
+def exported_metrics() -> set[str]:
+    """The series names the server's /metrics serves, made from its instruments as the
+    endpoint makes them (counters end in `_total`, histograms have three series)."""
+    registry = CollectorRegistry()
+    Metrics(NoOpMeterProvider(), registry)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    return {f.name + end for f in registry.collect() for end in suffixes.get(f.type, ("",))}
+
+
+def check_scaling_metrics(problems: Problems) -> None:
+    exported = exported_metrics()
+    for name in sorted(SCALING_METRICS - exported):
+        problems.append(
+            f"scripts/check_deploy.py: SCALING_METRICS names {name}, which the server no "
+            "longer exports (rerank_server/observability/metrics.py)"
+        )
+
+
+def query_metrics(query: str) -> set[str]:
+    """The series a PromQL query selects: names standing before a `{...}` or alone, not
+    functions, aggregations, keywords, label names or strings."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', query)
+    text = re.sub(r"\{[^}]*\}", "{}", text)
+    text = re.sub(r"\[[^\]]*\]", "", text)
+    text = _PROMQL_GROUPING.sub("", text)
+    return {
+        m.group()
+        for m in _PROMQL_NAME.finditer(text)
+        if not text[m.end() :].lstrip().startswith("(")
+        and m.group().lower() not in _PROMQL_KEYWORDS
+    }
+
+
+def check_scaled_object(
+    where: str, scaled: dict[str, Any], objects: list[dict[str, Any]], problems: Problems
+) -> None:
+    """What KEDA would refuse or get wrong: a target not rendered here, replica bounds,
+    the fallback, and Prometheus triggers that read what the server exports, in the
+    namespace and pods the ScaledObject is for."""
+    spec = scaled.get("spec", {})
+    unknown = sorted(set(spec) - SCALED_OBJECT_SPEC)
+    problems.check(not unknown, where, f"unknown spec keys {unknown} (KEDA 2.x ScaledObject)")
+    target = spec.get("scaleTargetRef", {})
+    name = target.get("name")
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    problems.check(
+        (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment"))
+        == ("apps/v1", "Deployment")
+        and name in deployments,
+        where,
+        f"scaleTargetRef must name a Deployment rendered here, not {name!r}",
+    )
+    if name in deployments:
+        problems.check(
+            "replicas" not in deployments[name]["spec"],
+            where,
+            f"Deployment/{name} sets spec.replicas: KEDA owns the count, and each apply "
+            "would reset it (remove it in the overlay)",
+        )
+    for hpa in objects:
+        if hpa["kind"] == "HorizontalPodAutoscaler":
+            problems.check(
+                hpa["spec"]["scaleTargetRef"]["name"] != name,
+                where,
+                f"HorizontalPodAutoscaler/{hpa['metadata']['name']} scales {name} too: "
+                "KEDA makes its own, and two fight",
+            )
+    low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
+    problems.check(
+        isinstance(low, int) and isinstance(high, int) and 0 <= low <= high,
+        where,
+        f"minReplicaCount {low} must be a whole number at most maxReplicaCount {high}",
+    )
+    fallback = spec.get("fallback")
+    if fallback is not None:
+        replicas, failures = fallback.get("replicas"), fallback.get("failureThreshold")
+        problems.check(
+            isinstance(replicas, int)
+            and isinstance(low, int)
+            and isinstance(high, int)
+            and low <= replicas <= high,
+            where,
+            f"fallback.replicas {replicas} must be within {low}..{high}",
+        )
+        problems.check(
+            isinstance(failures, int) and failures >= 1,
+            where,
+            "fallback.failureThreshold must be a whole number of at least 1",
+        )
+    triggers = spec.get("triggers") or []
+    problems.check(bool(triggers), where, "a ScaledObject needs triggers")
+    for trigger in triggers:
+        check_prometheus_trigger(where, trigger, scaled, name, fallback is not None, problems)
+
+
+def check_prometheus_trigger(
+    where: str,
+    trigger: dict[str, Any],
+    scaled: dict[str, Any],
+    target: str | None,
+    fallback: bool,
+    problems: Problems,
+) -> None:
+    problems.check(
+        trigger.get("type") == "prometheus",
+        where,
+        f"trigger type {trigger.get('type')!r}: only prometheus triggers are checked here",
+    )
+    if trigger.get("type") != "prometheus":
+        return
+    meta = trigger.get("metadata", {})
+    # KEDA's metadata is a map of strings: a bare YAML number fails at apply.
+    for key, value in meta.items():
+        problems.check(isinstance(value, str), where, f"trigger metadata {key} must be a string")
+    for key in ("serverAddress", "query", "threshold"):
+        problems.check(meta.get(key) not in (None, ""), where, f"prometheus trigger needs {key}")
+    address = str(meta.get("serverAddress", ""))
+    problems.check(
+        address.startswith(("http://", "https://")) and bool(httpx.URL(address).host),
+        where,
+        f"serverAddress {address!r} is not an http(s) URL",
+    )
+    try:
+        threshold = float(meta.get("threshold", ""))
+    except ValueError:
+        threshold = 0.0
+    problems.check(threshold > 0, where, "threshold must be a positive number (as a string)")
+    if fallback:
+        problems.check(
+            trigger.get("metricType", "AverageValue") == "AverageValue",
+            where,
+            "KEDA's fallback works with AverageValue triggers only",
+        )
+    query = str(meta.get("query", ""))
+    names = query_metrics(query)
+    problems.check(
+        bool(names & SCALING_METRICS),
+        where,
+        f"the query reads none of the server's load series {sorted(SCALING_METRICS)}",
+    )
+    unknown = sorted(names - SCALING_METRICS - PROMETHEUS_SERIES)
+    problems.check(
+        not unknown,
+        where,
+        f"the query reads {unknown}: not series the server exports "
+        "(SCALING_METRICS, docs/observability.md)",
+    )
+    namespace = scaled.get("metadata", {}).get("namespace")
+    for selected in set(_NAMESPACE_MATCHER.findall(query)):
+        problems.check(
+            selected == namespace,
+            where,
+            f'the query selects namespace="{selected}" but the ScaledObject is in '
+            f"{namespace or 'no namespace (set `namespace:` in the kustomization)'}",
+        )
+    for pattern in set(_POD_MATCHER.findall(query)):
+        problems.check(
+            target is not None and re.fullmatch(pattern, f"{target}-7d4b9c8f6-x2x4z") is not None,
+            where,
+            f'the query\'s pod=~"{pattern}" does not match the pods of {target}',
+        )
+
+
+def _workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _redis_bytes(value: str) -> float:
+    """A Redis or Valkey memory size: `512mb` (1024-based), `500m` (1000-based), bytes."""
+    text = value.strip().lower()
+    for unit, factor in _REDIS_UNITS.items():
+        if text.endswith(unit):
+            return float(text.removesuffix(unit)) * factor
+    return float(text)
+
+
+def _secret_env(container: dict[str, Any], name: str) -> str | None:
+    """The Secret a variable of `container` comes from: a secretKeyRef, or an envFrom
+    secretRef when no `env` entry sets it; None when it is written in the manifests."""
+    for entry in container.get("env", []):
+        if entry["name"] == name:
+            secret: str | None = entry.get("valueFrom", {}).get("secretKeyRef", {}).get("name")
+            return secret
+    refs = [s["secretRef"]["name"] for s in container.get("envFrom", []) if "secretRef" in s]
+    return str(refs[-1]) if refs else None
+
+
+def check_cache(
+    where: str,
+    objects: list[dict[str, Any]],
+    config_maps: dict[str, dict[str, str]],
+    problems: Problems,
+) -> None:
+    """No password in a ConfigMap; a Valkey or Redis rendered here evicts, keeps its
+    memory under its limit, takes its password from a Secret, and rerank-server reads
+    RERANK_CACHE_URL from that same Secret."""
+    for name, data in config_maps.items():
+        for key, value in data.items():
+            problems.check(
+                not URL_WITH_PASSWORD.search(str(value)),
+                f"{where} ConfigMap/{name}",
+                f"{key} holds a redis:// URL with a password: put it in a Secret",
+            )
+    secrets: set[str] = set()
+    for workload in _workloads(objects):
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            image = container["image"]
+            if image.rsplit("/", 1)[-1].split(":")[0] not in CACHE_IMAGES:
+                continue
+            at = (
+                f"{where} {workload['kind']}/{workload['metadata']['name']} "
+                f"container {container['name']}"
+            )
+            secret = check_cache_container(at, pod, container, problems)
+            if secret:
+                secrets.add(secret)
+    if not secrets:
+        return
+    for workload in _workloads(objects):
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            if container["image"].split(":")[0] != RERANK_IMAGE:
+                continue
+            source = _secret_env(container, env_name("cache_url"))
+            problems.check(
+                source in secrets,
+                f"{where} {workload['kind']}/{workload['metadata']['name']}",
+                f"{env_name('cache_url')} must come from the Secret that holds the cache's "
+                f"password ({', '.join(sorted(secrets))}), not {source or 'the manifests'}",
+            )
+
+
+def check_cache_container(
+    where: str, pod: dict[str, Any], container: dict[str, Any], problems: Problems
+) -> str | None:
+    """Checks one Valkey or Redis container; returns the Secret its password is from."""
+    image = container["image"]
+    tag = image.rsplit("/", 1)[-1].partition(":")[2]
+    problems.check(bool(tag) and tag != "latest", where, f"pin the image by tag, not {image!r}")
+    args = [str(a) for a in container.get("command", []) + container.get("args", [])]
+    maxmemory = _flag(args, "--maxmemory")
+    problems.check(
+        maxmemory is not None, where, "a cache needs --maxmemory, or it grows to its limit"
+    )
+    policy = _flag(args, "--maxmemory-policy") or "noeviction"
+    problems.check(
+        policy.startswith("allkeys-"),
+        where,
+        f"--maxmemory-policy {policy}: a cache must evict when full (allkeys-lru); "
+        "noeviction refuses new scores instead",
+    )
+    limit = container.get("resources", {}).get("limits", {}).get("memory")
+    if maxmemory is not None:
+        try:
+            needed = CACHE_HEADROOM * _redis_bytes(maxmemory)
+        except ValueError:
+            problems.append(f"{where}: --maxmemory {maxmemory!r} is not a size")
+        else:
+            problems.check(
+                limit is not None and _quantity(str(limit)) >= needed,
+                where,
+                f"memory limit {limit} must be at least {needed / 2**20:.0f} Mi: "
+                f"{CACHE_HEADROOM:g}x --maxmemory {maxmemory}, which bounds the data, "
+                "not the process",
+            )
+    check_security(where, pod, container, problems)
+    problems.check("readinessProbe" in container, where, "the cache needs a readiness probe")
+    password = _flag(args, "--requirepass")
+    problems.check(password is not None, where, "the cache needs --requirepass (from a Secret)")
+    if password is None:
+        return None
+    variable = re.fullmatch(r"\$\((\w+)\)", password)
+    secret = _secret_env(container, variable.group(1)) if variable else None
+    problems.check(
+        secret is not None,
+        where,
+        "--requirepass must be $(VAR), VAR from a Secret's key (secretKeyRef), never "
+        "written in the manifests",
+    )
+    return secret
 
 
 # --- Dockerfile and compose -------------------------------------------------------------
@@ -606,12 +960,14 @@ def check_compose(problems: Problems) -> None:
 def main() -> int:
     problems = Problems()
     binary = kustomize()
-    rendered = 0
+    rendered = custom = 0
     for directory in kustomizations():
         where = str(directory.relative_to(ROOT))
         objects = render(binary, directory)
         rendered += len(objects)
+        custom += sum((o.get("apiVersion"), o.get("kind")) == SCALED_OBJECT for o in objects)
         check_objects(where, objects, problems)
+    check_scaling_metrics(problems)
     check_dockerfile(problems)
     check_compose(problems)
     for problem in problems:
@@ -619,8 +975,9 @@ def main() -> int:
     if problems:
         return 1
     print(
-        f"deploy/ ok: {len(kustomizations())} kustomizations, {rendered} objects valid "
-        f"for Kubernetes {KUBERNETES_VERSION}; Dockerfile and compose references match"
+        f"deploy/ ok: {len(kustomizations())} kustomizations, {rendered - custom} objects "
+        f"valid for Kubernetes {KUBERNETES_VERSION} and {custom} ScaledObject(s) checked; "
+        "Dockerfile and compose references match"
     )
     return 0
 
