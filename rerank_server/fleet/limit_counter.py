@@ -24,7 +24,6 @@ Scripts are required (atomic read-and-count); a Redis that refuses them fails op
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from functools import partial
@@ -36,6 +35,7 @@ from ..observability.metrics import ERROR_TYPE, LIMIT, Metrics
 from ..security.limits import CONCURRENT
 from ..settings import Settings
 from .redis_client import Breaker, RedisLink, Unavailable, client_from_url
+from .writes import BackgroundWriter
 
 log = structlog.get_logger(__name__)
 
@@ -44,8 +44,6 @@ WINDOW_MARGIN_MS = 1000
 # The shortest lease of a place: longer than a request, and than most RerankBatch
 # streams, which hold one place each for the whole stream.
 MIN_LEASE_S = 60.0
-CLOSE_WAIT_S = 1.0  # for the places of ended calls to be given back at shutdown
-REFUSED_LOG_EVERY_S = 60.0
 # KEYS: the key without its window; ARGV: amount, limit, window ms, margin ms. Returns
 # 0 when counted, else the milliseconds left in the window (nothing counted).
 TAKE_SCRIPT = """
@@ -106,7 +104,6 @@ class RedisLimitCounter:
         self._wait_s = wait_s
         self._lease_ms = max(1, round(lease_s * 1000))
         self._errors = (metrics or Metrics.noop()).limit_counter_errors
-        self._clock = clock
         client = link.client
         self._take = client.register_script(TAKE_SCRIPT)  # digests; nothing is sent
         self._enter = client.register_script(ENTER_SCRIPT)
@@ -115,8 +112,13 @@ class RedisLimitCounter:
         # `leave` is local.
         self._uncounted: dict[str, int] = {}
         self._leaving: dict[str, int] = {}  # Redis key: places to give back
-        self._writer: asyncio.Task[None] | None = None
-        self._refused_logged = -REFUSED_LOG_EVERY_S
+        self._writes = BackgroundWriter(
+            self._take_leaving,
+            self._give_back,
+            event="limit_counter_error",
+            op="leave",
+            clock=clock,
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> RedisLimitCounter:
@@ -192,25 +194,23 @@ class RedisLimitCounter:
                 return
             name = self._prefix + key
             self._leaving[name] = self._leaving.get(name, 0) + 1
-            if self._writer is None:
-                self._writer = asyncio.get_running_loop().create_task(self._give_back())
+            self._writes.wake()
         except Exception as exc:  # it runs however a call ends: never raise
             log.warning("limit_counter_error", op="leave", error_type=type(exc).__name__)
 
-    async def _give_back(self) -> None:
-        """Send the queued places, one script call a batch, until none is queued."""
+    def _take_leaving(self) -> dict[str, int]:
+        """The writer's next batch: every place queued (empty: none)."""
+        batch, self._leaving = self._leaving, {}
+        return batch
+
+    async def _give_back(self, batch: dict[str, int]) -> None:
+        """One script call for `batch`; a batch not sent is counted (its places held in
+        Redis until their lease runs out)."""
         try:
-            while self._leaving:
-                batch, self._leaving = self._leaving, {}
-                try:
-                    await self.link.write(partial(self._send_leaves, batch=batch))
-                except Unavailable as exc:
-                    # Held in Redis until the lease runs out.
-                    self._fell_back(CONCURRENT, exc.kind, sum(batch.values()))
-                    if exc.answered:
-                        self._refused(exc)
-        finally:
-            self._writer = None
+            await self.link.write(partial(self._send_leaves, batch=batch))
+        except Unavailable as exc:
+            self._fell_back(CONCURRENT, exc.kind, sum(batch.values()))
+            raise
 
     async def _send_leaves(self, redis: Redis, *, batch: dict[str, int]) -> None:
         await self._leave(keys=list(batch), args=list(batch.values()), client=redis)
@@ -219,33 +219,14 @@ class RedisLimitCounter:
         """Counted, not logged: the breaker logs when Redis goes down and comes back."""
         self._errors.add(calls, {LIMIT: limit, ERROR_TYPE: kind})
 
-    def _refused(self, exc: Unavailable) -> None:
-        """Give-backs Redis refused (full, read-only), which the breaker does not count:
-        logged at most once a minute."""
-        now = self._clock()
-        if now - self._refused_logged >= REFUSED_LOG_EVERY_S:
-            self._refused_logged = now
-            cause = exc.__cause__
-            log.warning(
-                "limit_counter_error",
-                op="leave",
-                error=exc.kind,
-                error_type=type(cause).__name__,
-                detail=str(cause)[:200],
-            )
-
     async def flush(self) -> None:
         """Wait until the places queued so far were given back (or failed to be)."""
-        while self._writer is not None:
-            await asyncio.shield(self._writer)
+        await self._writes.flush()
 
     async def aclose(self) -> None:
-        """Give back what is queued, for up to CLOSE_WAIT_S, then close the connections."""
+        """Give back what is queued, for up to `writes.CLOSE_WAIT_S`, then close the
+        connections."""
         try:
-            writer = self._writer
-            if writer is not None:
-                await asyncio.wait((writer,), timeout=CLOSE_WAIT_S)
-                writer.cancel()
-                await asyncio.wait((writer,))
+            await self._writes.aclose()
         finally:
             await self.link.aclose()

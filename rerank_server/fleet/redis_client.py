@@ -52,6 +52,8 @@ SOCKET_TIMEOUT_S = 1.0
 # some calls and not others, holds at most this many connections.
 MAX_PENDING_READS = 32
 
+DETAIL_CHARS = 200  # of an error's text in a log line
+
 # Error kinds, as metrics and logs name them.
 TIMEOUT = "timeout"  # no answer within the bound
 CONNECTION = "connection"  # refused, reset, closed, unresolvable, TLS failed
@@ -85,6 +87,13 @@ def error_kind(error: BaseException) -> str:
     if isinstance(error, RedisConnectionError | InvalidResponse | OSError):
         return CONNECTION
     return OTHER
+
+
+def error_detail(error: BaseException | None) -> str:
+    """What Redis said in `error`, for a log line: at most DETAIL_CHARS, without the
+    arguments an unknown command's reply quotes (keys, values)."""
+    text = str(error) if error is not None else ""
+    return text.partition(", with args beginning with")[0][:DETAIL_CHARS]
 
 
 def client_from_url(url: str, tls_ca: str = "") -> Redis:

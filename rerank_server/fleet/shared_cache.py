@@ -19,10 +19,10 @@ fall back to the pipeline.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import structlog
@@ -32,7 +32,8 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from ..observability.metrics import ERROR_TYPE, Metrics
 from ..settings import Settings
-from .redis_client import DOWN, Breaker, RedisLink, Unavailable, client_from_url
+from .redis_client import DOWN, Breaker, RedisLink, Unavailable, client_from_url, error_detail
+from .writes import BackgroundWriter
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +44,6 @@ MAX_QUEUED_SCORES = 20_000
 # clients' calls waiting well under a millisecond.
 WRITE_BATCH = 200
 BEHIND_LOG_EVERY_S = 60.0
-CLOSE_WAIT_S = 1.0  # for the queue to go out at shutdown
 _PROBE_KEY = b"probe"  # never written: a probe reads it as a request would
 # KEYS: the keys; ARGV: their scores, then the expiry in milliseconds.
 WRITE_SCRIPT = """
@@ -76,12 +76,13 @@ class RedisScoreTier:
         self._durations = (metrics or Metrics.noop()).cache_shared_duration
         self._clock = clock
         self._queue: dict[bytes, float] = {}
-        self._writer: asyncio.Task[None] | None = None
+        self._writes = BackgroundWriter(
+            self._take, self._write, event="score_cache_shared_error", op="write", clock=clock
+        )
         self._script = link.client.register_script(WRITE_SCRIPT)  # its digest; no call
         self._scripted = True
         self.left_out = 0
         self._behind_logged = -BEHIND_LOG_EVERY_S
-        self._refused_logged = -BEHIND_LOG_EVERY_S
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> RedisScoreTier:
@@ -163,28 +164,18 @@ class RedisScoreTier:
             self._behind(len(scores))
             return
         self._queue.update(scores)
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
+        self._writes.wake()
 
-    async def _write_queued(self) -> None:
-        """Send the queue, a batch at a time, until it is empty."""
-        try:
-            while self._queue:
-                batch = self._take(WRITE_BATCH)
-                try:
-                    await self.link.write(partial(self._send, batch=batch))
-                except Unavailable as exc:
-                    if exc.answered:
-                        self._refused(exc)
-        finally:
-            self._writer = None
-
-    def _take(self, most: int) -> dict[bytes, float]:
-        if len(self._queue) <= most:
+    def _take(self) -> dict[bytes, float]:
+        """The writer's next batch: the first WRITE_BATCH scores queued (empty: none)."""
+        if len(self._queue) <= WRITE_BATCH:
             batch, self._queue = self._queue, {}
             return batch
-        keys = list(self._queue)[:most]
+        keys = list(islice(self._queue, WRITE_BATCH))
         return {key: self._queue.pop(key) for key in keys}
+
+    async def _write(self, batch: dict[bytes, float]) -> None:
+        await self.link.write(partial(self._send, batch=batch))
 
     async def _send(self, redis: Redis, *, batch: dict[bytes, float]) -> None:
         prefix = self._prefix
@@ -202,13 +193,17 @@ class RedisScoreTier:
                 log.info(
                     "score_cache_shared_no_scripts",
                     error_type=type(exc).__name__,
-                    detail=str(exc)[:200],
+                    detail=error_detail(exc),
                     action="scores written as pipelines of SET instead",
                 )
         async with redis.pipeline(transaction=False) as pipe:
             for key, score in zip(keys, scores, strict=True):
                 pipe.set(key, score, px=self._ttl_ms)
-            await pipe.execute()
+            # Raised here, not by execute(): that one writes the failed command, key
+            # and score, into the error's text, which the refused writes' log shows.
+            for result in await pipe.execute(raise_on_error=False):
+                if isinstance(result, Exception):
+                    raise result
 
     def _behind(self, scores: int) -> None:
         """Scores left out, the queue full: counted, logged at most once a minute."""
@@ -224,34 +219,15 @@ class RedisScoreTier:
                 left_out=self.left_out,
             )
 
-    def _refused(self, exc: Unavailable) -> None:
-        """Writes Redis refused (full, read-only): logged at most once a minute; the
-        reads go on."""
-        now = self._clock()
-        if now - self._refused_logged >= BEHIND_LOG_EVERY_S:
-            self._refused_logged = now
-            cause = exc.__cause__
-            log.warning(
-                "score_cache_shared_error",
-                op="write",
-                error=exc.kind,
-                error_type=type(cause).__name__,
-                detail=str(cause)[:200],
-            )
-
     async def flush(self) -> None:
         """Wait until what was queued so far was sent (or failed to be)."""
-        while self._writer is not None:
-            await asyncio.shield(self._writer)
+        await self._writes.flush()
 
     async def aclose(self) -> None:
-        """Send what is queued, for up to CLOSE_WAIT_S, then close the connections."""
+        """Send what is queued, for up to `writes.CLOSE_WAIT_S`, then close the
+        connections."""
         try:
-            writer = self._writer
-            if writer is not None:
-                await asyncio.wait((writer,), timeout=CLOSE_WAIT_S)
-                writer.cancel()  # the queue with it
-                await asyncio.wait((writer,))
+            await self._writes.aclose()
         finally:
             await self.link.aclose()
 
