@@ -16,7 +16,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..observability.logs import rpc_failed
-from ..observability.metrics import LIMIT, TOKEN, Metrics
+from ..observability.metrics import LIMIT, RPC_METHOD, TOKEN, Metrics
 from ..observability.server_spans import close_server_span, open_server_span
 from ..ranking.request import RequestRules
 from ..security import timeouts
@@ -194,11 +194,16 @@ class Gate:
                     if refusal is not None:
                         await self._over_limit(scope, send, refusal)
                         return
+            # Counted with the gRPC calls in `rerank.server.active_rpcs`, what an
+            # autoscaler scales on (docs/deploy.md, "Scaling out"), by route.
+            method = {RPC_METHOD: f"POST {route_path(scope)}"}
             self.active += 1
+            self._metrics.rpc_active.add(1, method)
             try:
                 await self._app(scope, _replay(body, receive), send)
             finally:
                 self.active -= 1
+                self._metrics.rpc_active.add(-1, method)
         finally:
             self._inflight.give_back(len(body))
 

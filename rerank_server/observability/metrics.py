@@ -137,7 +137,8 @@ class Metrics:
         self.rpc_active = make.up_down_counter(
             "rerank.server.active_rpcs",
             "{rpc}",
-            "Reranker RPCs in progress (health and reflection excluded).",
+            "Rerank requests in progress, gRPC calls and JSON rerank requests by method "
+            "or route (health, reflection and /v1/models excluded).",
             keys=(RPC_METHOD,),
         )
         self.rpc_rejected = make.counter(

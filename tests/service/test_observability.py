@@ -563,3 +563,24 @@ async def test_otlp_metrics_carry_every_backend_call(
     assert attributes["http.response.status_code"].int_value == 200
     assert attributes["rerank.backend"].string_value == "chat"
     assert points[-1].count == 5
+
+
+async def test_json_requests_in_progress_count_with_grpc_calls(
+    start_server: StartServer, fake_llama: FakeLlamaServer
+) -> None:
+    """`rerank_server_active_rpcs`, what the fleet's autoscaler scales on, counts a JSON
+    rerank request while it runs, and lets go of it after."""
+    fake_llama.latency_s = 0.5
+    server = await start_server(metrics_port=free_port(), http_port=free_port())
+    url = f"http://127.0.0.1:{server.http_port}/v1/rerank"
+    async with httpx.AsyncClient(timeout=30) as http:
+        body = {"query": "q", "documents": ["a", "b", "c"]}
+        running = asyncio.ensure_future(http.post(url, json=body))
+        route = {"rpc_method": "POST /v1/rerank"}
+
+        async def counted() -> bool:
+            return total(await scrape(server), "rerank_server_active_rpcs", **route) == 1
+
+        assert await eventually(counted, 5)
+        assert (await running).status_code == 200
+    assert total(await scrape(server), "rerank_server_active_rpcs", **route) == 0
