@@ -31,6 +31,11 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HANDSHAKE_TIMEOUT_S = 10.0  # from connecting to the HTTP/2 preface (and TLS, with it)
 CONNECTION_IDLE_S = 300.0  # without a call, before the connection is closed (GOAWAY)
+# A connection this old gets GOAWAY (gRPC adds up to 10% of jitter): its calls go on to
+# their end, and the client's next ones open a new connection, after resolving the name
+# again. Without it a busy round_robin client never reaches the pods an autoscaler adds
+# (grpc/grpc#12295; docs/deploy.md, "Load balancing in a fleet").
+CONNECTION_AGE_S = 300.0
 
 
 def backend_health_name(component: str) -> str:
@@ -167,6 +172,8 @@ class GrpcEdge:
             ("grpc.max_allowed_incoming_connections", settings.max_connections),
             ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
             ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000)),
+            # No grace set: calls on an old connection (a long RerankBatch) run to their end.
+            ("grpc.max_connection_age_ms", int(CONNECTION_AGE_S * 1000)),
             # A call's message not yet asked for holds at most the stream's initial
             # window (64 KiB). With the BDP probe on, gRPC raised that window to the
             # link's bandwidth-delay product, several MB on a fast link, and took in

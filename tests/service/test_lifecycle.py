@@ -3,13 +3,16 @@ raise the operator's caps."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 from pathlib import Path
 
+import psutil
 import pytest
 
+from rerank_server.api import grpc_server
 from rerank_server.errors import BindError
 from rerank_server.managed.child_process import free_port
 from rerank_server.server import build_server
@@ -82,3 +85,24 @@ async def test_a_request_cannot_raise_max_candidates(start_server: StartServer) 
         lowered = await client.rerank("q", docs, max_candidates=2)
     assert raised.summary.submitted == 3 and len(raised.results) == 8
     assert lowered.summary.submitted == 2
+
+
+async def test_a_busy_connection_is_renewed_by_age(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection older than `CONNECTION_AGE_S` gets GOAWAY: the client's next calls go
+    on a new connection (a new local port), so a busy client reaches pods added since;
+    every call is answered."""
+    monkeypatch.setattr(grpc_server, "CONNECTION_AGE_S", 1.0)
+    server = await start_server()
+    ports = set()
+    async with client_of(server) as client:
+        for _ in range(12):
+            assert (await client.rerank("q", ["a", "b", "c"])).reranked
+            ports |= {
+                c.laddr.port
+                for c in psutil.Process().net_connections("tcp")
+                if c.raddr and c.raddr.port == server.port and c.status == "ESTABLISHED"
+            }
+            await asyncio.sleep(0.25)
+    assert len(ports) >= 2, ports
