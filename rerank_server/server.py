@@ -327,7 +327,14 @@ async def _start_model(
     scorer = scorer or build_scorer(settings, pool)
     stack.push_async_callback(scorer.aclose)
     reranker = Reranker(
-        request_rules(settings), scorer, telemetry, cache, blends, loop_lag, name=spec.name
+        request_rules(settings),
+        scorer,
+        telemetry,
+        cache,
+        blends,
+        loop_lag,
+        name=spec.name,
+        identity=managed.identity if managed is not None else "",
     )
     return ServedStack(spec.name, settings, pool, reranker, managed, spec.aliases)
 

@@ -120,6 +120,7 @@ class ManagedLlamaServer:
     ) -> None:
         self.binary = binary
         self.model = model
+        self.identity = ""  # the model file's sha256, for the score cache (start.py)
         self.port = free_port()
         self.slots = slots
         self.ctx_per_slot = ctx_per_slot

@@ -1,12 +1,11 @@
 """A speed twin of Qwen3-Reranker-0.6B: its architecture and sizes, random weights.
 
-Run as `python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank}`.
+Run as `python speed_twin.py TOKENIZER.gguf OUT.gguf {q8_0,f16} {lm,rank,rank-tied}`.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -54,20 +53,13 @@ def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> list[str]:
     return tokens
 
 
-def _tensor(
-    writer: GGUFWriter,
-    name: str,
-    shape: tuple[int, ...],
-    kind: str,
-    rng: np.random.Generator,
-    norm: bool = False,
-    shape_it: Callable[[np.ndarray], np.ndarray] = lambda w: w,
-) -> None:
-    """A random weight (numpy shape: rows, columns), or a norm of ones (kept F32)."""
-    if norm:
-        writer.add_tensor(name, np.ones(shape, dtype=np.float32))
-        return
-    data = shape_it(rng.standard_normal(shape, dtype=np.float32) * 0.02)
+def _random(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32) * 0.02
+
+
+def _store(writer: GGUFWriter, name: str, data: np.ndarray, kind: str) -> None:
+    """`data` (numpy shape: rows, columns) in the file's type. q8_0 quantizes blocks of 32
+    along a row, so equal rows are equal bytes wherever they are stored."""
     if kind == "f16":
         writer.add_tensor(name, data.astype(np.float16))
     else:
@@ -76,15 +68,43 @@ def _tensor(
         )
 
 
+def _tensor(
+    writer: GGUFWriter,
+    name: str,
+    shape: tuple[int, ...],
+    kind: str,
+    rng: np.random.Generator,
+    norm: bool = False,
+) -> None:
+    """A random weight, or a norm of ones (kept F32)."""
+    if norm:
+        writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+    else:
+        _store(writer, name, _random(rng, shape), kind)
+
+
 ANCHOR, ANSWER_LIFT = 30.0, 2.0
+HEADS = ("lm", "rank", "rank-tied")
+CONVERTER_ANSWERS = ("yes", "no")  # `cls.output`'s rows, in this order
 
 
-def _answers(tokens: list[str]) -> list[int]:
-    """The vocabulary's spellings of the answers ("yes", "No", " yes": BPE's "Ġ" is a
-    space), every one `logprobs.p_yes` reads."""
-    return [
-        i for i, t in enumerate(tokens) if t.replace("\u0120", " ").strip().lower() in ("yes", "no")
-    ]
+def _answers(tokens: list[str], rank: bool) -> list[int]:
+    """The answer tokens the twin favours. For `lm`, every spelling `logprobs.p_yes`
+    reads ("yes", "No", " yes": BPE's "Ġ" is a space). For a rank head, the tokens "yes"
+    and "no" themselves, whose rows llama.cpp's converter puts in `cls.output`
+    (`convert_tokens_to_ids`), as a trained Qwen3-Reranker answers: `completion` pools
+    every spelling and `--rerank` reads only these two, so lifting the others would make
+    the two paths differ by the twin's invention."""
+    if not rank:
+        return [
+            i
+            for i, t in enumerate(tokens)
+            if t.replace("\u0120", " ").strip().lower() in CONVERTER_ANSWERS
+        ]
+    missing = [t for t in CONVERTER_ANSWERS if t not in tokens]
+    if missing:
+        raise SystemExit(f"no token {missing[0]!r} in the tokenizer's vocabulary")
+    return [tokens.index(t) for t in CONVERTER_ANSWERS]
 
 
 def _anchor(embd: np.ndarray, answers: list[int]) -> np.ndarray:
@@ -124,22 +144,19 @@ def main(tokenizer: str, out: str, kind: str, head: str) -> None:
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     tokens = _copy_tokenizer(GGUFReader(tokenizer), writer)
-    if head == "rank":
+    rank = head != "lm"
+    if rank:
         writer.add_pooling_type(PoolingType.RANK)
-        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_classifier_output_labels(list(CONVERTER_ANSWERS))
         writer.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
-    answers = _answers(tokens)
-    _tensor(
-        writer,
-        "token_embd.weight",
-        (len(tokens), N_EMBD),
-        kind,
-        rng,
-        shape_it=lambda w: _anchor(w, answers),
-    )
+    answers = _answers(tokens, rank)
+    embd = _anchor(_random(rng, (len(tokens), N_EMBD)), answers)
+    _store(writer, "token_embd.weight", embd, kind)
     _tensor(writer, "output_norm.weight", (N_EMBD,), kind, rng, norm=True)
-    if head == "rank":
-        _tensor(writer, "cls.output.weight", (2, N_EMBD), kind, rng)
+    if rank:
+        # Drawn for both heads: every other tensor is the same in the two files.
+        rows = _random(rng, (2, N_EMBD))
+        _store(writer, "cls.output.weight", embd[answers] if head == "rank-tied" else rows, kind)
     for i in range(N_LAYER):
         b = f"blk.{i}"
         _tensor(writer, f"{b}.attn_norm.weight", (N_EMBD,), kind, rng, norm=True)

@@ -17,6 +17,7 @@ from ..settings import LlamaAmx, ManagedBackend, Settings
 from . import assets, llama_build, scoring_path
 from .downloads import STAND_IN_MODEL
 from .gguf_meta import GgufError
+from .identity import model_identity
 from .llama_server import ManagedLlamaServer
 from .output_log import prune
 from .scoring_path import ScoringPath
@@ -70,7 +71,12 @@ async def start_managed(
         amx_mode=settings.llama_amx,
         amx_free_build=llama_build.is_amx_free_build(binary, cache),
     )
-    await managed.start()
+    # Hashed while llama-server loads (a new file of gigabytes: seconds, once).
+    identity = asyncio.create_task(asyncio.to_thread(model_identity, model, cache))
+    try:
+        await managed.start()
+    finally:
+        managed.identity = await identity
     changes: dict[str, object] = {"backend_url": managed.url, "backend": path.backend}
     if model.name == STAND_IN_MODEL.name and settings.assistant_prefill:
         # The stand-in chat model does not know Qwen3-Reranker's think block: with it, no

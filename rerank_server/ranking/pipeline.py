@@ -49,6 +49,7 @@ class Reranker:
         blends: BlendResolver | None = None,
         loop_lag: Callable[[], float] = lambda: 0.0,
         name: str = "",
+        identity: str = "",
     ) -> None:
         self.rules = rules
         self.scorer = scorer
@@ -56,6 +57,10 @@ class Reranker:
         # and keying its cached scores apart from another served model's; "" when the
         # server names none: the backend's own name for its model is reported.
         self.name = name
+        # The model file's sha256 where the server knows it (managed mode): in the score
+        # cache's keys, so that replicas serving different files under one name, or one
+        # name given a new file, never share scores.
+        self.identity = identity
         self.telemetry = telemetry or Telemetry.disabled()
         self.cache = cache if cache is not None else ScoreCache(0, 0)
         self.blends = blends or BlendResolver(blend_profiles.load())
@@ -306,9 +311,11 @@ class Reranker:
         )
 
     def _cache_model(self) -> str:
-        """The model a cached score belongs to: the served name too, so that two served
-        models whose backends report one name (two files called model.gguf) share none."""
-        return f"{self.name}/{self.scorer.model}" if self.name else self.scorer.model
+        """The model a cached score belongs to: the served name and the file's sha256
+        too, so that two served models whose backends report one name (two files called
+        model.gguf), or replicas serving different files under one name, share none."""
+        model = f"{self.name}/{self.scorer.model}" if self.name else self.scorer.model
+        return f"{model}@{self.identity}" if self.identity else model
 
     @property
     def model(self) -> str:
