@@ -214,7 +214,7 @@ SPEED_TWIN_TYPES = ("q8_0", "f16")
 SPEED_TWIN_HEADS = ("lm", "rank")  # `chat`/`completion`, and `llama-server --rerank`
 
 
-SPEED_TWIN_VERSION = 2  # in the file name: a cache keeps no twin of an older recipe
+SPEED_TWIN_VERSION = 3  # in the file name: a cache keeps no twin of an older recipe
 
 
 def speed_twin_path(cache: Path, head: str, kind: str) -> Path:

@@ -126,9 +126,15 @@ def main(tokenizer: str, out: str, kind: str, head: str) -> None:
 
     `head` `lm` keeps the causal LM head (the `chat` and `completion` paths); `rank` adds
     what llama.cpp's converter gives a Qwen3-Reranker: rank pooling, the labels "yes" and
-    "no" and a two-row `cls.output` (for `llama-server --rerank`). Run by the converter's
-    environment (`converted.prepare_speed_twin`): nothing of rerank-server is imported here.
+    "no" and a two-row `cls.output` (for `llama-server --rerank`), with no `output.weight`,
+    so llama.cpp builds the output layer from the embeddings. `rank` is an untied model's
+    (the rows are random: another head's), `rank-tied` a tied one's (0.6B): the rows are
+    the embeddings' rows of "yes" and "no", stored as they are, and the files differ in
+    nothing else. Run by the converter's environment (`converted.prepare_speed_twin`):
+    nothing of rerank-server is imported here.
     """
+    if head not in HEADS:
+        raise SystemExit(f"head {head!r}: choose from {', '.join(HEADS)}")
     rng = np.random.default_rng(0)
     writer = GGUFWriter(out, ARCH)
     writer.add_name(f"Qwen3-Reranker-0.6B speed twin ({head}, random weights)")
