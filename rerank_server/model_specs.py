@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,14 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .settings import Settings, env_name, read_value, setting_type
+from .ranking.served_models import NAME
+from .settings import ManagedBackend, Settings, env_name, read_value, setting_type
 
-# A name as clients send it in `model`: hub-style names ("BAAI/bge-reranker-v2-m3") too.
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 HUB_PREFIX = "hf:"
 # What a model may set for itself in the models file; everything else is the server's
 # (ports, limits, security, the cache, telemetry).
 PER_MODEL_GROUPS = frozenset({"backend", "ranking", "shaping"})
+# Of those, what only the server as a whole reads (the JSON API's default blend, the
+# edges' check of a request's lists) or what the source sets (a model's backend URL).
+NOT_PER_MODEL = frozenset({"http_blend_strategy", "max_lists", "backend_url"})
 PER_MODEL_MANAGED = frozenset(
     {
         "llama_server",
@@ -56,6 +57,15 @@ class ModelSpec:
     def settings(self, base: Settings) -> Settings:
         """`base` with this model's source and settings applied."""
         changes: dict[str, Any] = dict(self.overrides)
+        own = changes.get("backend")
+        # A model's own backend wins over its file's metadata and the server's --backend,
+        # as an explicit --backend does (settings.py).
+        if (
+            own is not None
+            and "managed_backend" not in changes
+            and own.value in {m.value for m in ManagedBackend}
+        ):
+            changes["managed_backend"] = ManagedBackend(own.value)
         if self.kind == "urls":
             changes.update(backend_url=self.source, managed=False)
         elif self.kind in ("hub", "file"):
@@ -123,10 +133,14 @@ def plan(settings: Settings) -> ModelPlan:
 
 
 def parse_entries(raw: str) -> list[tuple[str, str]]:
-    """`NAME=SOURCE` entries, separated by whitespace (`--models`, `RERANK_MODELS`;
-    every `--model NAME=SOURCE` lands here, one per line)."""
+    """`NAME=SOURCE` entries, separated by whitespace (`--models`, `RERANK_MODELS`), or
+    by newlines when there is one (every `--model NAME=SOURCE` lands here, one per line:
+    a path may hold spaces)."""
     out: list[tuple[str, str]] = []
-    for entry in raw.split():
+    entries = raw.splitlines() if "\n" in raw else raw.split()
+    for entry in (e.strip() for e in entries):
+        if not entry:
+            continue
         name, sep, source = entry.partition("=")
         if not sep or not source:
             raise ConfigError(
@@ -190,28 +204,29 @@ def _spec(name: str, table: dict[str, Any], where: str) -> ModelSpec:
     return ModelSpec(name, source, tuple(aliases), overrides)
 
 
+def _per_model_setting(name: str, group: str) -> bool:
+    return (group in PER_MODEL_GROUPS and name not in NOT_PER_MODEL) or name in PER_MODEL_MANAGED
+
+
 def _per_model(setting: str, value: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(Settings)}
     f = fields.get(setting)
-    if f is None or not (f.metadata["group"] in PER_MODEL_GROUPS or setting in PER_MODEL_MANAGED):
-        allowed = sorted(
-            n
-            for n, g in fields.items()
-            if g.metadata["group"] in PER_MODEL_GROUPS or n in PER_MODEL_MANAGED
-        )
+    if f is None or not _per_model_setting(setting, f.metadata["group"]):
+        allowed = sorted(n for n, g in fields.items() if _per_model_setting(n, g.metadata["group"]))
         raise ConfigError(
             f"{where}: not a per-model setting; a model may set source, aliases, "
             + ", ".join(a.replace("_", "-") for a in allowed)
         )
     kind = setting_type(setting)
+    shown = "a value" if "key" in setting else repr(value)  # an API key is not echoed
     if isinstance(value, bool) != (kind is bool):
-        raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {shown}")
     if kind in (int, float) and isinstance(value, int | float):
         if kind is int and isinstance(value, float):
-            raise ConfigError(f"{where}: expected int, got {value!r}")
+            raise ConfigError(f"{where}: expected int, got {shown}")
         return kind(value)
     if kind is bool:
         return value
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {shown}")
     return read_value(setting, value, where)

@@ -277,7 +277,8 @@ async def build_server(
         edges = _Edges(edge)
         stack.push_async_callback(edges.aclose)
         for served in stacks:
-            served.monitor = _monitor(served, edge, telemetry, is_default=served is stacks[0])
+            is_default = served.reranker is models.default.reranker
+            served.monitor = _monitor(served, edge, telemetry, is_default=is_default)
             stack.push_async_callback(served.monitor.stop)
         http = None
         if settings.http_port:
@@ -350,7 +351,9 @@ def _monitor(
         if is_default:
             await edge.report_backend(component, up)
         if served.name:
-            own = f"model/{served.name}" + (f"/{component}" if component else "")
+            # A name's "/" escaped, so that model "en" and model "en/x" never share one.
+            name = served.name.replace("%", "%25").replace("/", "%2F")
+            own = f"model/{name}" + (f"/{component}" if component else "")
             await edge.report_backend(own, up)
 
     settings = served.settings

@@ -959,7 +959,7 @@ def _sort_model_flags(values: dict[str, Any], environ: Mapping[str, str]) -> Non
         )
     values["model"] = names[0] if names else environ.get(env_name("model"), "")
     if entries := [g for g in given if "=" in g]:
-        values["models"] = "\n".join(entries)
+        values["models"] = "".join(f"{e}\n" for e in entries)  # one per line: see model_specs
 
 
 def _backend_chooses_managed_path(

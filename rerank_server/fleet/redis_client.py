@@ -130,8 +130,13 @@ def client_from_url(url: str, tls_ca: str = "") -> Redis:
         options["ssl_ca_certs"] = tls_ca
     try:
         return Redis.from_url(url, **options)
-    except ValueError as exc:  # a port or db that is not a number, a bad query option
-        raise ConfigError(f"--cache-url / RERANK_CACHE_URL: {exc}") from None
+    except ValueError:  # a port or db that is not a number, a bad query option
+        # Not the library's message: it may quote a part of the URL, the password too.
+        raise ConfigError(
+            "--cache-url / RERANK_CACHE_URL: not a URL redis-py can read (its port or "
+            "database is not a number, or a query option is unknown; a password with / "
+            "or # in it must be percent-encoded)"
+        ) from None
 
 
 class Breaker:

@@ -10,9 +10,8 @@ never wait: they join a queue that one writer task sends a batch at a time; a qu
 already holding `MAX_QUEUED_SCORES` takes no more (counted, logged once a minute).
 
 A batch is one EVALSHA of `WRITE_SCRIPT` (a `SET ... PX` per key, run in Redis), not
-a pipeline of SETs: redis-py's cost is per command, and a request's 40 SETs took five
-times the CPU of the one script call, on the servers whose CPU is the fleet's to spend
-(Redis spends a little more on the script; scripts/bench_cache_tiers.py measures both).
+a pipeline of SETs: redis-py's cost is per command, paid on the servers whose CPU is the
+fleet's to spend (docs/benchmarks.md, "A shared score cache").
 Where scripts are refused (an ACL without @scripting, EVALSHA renamed away) the writes
 fall back to the pipeline.
 """
@@ -32,7 +31,15 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from ..observability.metrics import ERROR_TYPE, Metrics
 from ..settings import Settings
-from .redis_client import DOWN, Breaker, RedisLink, Unavailable, client_from_url, error_detail
+from .redis_client import (
+    DOWN,
+    OTHER,
+    Breaker,
+    RedisLink,
+    Unavailable,
+    client_from_url,
+    error_detail,
+)
 from .writes import BackgroundWriter
 
 log = structlog.get_logger(__name__)
@@ -131,6 +138,9 @@ class RedisScoreTier:
                 self._read(time.perf_counter() - started, exc.kind, 0)
             return {}
         found: dict[bytes, float] = {}
+        if len(values) != len(keys):  # not Redis's answer to this MGET: all misses
+            self._read(time.perf_counter() - started, OTHER, 0)
+            return {}
         for key, value in zip(keys, values, strict=True):
             if value is not None:
                 try:

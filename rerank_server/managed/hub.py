@@ -15,8 +15,8 @@ HF_ENDPOINT and HF_HUB_OFFLINE once, at import), the choice of a file when a sou
 only the repository, the sha256 check (the library checks only the size), progress lines
 when stderr is not a terminal, and errors that say what to do.
 
-huggingface_hub is imported by the functions that use it: it takes some 0.2 s, which only
-`hf:` sources should pay.
+huggingface_hub is imported by the functions that use it: only `hf:` sources pay for
+its import.
 """
 
 from __future__ import annotations
@@ -78,6 +78,10 @@ class HubSource:
             path, revision = revision, "main"
         if not revision:
             raise bad("empty revision after @")
+        steps = revision.split("/")
+        if revision.startswith("/") or "" in steps or "." in steps or ".." in steps:
+            # It becomes a path in the cache (refs/REVISION): it must stay inside.
+            raise bad(f"{revision!r} is not a branch, tag or commit")
         parts = path.split("/")
         if len(parts) < 2 or "" in parts or "." in parts or ".." in parts:
             raise bad("expected an organisation and a repository")
@@ -154,7 +158,9 @@ class _Hub:
 def _choose(source: HubSource, hub: _Hub) -> str:
     """The GGUF to fetch for a source that names only the repository."""
     names = _cached_files(source, hub) if hub.offline else _listed_files(source, hub)
-    ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
+    # Only names that stay inside the repository's folder: the listing is the
+    # endpoint's word, and a name becomes a path in the cache.
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf") and _inside(n))
     # A vision model's projector is a GGUF too, but never the model to serve.
     whole = [
         n
@@ -185,6 +191,12 @@ def _choose(source: HubSource, hub: _Hub) -> str:
         f"{source}: {has} {len(whole)} GGUF files and {which} of them Q8_0; name one as "
         f"hf:{source.repo}/FILE.gguf: {', '.join(whole)}"
     )
+
+
+def _inside(name: str) -> bool:
+    """Whether a file name of a listing is a relative path with no `.` or `..` steps."""
+    steps = name.split("/")
+    return not name.startswith("/") and "" not in steps and "." not in steps and ".." not in steps
 
 
 def _listed_files(source: HubSource, hub: _Hub) -> list[str]:
@@ -628,5 +640,7 @@ def _ggufs_of(source: HubSource, hub: _Hub) -> str:
         names = _listed_files(source, hub)
     except AssetError:
         return "name one of its GGUF files"
-    ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
+    # Only names that stay inside the repository's folder: the listing is the
+    # endpoint's word, and a name becomes a path in the cache.
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf") and _inside(n))
     return f"its GGUF files: {', '.join(ggufs)}" if ggufs else "it has no GGUF file"

@@ -15,6 +15,10 @@ from .gguf_meta import RANK_POOLING, Gguf, GgufError, read_header, reranker_kind
 
 # llama.cpp's pooling types (LLAMA_POOLING_TYPE_*): what an embedding model pools by.
 POOLING_NAMES = {1: "mean", 2: "cls", 3: "last"}
+# Encoders, for files older than the `attention.causal` key (llama.cpp's names).
+ENCODERS = frozenset(
+    {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "modern-bert", "neo-bert", "t5encoder"}
+)
 # ggml types whose rows this module can read to compare two heads.
 F32, F16, Q8_0, BF16 = 0, 1, 8, 30
 Q8_0_BLOCK = 32
@@ -45,7 +49,7 @@ def choose(gguf: Gguf) -> ScoringPath | None:
     arch = gguf.architecture
     meta = gguf.meta
     pooling = meta.get(f"{arch}.pooling_type")
-    causal = meta.get(f"{arch}.attention.causal", True) is not False
+    causal = meta.get(f"{arch}.attention.causal", arch not in ENCODERS) is not False
     head = next((n for n in ("cls.output.weight", "cls.weight") if n in gguf.tensors), None)
     ctx = meta.get(f"{arch}.context_length")
     ctx = ctx if isinstance(ctx, int) and ctx > 0 else None
@@ -67,6 +71,13 @@ def choose(gguf: Gguf) -> ScoringPath | None:
         )
     if pooling == RANK_POOLING:
         return _causal_rank_head(gguf)
+    if pooling in POOLING_NAMES:  # a causal embedding model (Qwen3-Embedding: last)
+        name = POOLING_NAMES[pooling]
+        return ScoringPath(
+            BackendKind.EMBEDDING,
+            f"an embedding model ({arch}, causal, {name} pooling): cosine of query and passage",
+            ("--embedding", "--pooling", name),
+        )
     kind = reranker_kind(meta)
     if kind is not None:
         return ScoringPath(BackendKind.COMPLETION, f"{kind.why}; {COMPLETION_WHY}")

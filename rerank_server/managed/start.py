@@ -56,7 +56,8 @@ async def start_managed(
         # let a sequence run past it.
         ctx_per_slot = path.context_length
     extra = [*split_args(settings.llama_args), *path.llama_args]
-    if path.context_length is not None and not any(a in ("-ub", "--ubatch-size") for a in extra):
+    batch_flags = ("-b", "--batch-size", "-ub", "--ubatch-size")
+    if path.context_length is not None and not any(a in batch_flags for a in extra):
         # An encoder reads a sequence in one physical batch: it must hold a whole slot.
         extra += ["-b", str(max(ctx_per_slot, 512)), "-ub", str(max(ctx_per_slot, 512))]
     managed = ManagedLlamaServer(
@@ -75,8 +76,14 @@ async def start_managed(
     identity = asyncio.create_task(asyncio.to_thread(model_identity, model, cache))
     try:
         await managed.start()
-    finally:
+    except BaseException:
+        identity.cancel()  # the thread hashes on; nobody waits for it
+        raise
+    try:
         managed.identity = await identity
+    except BaseException:
+        await managed.stop()  # started, and not yet on anyone's exit stack
+        raise
     changes: dict[str, object] = {"backend_url": managed.url, "backend": path.backend}
     if model.name == STAND_IN_MODEL.name and settings.assistant_prefill:
         # The stand-in chat model does not know Qwen3-Reranker's think block: with it, no

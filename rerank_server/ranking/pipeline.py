@@ -314,8 +314,10 @@ class Reranker:
         """The model a cached score belongs to: the served name and the file's sha256
         too, so that two served models whose backends report one name (two files called
         model.gguf), or replicas serving different files under one name, share none."""
-        model = f"{self.name}/{self.scorer.model}" if self.name else self.scorer.model
-        return f"{model}@{self.identity}" if self.identity else model
+        if not (self.name or self.identity):
+            return self.scorer.model
+        # NUL: in no served name (NAME) and no sha256, so no two triples join alike.
+        return "\0".join((self.name, self.scorer.model, self.identity))
 
     @property
     def model(self) -> str:

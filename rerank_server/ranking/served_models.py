@@ -3,6 +3,7 @@ name a request gives (`model` in JSON and in gRPC's `RerankRequest`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -10,15 +11,24 @@ from .pipeline import Reranker
 
 # Whether a model's backend can score now: None while it has not been checked yet.
 BackendState = Callable[[], bool | None]
+# What a served name may be (`--model NAME=SOURCE`), and what of a request's `model` is
+# ever repeated back: hub-style names ("BAAI/bge-reranker-v2-m3") fit.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+
+
+def _never_up() -> bool | None:
+    return None
 
 
 class UnknownModel(LookupError):
     """A request named a model this server does not serve; the message lists those it
-    does (names only: never a file path or a backend URL)."""
+    does (names only: never a file path or a backend URL). The name asked for is
+    repeated only when it is one a model could have: a request's text is not echoed
+    into answers and logs."""
 
     def __init__(self, asked: str, served: Sequence[str]) -> None:
-        super().__init__(f"model {asked!r} is not served here; served: {', '.join(served)}")
-        self.asked = asked
+        said = repr(asked) if NAME.fullmatch(asked) else f"of {len(asked)} characters"
+        super().__init__(f"model {said} is not served here; served: {', '.join(served)}")
         self.served = tuple(served)
 
 
@@ -29,7 +39,7 @@ class ServedModel:
 
     name: str
     reranker: Reranker
-    backend_up: BackendState = field(default=lambda: None)
+    backend_up: BackendState = field(default=_never_up)
     aliases: tuple[str, ...] = ()
 
     @property

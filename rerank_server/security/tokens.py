@@ -159,8 +159,8 @@ def _whole(where: str, key: str, value: str) -> int:
 
 
 def _distinct(entries: list[_Entry]) -> list[_Entry]:
-    """`entries` without repeats: a token listed twice plainly counts once (as before
-    tokens had settings); listed twice with settings it is ambiguous. Tokens sharing a
+    """`entries` without repeats: a token listed twice plainly counts once; listed twice
+    with settings it is ambiguous. Tokens sharing a
     name share its limits (rotation: the old and the new token of one service), so
     they must give the same."""
     by_token: dict[str, _Entry] = {}

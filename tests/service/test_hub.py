@@ -123,6 +123,9 @@ def test_a_source_parses_and_prints_back(source: str, parsed: HubSource) -> None
         "hf:org/model/m.safetensors",
         "hf:org/model/m.gguf@",
         "hf:org/model/m-Q8_0-00001-of-00003.gguf",
+        "hf:org/model/m.gguf@../../x",
+        "hf:org/model/m.gguf@/etc",
+        "hf:org/model@refs//pr",
     ],
 )
 def test_a_malformed_source_is_a_config_error_naming_it(source: str) -> None:

@@ -162,3 +162,21 @@ def test_an_explicit_backend_wins_as_managed_backend_does() -> None:
     assert load(["--managed"], environ={}).managed_backend is ManagedBackend.AUTO
     both = load(["--backend", "chat", "--managed-backend", "rerank"], environ={})
     assert both.managed_backend is ManagedBackend.RERANK
+
+
+def test_a_causal_embedding_model_and_an_old_encoder_file(tmp_path: Path) -> None:
+    """Qwen3-Embedding (causal, last pooling) is scored by cosine; a BERT file written
+    before the `attention.causal` key is still an encoder."""
+    qwen = {"general.architecture": "qwen3", "qwen3.pooling_type": 3}
+    path, why = choose(write_gguf(tmp_path / "qe.gguf", qwen, {}))
+    assert "causal" in why
+    assert path.backend is BackendKind.EMBEDDING and path.llama_args[-1] == "last"
+    old = {"general.architecture": "bert", "bert.pooling_type": 1}
+    assert choose(write_gguf(tmp_path / "old.gguf", old, {}))[0].backend is BackendKind.EMBEDDING
+    head = np.ones((1, WIDTH), np.float32)
+    old_ce = write_gguf(
+        tmp_path / "old-ce.gguf",
+        {"general.architecture": "bert"},
+        {"cls.output.weight": (F32, head)},
+    )
+    assert choose(old_ce)[0].backend is BackendKind.RERANK

@@ -97,3 +97,32 @@ def test_a_url_source_keeps_the_servers_backend_unless_its_own_is_set(tmp_path: 
     path.write_text('[models.e]\nsource = "http://e:1"\nbackend = "embedding"\n')
     [spec] = plan(load("--models-file", str(path), "--backend", "completion")).models
     assert spec.settings(load("--backend", "completion")).backend is BackendKind.EMBEDDING
+
+
+def test_a_models_own_backend_wins_and_server_wide_settings_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text('[models.e]\nsource = "/m/e.gguf"\nbackend = "embedding"\n')
+    [spec] = plan(load("--models-file", str(path), "--managed", "--backend", "chat")).models
+    own = spec.settings(load("--managed", "--backend", "chat"))
+    assert own.managed_backend is ManagedBackend.EMBEDDING
+    path.write_text('[models.e]\nsource = "/m/e.gguf"\nhttp-blend-strategy = "profile"\n')
+    with pytest.raises(ConfigError, match="not a per-model setting"):
+        plan(load("--models-file", str(path)))
+    path.write_text('[models.e]\nsource = "/m/e.gguf"\nbackend-api-key = 7\n')
+    with pytest.raises(ConfigError, match="got a value") as refused:
+        plan(load("--models-file", str(path)))
+    assert "7" not in str(refused.value).split("got")[-1]
+
+
+def test_a_source_path_may_hold_spaces() -> None:
+    [spec] = plan(load("--model", "x=/models/my models/m.gguf")).models
+    assert spec.source == "/models/my models/m.gguf"
+
+
+def test_an_unknown_name_is_repeated_only_when_it_could_be_one() -> None:
+    from rerank_server.ranking.served_models import UnknownModel
+
+    assert "'rerank-v3.5'" in str(UnknownModel("rerank-v3.5", ["en"]))
+    hostile = "x" * 5000 + "\n<script>"
+    said = str(UnknownModel(hostile, ["en"]))
+    assert "of 5009 characters" in said and "script" not in said and len(said) < 100
