@@ -185,11 +185,13 @@ class RedisServer:
 @dataclass
 class TlsTerminator:
     """TLS on a loopback port in front of a plain TCP one: each connection's bytes are
-    decrypted and passed on to `target_port`, and the answers back. Runs in the test's
-    event loop, beside the server under test."""
+    decrypted and passed on to `target_port`, and the answers back, each `delay_s`
+    late (a slow Redis, answering). Without `context`, a plain TCP proxy. Runs in the
+    test's event loop, beside the server under test."""
 
     target_port: int
-    context: ssl.SSLContext
+    context: ssl.SSLContext | None
+    delay_s: float = 0.0
     port: int = 0
     _server: asyncio.Server | None = None
     _pipes: set[asyncio.Task[None]] = field(default_factory=set)
@@ -209,7 +211,7 @@ class TlsTerminator:
             return
         pipes = [
             asyncio.ensure_future(_pipe(reader, target_writer)),
-            asyncio.ensure_future(_pipe(target_reader, writer)),
+            asyncio.ensure_future(_pipe(target_reader, writer, self.delay_s)),
         ]
         self._pipes.update(pipes)
         try:
@@ -229,8 +231,12 @@ class TlsTerminator:
             await self._server.wait_closed()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float = 0.0
+) -> None:
     with contextlib.suppress(OSError, ConnectionError):
         while data := await reader.read(65536):
+            if delay_s:
+                await asyncio.sleep(delay_s)
             writer.write(data)
             await writer.drain()

@@ -275,6 +275,28 @@ async def test_a_hung_redis_delays_a_request_no_more_than_the_timeout_then_comes
     assert events == ["score_cache_shared_down", "score_cache_shared_up"]
 
 
+async def test_a_slow_redis_delays_a_request_no_more_than_the_timeout(
+    start_server: StartServer, fake_llama: FakeLlamaServer, redis_server: RedisServer
+) -> None:
+    """Redis answering, but 0.8 s late (a loopback proxy): each request waits for it at
+    most --cache-timeout-ms (20 ms), is scored and answered; after three late reads the
+    server stops asking."""
+    slow = await TlsTerminator(redis_server.port, None, delay_s=0.8).start()
+    try:
+        server = await replica(
+            start_server, cache_url=f"redis://127.0.0.1:{slow.port}/0", cache_timeout_ms=20
+        )
+        tier = tier_of(server)
+        async with client_of(server) as client:
+            took = [await timed(client, f"slow {i}") for i in range(6)]
+        assert all(s < 0.02 + MARGIN_S and a.reranked for s, a in took)
+        assert not tier.link.breaker.up and tier.asked == 3
+        reads = await samples(server, "rerank_cache_shared_duration_seconds_count")
+        assert total(reads, error_type="timeout") == 3
+    finally:
+        await slow.stop()
+
+
 async def test_a_full_redis_refuses_the_writes_and_still_answers_the_reads(
     start_server: StartServer, fake_llama: FakeLlamaServer, redis_server: RedisServer
 ) -> None:
