@@ -213,7 +213,8 @@ async def build_server(
     model_settings = [spec.settings(settings) for spec in plan.models]
     # Before minutes of setup: a profile file that does not load is refused now.
     profiles = {s.blend_profile: blend_profiles.load(s.blend_profile) for s in model_settings}
-    CertificateFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    # Checked now, before minutes of setup; both edges serve with them.
+    tls = CertificateFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     if settings.api_key:
         log.warning(
             "deprecated_setting",
@@ -269,9 +270,7 @@ async def build_server(
             rules,
             tokens,
             inflight=inflight,
-            tls=CertificateFiles.from_paths(
-                settings.tls_cert, settings.tls_key, settings.tls_client_ca
-            ),
+            tls=tls,
             reuse_port=reuse_port,
         )
         edges = _Edges(edge)
@@ -295,9 +294,7 @@ async def build_server(
             http = edges.http = await HttpEdge.start(
                 app,
                 settings,
-                CertificateFiles.from_paths(
-                    settings.tls_cert, settings.tls_key, settings.tls_client_ca
-                ),
+                tls,
                 reuse_port=reuse_port,
             )
         await edge.serving()
