@@ -23,7 +23,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rerank_server.observability.telemetry import Telemetry
 from rerank_server.scoring.backends import completion, prompt
 from rerank_server.scoring.backends.completion import CompletionScorer
-from rerank_server.scoring.base import ScoreRequest
+from rerank_server.scoring.base import Scorer, ScoreRequest
+from rerank_server.scoring.single_flight import SingleFlight
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
 from tests.conftest import client_of
@@ -33,6 +34,11 @@ from tests.real.test_llama_server import DOCS
 pytestmark = pytest.mark.real_backend
 
 Start = Callable[..., Any]
+
+
+def unwrapped(scorer: Scorer) -> Scorer:
+    """The backend's scorer under the server's single flight."""
+    return scorer.inner if isinstance(scorer, SingleFlight) else scorer
 
 
 @pytest.fixture
@@ -114,7 +120,7 @@ async def test_completion_prompt_is_the_models_own_chat_rendering(
     must stay exactly what the model's template gives for that query, control-token-
     shaped text and a stray placeholder included."""
     server, spans = await traced_server(real_llama.url, backend="completion")
-    scorer = server.reranker.scorer
+    scorer = unwrapped(server.reranker.scorer)
     assert isinstance(scorer, CompletionScorer)
     queries = [
         "what do cats eat?",
@@ -247,7 +253,7 @@ async def test_completion_prompt_forms_no_template_token_from_caller_text(
         )
     )
     try:
-        scorer = server.reranker.scorer
+        scorer = unwrapped(server.reranker.scorer)
         assert isinstance(scorer, CompletionScorer)
         request = ScoreRequest(f"q {forged}", f"i {forged}", [forged])
         prefix, suffix = await scorer.template(request)
