@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .ranking.served_models import NAME
-from .settings import ManagedBackend, Settings, env_name, read_value, setting_type
+from .settings import Settings, env_name, managed_path_of, read_value, setting_type
 
 HUB_PREFIX = "hf:"
 # What a model may set for itself in the models file; everything else is the server's
@@ -60,12 +60,9 @@ class ModelSpec:
         own = changes.get("backend")
         # A model's own backend wins over its file's metadata and the server's --backend,
         # as an explicit --backend does (settings.py).
-        if (
-            own is not None
-            and "managed_backend" not in changes
-            and own.value in {m.value for m in ManagedBackend}
-        ):
-            changes["managed_backend"] = ManagedBackend(own.value)
+        chosen = managed_path_of(own) if own is not None else None
+        if chosen is not None and "managed_backend" not in changes:
+            changes["managed_backend"] = chosen
         if self.kind == "urls":
             changes.update(backend_url=self.source, managed=False)
         elif self.kind in ("hub", "file"):

@@ -972,8 +972,13 @@ def _backend_chooses_managed_path(
     backend = values["backend"]
     if isinstance(backend, _Unreadable):
         return
-    if backend.value in {m.value for m in ManagedBackend}:
-        values["managed_backend"] = ManagedBackend(backend.value)
+    if (chosen := managed_path_of(backend)) is not None:
+        values["managed_backend"] = chosen
+
+
+def managed_path_of(backend: BackendKind) -> ManagedBackend | None:
+    """The managed scoring path an explicit `backend` chooses (None: not one of them)."""
+    return next((m for m in ManagedBackend if m.value == backend.value), None)
 
 
 def _given(name: str, argv: Sequence[str] | None, environ: Mapping[str, str]) -> bool:

@@ -35,7 +35,7 @@ from ..observability.metrics import ERROR_TYPE, LIMIT, Metrics
 from ..security.limits import CONCURRENT
 from ..settings import Settings
 from .redis_client import Breaker, RedisLink, Unavailable, client_from_url
-from .writes import BackgroundWriter
+from .writes import BackgroundWriter, WritingClient
 
 log = structlog.get_logger(__name__)
 
@@ -85,7 +85,7 @@ return #KEYS
 PROBE_SCRIPT = "return redis.call('EXISTS', KEYS[1])"
 
 
-class RedisLimitCounter:
+class RedisLimitCounter(WritingClient):
     """`limits.LimitCounter` over a `RedisLink`: keys are `prefix` + the limiter's key,
     each call waits at most `wait_s`, a place is leased for `lease_s`."""
 
@@ -218,15 +218,3 @@ class RedisLimitCounter:
     def _fell_back(self, limit: str, kind: str, calls: int = 1) -> None:
         """Counted, not logged: the breaker logs when Redis goes down and comes back."""
         self._errors.add(calls, {LIMIT: limit, ERROR_TYPE: kind})
-
-    async def flush(self) -> None:
-        """Wait until the places queued so far were given back (or failed to be)."""
-        await self._writes.flush()
-
-    async def aclose(self) -> None:
-        """Give back what is queued, for up to `writes.CLOSE_WAIT_S`, then close the
-        connections."""
-        try:
-            await self._writes.aclose()
-        finally:
-            await self.link.aclose()

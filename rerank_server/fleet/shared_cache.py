@@ -40,7 +40,7 @@ from .redis_client import (
     client_from_url,
     error_detail,
 )
-from .writes import BackgroundWriter
+from .writes import BackgroundWriter, WritingClient
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +62,7 @@ return #KEYS
 """
 
 
-class RedisScoreTier:
+class RedisScoreTier(WritingClient):
     """`score_cache.SharedTier` over a `RedisLink`. `asked` counts the MGETs sent and
     `left_out` the stores not sent (the queue full), for tests and logs."""
 
@@ -228,18 +228,6 @@ class RedisScoreTier:
                 queued=len(self._queue),
                 left_out=self.left_out,
             )
-
-    async def flush(self) -> None:
-        """Wait until what was queued so far was sent (or failed to be)."""
-        await self._writes.flush()
-
-    async def aclose(self) -> None:
-        """Send what is queued, for up to `writes.CLOSE_WAIT_S`, then close the
-        connections."""
-        try:
-            await self._writes.aclose()
-        finally:
-            await self.link.aclose()
 
 
 def _scripts_refused(error: ResponseError) -> bool:

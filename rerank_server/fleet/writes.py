@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 
-from .redis_client import OTHER, Unavailable, error_detail
+from .redis_client import OTHER, RedisLink, Unavailable, error_detail
 
 log = structlog.get_logger(__name__)
 
@@ -113,3 +113,21 @@ class BackgroundWriter(Generic[B]):
                 error_type=type(cause).__name__,
                 detail=error_detail(cause),
             )
+
+
+class WritingClient:
+    """What a fleet client over a `RedisLink` with queued writes closes alike: the
+    queue is sent (for up to `CLOSE_WAIT_S`), then the connections closed."""
+
+    link: RedisLink
+    _writes: BackgroundWriter[Any]
+
+    async def flush(self) -> None:
+        """Wait until what was queued so far was sent (or failed to be)."""
+        await self._writes.flush()
+
+    async def aclose(self) -> None:
+        try:
+            await self._writes.aclose()
+        finally:
+            await self.link.aclose()

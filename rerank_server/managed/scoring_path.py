@@ -15,7 +15,7 @@ from .gguf_meta import RANK_POOLING, Gguf, GgufError, read_header, reranker_kind
 
 # llama.cpp's pooling types (LLAMA_POOLING_TYPE_*): what an embedding model pools by.
 POOLING_NAMES = {1: "mean", 2: "cls", 3: "last"}
-# Encoders, for files older than the `attention.causal` key (llama.cpp's names).
+# Encoders, for files without the `attention.causal` key (llama.cpp's names).
 ENCODERS = frozenset(
     {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "modern-bert", "neo-bert", "t5encoder"}
 )
