@@ -4,8 +4,7 @@ another request waits for that score instead of sending the pair again."""
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .base import Emit, PairOutcome, Scorer, ScoreRequest
 from .calls import CallTasks
@@ -27,7 +26,7 @@ class SingleFlight:
 
     def __init__(self, inner: Scorer) -> None:
         self.inner = inner
-        self._flights: dict[FlightKey, asyncio.Future[float | None]] = {}
+        self._flights: dict[FlightKey, _Flight] = {}
 
     @property
     def kind(self) -> str:
@@ -55,7 +54,6 @@ class SingleFlight:
         await self.inner.aclose()
 
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
-        loop = asyncio.get_running_loop()
         # Not the model's name: one SingleFlight wraps one model's scorer, and the name
         # becomes known from the first answers, while the first pairs are in flight.
         shared = (
@@ -64,14 +62,17 @@ class SingleFlight:
             request.instruction,
             request.max_tokens_per_doc,
         )
-        own: list[tuple[int, FlightKey, asyncio.Future[float | None]]] = []
-        waiting: dict[int, asyncio.Future[float | None]] = {}
+        flights = self._flights
+        own: list[tuple[FlightKey, _Flight]] = []
+        positions: list[int] = []  # of the own pairs in the request
+        waiting: dict[int, _Flight] = {}
         for i, document in enumerate(request.documents):
             key = (*shared, document)
-            flight = self._flights.get(key)
+            flight = flights.get(key)
             if flight is None:
-                flight = self._flights[key] = loop.create_future()
-                own.append((i, key, flight))
+                flights[key] = flight = _Flight()
+                own.append((key, flight))
+                positions.append(i)
             else:
                 waiting[i] = flight
         reporting = True
@@ -81,41 +82,78 @@ class SingleFlight:
             if reporting:  # nothing reaches a request that has stopped listening
                 emit(outcome)
 
-        def landed(i: int, flight: asyncio.Future[float | None]) -> None:
-            score = None if flight.cancelled() else flight.result()
-            if score is None:
-                unscored.append(i)
-            else:
-                report(PairOutcome(i, score))
-
         def own_outcome(outcome: PairOutcome) -> None:
-            i, _, flight = own[outcome.pair]
-            report(outcome._replace(pair=i))
-            if not flight.done():
-                flight.set_result(outcome.score)
+            own[outcome.pair][1].land(outcome.score)
+            if waiting:  # the pairs sent are a part of the request's: placed back
+                outcome = outcome._replace(pair=positions[outcome.pair])
+            report(outcome)
 
-        for i, flight in waiting.items():
-            flight.add_done_callback(functools.partial(landed, i))
+        pending = [
+            future
+            for i, flight in waiting.items()
+            if (future := flight.waited(i, report, unscored)) is not None
+        ]
         try:
             if own:
-                await self.inner.score(_subset(request, [i for i, _, _ in own]), own_outcome)
-            if waiting:
-                await asyncio.wait(set(waiting.values()))
+                sent = _subset(request, positions) if waiting else request
+                await self.inner.score(sent, own_outcome)
+            if pending:
+                await asyncio.wait(pending)
             if unscored:
-                positions = sorted(unscored)
+                resend = sorted(unscored)
                 await self.inner.score(
-                    _subset(request, positions),
-                    lambda o: report(o._replace(pair=positions[o.pair])),
+                    _subset(request, resend),
+                    lambda o: report(o._replace(pair=resend[o.pair])),
                 )
         finally:
             # A landed flight stays until its request is done with scoring: a request
             # arriving meanwhile takes its score at once, before the score cache has it.
             reporting = False
-            for _, key, flight in own:
-                if not flight.done():  # not reported: its waiters send it themselves
-                    flight.set_result(None)
-                if self._flights.get(key) is flight:
-                    del self._flights[key]
+            for key, flight in own:
+                flight.land(None)  # not reported: its waiters send it themselves
+                if flights.get(key) is flight:
+                    del flights[key]
+
+
+class _Flight:
+    """A pair being scored for one request: its score once landed, and the futures of
+    the requests waiting for it (made only when one waits: most pairs have none)."""
+
+    __slots__ = ("landed", "score", "waiters")
+
+    def __init__(self) -> None:
+        self.landed = False
+        self.score: float | None = None
+        self.waiters: list[asyncio.Future[None]] | None = None
+
+    def land(self, score: float | None) -> None:
+        """The pair's outcome, once: `score`, or None when it got none."""
+        if self.landed:
+            return
+        self.landed, self.score = True, score
+        for waiter in self.waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def waited(
+        self, i: int, report: Callable[[PairOutcome], None], unscored: list[int]
+    ) -> asyncio.Future[None] | None:
+        """Request position `i` waits for this pair: reported when it lands with a
+        score, else put in `unscored`; the future to wait on (None: landed already)."""
+
+        def settle(_: object = None) -> None:
+            if self.score is None:
+                unscored.append(i)
+            else:
+                report(PairOutcome(i, self.score))
+
+        if self.landed:
+            settle()
+            return None
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter.add_done_callback(settle)
+        self.waiters = [*(self.waiters or ()), waiter]
+        return waiter
 
 
 def _subset(request: ScoreRequest, positions: Sequence[int]) -> ScoreRequest:
