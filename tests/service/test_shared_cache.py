@@ -242,7 +242,9 @@ async def test_redis_killed_under_load_fails_no_request_and_is_asked_no_more(
     reads = await samples(server, "rerank_cache_shared_duration_seconds_bucket")
     assert total(reads, le="+Inf") - total(reads, le="0.25") == 0  # none waited longer
     downs = [e for e in logged if e["event"] == "score_cache_shared_down"]
-    assert [e["error"] for e in downs] == ["connection"]
+    # Logged once, however the first failure showed: a read in flight at the kill may
+    # reach its bound before the loop sees the reset on a loaded machine.
+    assert len(downs) == 1 and downs[0]["error"] in {"connection", "timeout"}
 
 
 async def test_a_hung_redis_delays_a_request_no_more_than_the_timeout_then_comes_back(
