@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..observability import logs
 from ..settings import LlamaAmx, default_cache_dir, env_name
 from . import hub
 from .converted import (
@@ -275,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     twin = [k.strip() for k in args.speed_twin.split(",") if k.strip()]
     if any(k not in SPEED_TWIN_TYPES for k in twin):
         parser.error(f"--speed-twin {args.speed_twin}: choose from {', '.join(SPEED_TWIN_TYPES)}")
+    # A fetch's `model_download` events: JSON on stdout unless it is a terminal.
+    logs.configure()
     try:
         prepare(
             args.cache_dir.expanduser(),

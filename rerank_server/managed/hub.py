@@ -33,8 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from ..errors import ConfigError
 from .downloads import AssetError, say, sha256_of
+
+log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     from tqdm import tqdm as base_tqdm
@@ -238,7 +242,7 @@ def _offline(source: HubSource, hub: _Hub, what: str) -> str:
 def _download(source: HubSource, filename: str, hub: _Hub, progress: bool, marks: Path) -> Path:
     from huggingface_hub import hf_hub_download
 
-    transfer = _Transfer(f"{source.repo}/{filename}", hub.endpoint)
+    transfer = _Transfer(f"{source.repo}/{filename}", hub.endpoint, lines=not progress)
     bar = _bar_class(transfer) if progress else _lines_class(transfer)
     try:
         path = None if hub.offline else _resumable(source, filename, hub, bar, marks)
@@ -432,10 +436,13 @@ def _cache_ref(storage: Path, revision: str, commit: str, *, best_effort: bool) 
 @dataclass
 class _Transfer:
     """One download as its progress bar sees it: huggingface_hub makes the bar only when it
-    downloads, so a fetch from the cache says nothing."""
+    downloads, so a fetch from the cache says nothing. Without a bar (`lines`), each step
+    is also a `model_download` log event whose fields a log shipper reads: `phase` (start,
+    resume, progress, done), `file`, `done_bytes`, `total_bytes`, `percent`, `seconds`."""
 
     label: str
     endpoint: str
+    lines: bool = False
     size: float | None = None
     started: float | None = None
     tenths: int = 0  # the last tenth said
@@ -446,6 +453,7 @@ class _Transfer:
         if self.started is not None:
             return
         self.started, self.size = time.monotonic(), size
+        self._event("resume" if initial and size else "start", initial, endpoint=self.endpoint)
         if initial and size:
             self.tenths = int(10 * initial / size)
             say(
@@ -460,14 +468,30 @@ class _Transfer:
         tenths = int(10 * done / size) if size else 0
         if self.tenths < tenths < 10 and size:
             self.tenths = tenths
+            self._event("progress", done)
             say(f"downloading {self.label}: {10 * tenths}% ({_amount(done)} of {_amount(size)})")
 
     def finish(self) -> None:
         if self.started is None:
             return
         took = time.monotonic() - self.started
+        self._event("done", self.size, seconds=round(took, 3))
         of = f": {_amount(self.size)}" if self.size else ""
         say(f"downloaded {self.label}{of} in {took:.1f} s")
+
+    def _event(self, phase: str, done: float | None, **fields: Any) -> None:
+        if not self.lines:
+            return  # a log line would break into the bar's redraws
+        total = int(self.size) if self.size else None
+        log.info(
+            "model_download",
+            phase=phase,
+            file=self.label,
+            done_bytes=int(done or 0),
+            total_bytes=total,
+            percent=round(100 * (done or 0) / total, 1) if total else None,
+            **fields,
+        )
 
 
 def _amount(size: float) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import huggingface_hub
 import huggingface_hub.file_download
 import pytest
+import structlog
 
 from rerank_server.errors import ConfigError
 from rerank_server.managed.child_process import free_port
@@ -140,7 +141,17 @@ def test_a_named_file_is_downloaded_into_the_hub_cache_with_progress_lines(
     data = blob(300_000)
     hub.repos["org/model"] = {"sub/m-Q4_K_M.gguf": data, "README.md": b"# model"}
 
-    path = get("hf:org/model/sub/m-Q4_K_M.gguf", tmp_path)
+    with structlog.testing.capture_logs() as logged:
+        path = get("hf:org/model/sub/m-Q4_K_M.gguf", tmp_path)
+
+    events = [e for e in logged if e["event"] == "model_download"]
+    assert [e["phase"] for e in events] == ["start", "done"]
+    assert events[0]["endpoint"] == hub.url and events[0]["done_bytes"] == 0
+    assert all(
+        e["file"] == "org/model/sub/m-Q4_K_M.gguf" and e["total_bytes"] == len(data) for e in events
+    )
+    assert events[1]["done_bytes"] == len(data) and events[1]["percent"] == 100.0
+    assert events[1]["seconds"] >= 0
 
     assert path.read_bytes() == data
     snapshots = tmp_path / "hub" / "models--org--model" / "snapshots"
@@ -155,7 +166,9 @@ def test_a_progress_bar_when_asked_for(
     hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     hub.repos["org/model"] = {"m.gguf": blob(300_000)}
-    fetch(HubSource.parse("hf:org/model/m.gguf"), tmp_path, progress=True)
+    with structlog.testing.capture_logs() as logged:
+        fetch(HubSource.parse("hf:org/model/m.gguf"), tmp_path, progress=True)
+    assert logged == []  # log lines would break into the bar
     err = capsys.readouterr().err
     assert "org/model/m.gguf: 100%|" in err
     assert "[prepare] downloaded org/model/m.gguf: 0.3 MB in " in err
@@ -225,7 +238,11 @@ def test_an_interrupted_download_resumes_with_a_range_request(
     hub.repos["org/model"] = {"m.gguf": data}
     hub.cuts = [11 * MIB]
 
-    path = get("hf:org/model/m.gguf", tmp_path)
+    with structlog.testing.capture_logs() as logged:
+        path = get("hf:org/model/m.gguf", tmp_path)
+    progress = [e for e in logged if e["event"] == "model_download" and e["phase"] == "progress"]
+    assert [e["percent"] for e in progress] == [83.3]  # at the first chunk; the second ends it
+    assert progress[0]["done_bytes"] == 10 * MIB and progress[0]["total_bytes"] == 12 * MIB
 
     assert path.read_bytes() == data
     first, second = hub.requests("GET", "org/model", "m.gguf")
@@ -247,7 +264,10 @@ def test_a_download_ended_by_ctrl_c_is_resumed_by_the_next_start(
     assert partial.name == f"{sha256(data)}.rerank-partial"
     kept = partial.stat().st_size
     assert 0 < kept < len(data)
-    path = get("hf:org/model/m.gguf", tmp_path)
+    with structlog.testing.capture_logs() as logged:
+        path = get("hf:org/model/m.gguf", tmp_path)
+    phases = [(e["phase"], e["done_bytes"]) for e in logged if e["event"] == "model_download"]
+    assert phases[0] == ("resume", kept) and phases[-1] == ("done", len(data))
     assert path.read_bytes() == data
     first, second = hub.requests("GET", "org/model", "m.gguf")
     assert "range" not in first.headers
