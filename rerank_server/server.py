@@ -20,6 +20,7 @@ from .allocator import MemoryReturn
 from .api.grpc_server import GrpcEdge, check_free
 from .http_api.app import create_app
 from .http_api.server import HttpEdge
+from .managed import memory
 from .managed.llama_server import ManagedLlamaServer
 from .managed.start import start_managed
 from .model_specs import ModelSpec
@@ -244,7 +245,7 @@ async def build_server(
         lag = LoopLag()
         lag.start()
         stack.push_async_callback(lag.stop)
-        stacks = []
+        stacks: list[ServedStack] = []
         for i, (spec, own) in enumerate(zip(plan.models, model_settings, strict=True)):
             stacks.append(
                 await _start_model(
@@ -256,6 +257,7 @@ async def build_server(
                     BlendResolver(profiles[own.blend_profile]),
                     lambda: lag.recent_s,
                     scorer if i == 0 else None,
+                    started_estimate(stacks),
                 )
             )
         _say_models(stacks)
@@ -311,13 +313,15 @@ async def _start_model(
     blends: BlendResolver,
     loop_lag: Callable[[], float],
     scorer: Scorer | None,
+    started_bytes: int = 0,
 ) -> ServedStack:
     """One model's backend (its llama-server, in managed mode), pool, scorer and
-    pipeline, each closed by `stack` on stop."""
+    pipeline, each closed by `stack` on stop; `started_bytes`: the memory estimated for
+    the llama-servers of the models before it."""
     managed = None
     if settings.managed:
         settings, managed = await start_managed(
-            settings, telemetry.metrics.llama_restarts, name=spec.name
+            settings, telemetry.metrics.llama_restarts, spec.name, started_bytes
         )
         stack.push_async_callback(managed.stop)
     pool = build_pool(settings, telemetry)
@@ -368,33 +372,44 @@ def _monitor(
 
 
 def _say_models(stacks: list[ServedStack]) -> None:
-    """One line per served model, and what the managed ones hold in memory at least
-    (their files; each llama-server adds its context, slots x ctx-per-slot tokens)."""
-    if len(stacks) == 1 and not stacks[0].name:
-        return
-    files = 0
+    """One line per served model (when they are named), and what the managed
+    llama-servers hold in memory: estimated before they started, and measured now."""
+    named = len(stacks) > 1 or bool(stacks[0].name)
     for s in stacks:
-        size = s.managed.model.stat().st_size if s.managed is not None else None
-        files += size or 0
+        if not named:
+            break
+        file = s.managed.model if s.managed else None
         log.info(
             "model_served",
             model=s.name,
             aliases=list(s.aliases) or None,
             backend=s.settings.backend.value,
             backend_url=None if s.managed else s.settings.backend_url,
-            file=s.managed.model.name if s.managed else None,
-            file_bytes=size,
+            file=file.name if file else None,
+            file_bytes=file.stat().st_size if file else None,
             slots=s.managed.slots if s.managed else None,
             ctx_per_slot=s.managed.ctx_per_slot if s.managed else None,
             concurrency=s.settings.concurrency,
+            resident_bytes=memory.resident_bytes(s.managed.pid) if s.managed else None,
         )
-    if files:
+    managed = [s.managed for s in stacks if s.managed is not None]
+    if managed:
+        estimates = [m.memory.total_bytes if m.memory else None for m in managed]
+        resident = [memory.resident_bytes(m.pid) for m in managed]
         log.info(
             "managed_memory",
-            model_file_bytes=files,
-            llama_servers=sum(s.managed is not None for s in stacks),
-            note="resident at least: the model files, plus each llama-server's context",
+            llama_servers=len(managed),
+            estimate_bytes=None if None in estimates else sum(filter(None, estimates)),
+            resident_bytes=None if None in resident else sum(filter(None, resident)),
+            container_limit_bytes=memory.container_limit(),
         )
+
+
+def started_estimate(stacks: list[ServedStack]) -> int:
+    """The memory estimated for the llama-servers already started (their files where
+    the metadata did not say more)."""
+    m = [s.managed.memory for s in stacks if s.managed is not None and s.managed.memory]
+    return sum(e.total_bytes or e.file_bytes for e in m)
 
 
 async def serve(

@@ -31,6 +31,7 @@ from .child_process import (
     port_taken,
     signal_group,
 )
+from .memory import MemoryEstimate
 from .output_log import MAX_BYTES, CappedLog, output_pipe
 
 log = structlog.get_logger(__name__)
@@ -121,6 +122,7 @@ class ManagedLlamaServer:
         self.binary = binary
         self.model = model
         self.identity = ""  # the model file's sha256, for the score cache (start.py)
+        self.memory: MemoryEstimate | None = None  # said before it starts (start.py)
         self.port = free_port()
         self.slots = slots
         self.ctx_per_slot = ctx_per_slot

@@ -14,7 +14,7 @@ import structlog
 from ..domain import BackendKind
 from ..observability.instruments import Adder
 from ..settings import LlamaAmx, ManagedBackend, Settings
-from . import assets, llama_build, scoring_path
+from . import assets, gguf_meta, llama_build, memory, scoring_path
 from .downloads import STAND_IN_MODEL
 from .gguf_meta import GgufError
 from .identity import model_identity
@@ -42,9 +42,11 @@ async def start_managed(
     settings: Settings,
     restart_counter: Adder | None = None,
     name: str = "",
+    started_bytes: int = 0,
 ) -> tuple[Settings, ManagedLlamaServer]:
     """Prepare assets, start llama-server, and return the settings pointed at it;
-    `restart_counter` counts its restarts; `name`: the served model's (in log lines)."""
+    `restart_counter` counts its restarts; `name`: the served model's (in log lines);
+    `started_bytes`: the memory estimated for the llama-servers started before it."""
     cache = settings.cache_dir
     binary, model = await asyncio.to_thread(
         _resolve_assets, cache, settings.llama_server, settings.model_path, settings.llama_amx
@@ -72,6 +74,7 @@ async def start_managed(
         amx_mode=settings.llama_amx,
         amx_free_build=llama_build.is_amx_free_build(binary, cache),
     )
+    managed.memory = _say_memory(managed, name, started_bytes, memory.container_limit())
     # Hashed while llama-server loads (a new file of gigabytes: seconds, once).
     identity = asyncio.create_task(asyncio.to_thread(model_identity, model, cache))
     try:
@@ -124,6 +127,40 @@ def _scoring_path(settings: Settings, model: Path, name: str = "") -> ScoringPat
         reason=path.why,
     )
     return path
+
+
+def _say_memory(
+    managed: ManagedLlamaServer, name: str, started_bytes: int, limit: int | None
+) -> memory.MemoryEstimate | None:
+    """What this llama-server will hold, said before it starts (one `llama_server_memory`
+    line), and a warning when with those started before it passes the container's
+    limit: an OOM kill in a minute would otherwise be the first word of it."""
+    try:
+        header = gguf_meta.read_header(managed.model)
+    except (OSError, GgufError):
+        return None  # said by the managed_backend line
+    tokens = managed.slots * managed.ctx_per_slot
+    estimate = memory.estimate(header, tokens, managed.extra_args)
+    log.info(
+        "llama_server_memory",
+        model=managed.model.name,
+        served_as=name or None,
+        file_bytes=estimate.file_bytes,
+        kv_cache_bytes=estimate.kv_cache_bytes,
+        kv_cache_tokens=tokens,
+        estimate_bytes=estimate.total_bytes,
+        container_limit_bytes=limit,
+    )
+    total = started_bytes + (estimate.total_bytes or estimate.file_bytes)
+    if limit is not None and total > limit:
+        log.warning(
+            "managed_memory_over_limit",
+            estimate_bytes=total,
+            container_limit_bytes=limit,
+            advice="fewer slots (--llama-slots), a shorter --llama-ctx-per-slot, "
+            "a smaller quantization, or a higher memory limit",
+        )
+    return estimate
 
 
 def _args_for(backend: BackendKind, found: ScoringPath | None) -> tuple[str, ...]:

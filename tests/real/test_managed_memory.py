@@ -11,8 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import structlog
 
-from rerank_server.managed import llama_server
+from rerank_server.managed import llama_server, memory, start
+from rerank_server.managed.gguf_meta import read_header
 from rerank_server.managed.llama_server import ManagedLlamaServer, knows_flag
 from rerank_server.scoring.backends import prompt
 from rerank_server.settings import DEFAULT_INSTRUCTION
@@ -23,10 +25,9 @@ SLOTS = 4
 
 
 def _resident_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
+    resident = memory.resident_bytes(pid)
+    assert resident is not None, f"no VmRSS for {pid}"
+    return resident / (1 << 20)
 
 
 async def _score(url: str, pairs: int, tag: str) -> None:
@@ -75,6 +76,61 @@ async def test_scoring_does_not_grow_llama_servers_memory(tmp_path: Path) -> Non
         await managed.stop()
     # With llama-server's defaults: about 130 MB for these 120 pairs, and growing.
     assert grown < 30, f"llama-server grew by {grown:.0f} MB over 120 pairs"
+
+
+async def _resident_when_ready(tmp_path: Path, slots: int, ctx_per_slot: int) -> int:
+    binary, model = assets_or_fail()
+    managed = ManagedLlamaServer(
+        binary,
+        model,
+        slots=slots,
+        ctx_per_slot=ctx_per_slot,
+        log_path=tmp_path / f"llama-server-{slots}.log",
+    )
+    await managed.start()
+    try:
+        resident = memory.resident_bytes(managed.pid)
+    finally:
+        await managed.stop()
+    assert resident is not None
+    return resident
+
+
+async def test_the_memory_said_before_start_is_what_llama_server_holds(tmp_path: Path) -> None:
+    """The KV cache estimated from the GGUF's metadata is what a llama-server with more
+    context takes (SmolLM2: 30 layers, 3 KV heads of 64: 23,040 bytes a token), and the
+    whole estimate is what it holds once ready, short of its compute buffers."""
+    _, model = assets_or_fail()
+    header = read_header(model)
+    small, large = (1, 512), (4, 4096)
+    grown = await _resident_when_ready(tmp_path, *large) - await _resident_when_ready(
+        tmp_path, *small
+    )
+    kv = [memory.kv_cache_bytes(header, s * c) for s, c in (small, large)]
+    assert kv[0] == 23_040 * 512
+    assert kv[1] - kv[0] == pytest.approx(grown, rel=0.1), f"grew by {grown / 1e6:.0f} MB"
+    whole = memory.estimate(header, 4 * 4096, []).total_bytes
+    resident = await _resident_when_ready(tmp_path, *large)
+    assert whole is not None and whole <= resident <= whole + 128e6
+
+
+def test_a_start_past_the_container_limit_is_warned_of_before_it_begins(tmp_path: Path) -> None:
+    binary, model = assets_or_fail()
+    managed = ManagedLlamaServer(
+        binary, model, slots=4, ctx_per_slot=4096, log_path=tmp_path / "llama-server.log"
+    )
+    with structlog.testing.capture_logs() as logged:
+        estimate = start._say_memory(managed, "chat", 0, limit=1 << 30)
+        assert estimate is not None and estimate.total_bytes is not None
+        start._say_memory(managed, "chat", (1 << 30) - estimate.total_bytes + 1, limit=1 << 30)
+    said, warned = (
+        [e for e in logged if e["event"] == "llama_server_memory"],
+        [e for e in logged if e["event"] == "managed_memory_over_limit"],
+    )
+    assert said[0]["estimate_bytes"] == estimate.total_bytes
+    assert said[0]["kv_cache_tokens"] == 4 * 4096 and said[0]["container_limit_bytes"] == 1 << 30
+    assert len(warned) == 1  # the second: with what was started before, one byte over
+    assert warned[0]["estimate_bytes"] == (1 << 30) + 1 and "--llama-slots" in warned[0]["advice"]
 
 
 async def _command_run(tmp_path: Path, extra_args: list[str]) -> list[str]:

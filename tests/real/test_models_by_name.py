@@ -8,6 +8,7 @@ chat model by `chat`, each by its own llama-server; JSON and gRPC requests are r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shlex
@@ -104,6 +105,12 @@ async def _healthy(http_port: int, proc: subprocess.Popen[bytes], stderr: Path) 
     raise AssertionError(f"not serving: {_tail(stderr)}")
 
 
+def events(output: str, name: str) -> list[dict[str, Any]]:
+    """The JSON log lines of event `name` in a server's output."""
+    lines = (json.loads(line) for line in output.splitlines() if line.startswith("{"))
+    return [e for e in lines if e.get("event") == name]
+
+
 def _tail(path: Path) -> str:
     return path.read_text()[-3000:]
 
@@ -123,6 +130,13 @@ async def test_two_models_fetched_served_and_routed_then_started_offline(
     async with serving(tmp_path, two_models(hub), tmp_path, **fetch) as (port, http_port, stderr):
         said = stderr.read_text()
         assert f"downloading {REPO}/{FILE}" in said and "downloaded" in said, said[-2000:]
+        planned = {e["served_as"]: e for e in events(said, "llama_server_memory")}
+        assert planned["mini"]["kv_cache_bytes"] == 0  # an encoder keeps none
+        assert planned["chat"]["kv_cache_bytes"] == 23_040 * 2 * 1024  # 2 slots of 1024
+        (held,) = events(said, "managed_memory")
+        assert held["llama_servers"] == 2
+        assert held["estimate_bytes"] == sum(e["estimate_bytes"] for e in planned.values())
+        assert held["estimate_bytes"] <= held["resident_bytes"] <= held["estimate_bytes"] + 256e6
         mini = (await rerank_json(http_port, model="mini")).json()
         assert mini["meta"]["model"] == "mini" and mini["meta"]["backend"] == "embedding"
         assert mini["results"][0]["index"] == 2  # the cats document
