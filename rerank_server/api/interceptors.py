@@ -116,10 +116,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._metrics = metrics
         self._tracer = tracer  # None: tracing off, no server spans
         self._limited_prefix = f"/{limited_service}/"
-        self._max_active = max_active
         self._tokens = tokens or TokenSet()
-        self._places = self._tokens.places(max_active)
-        self.active = 0
+        self.places = self._tokens.places(max_active)
 
     async def intercept_service(
         self,
@@ -171,27 +169,17 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _admit(self, method: str, limited: bool, caller: Caller) -> bool:
         if not limited:
             return True
-        if self.active >= self._places[caller.limits.priority]:
+        if not self.places.free(caller.limits.priority):
             self._metrics.rpc_rejected.add(1, {RPC_METHOD: method})
             return False
-        self.active += 1
+        self.places.active += 1
         self._metrics.rpc_active.add(1, {RPC_METHOD: method})
         return True
 
     def _release(self, method: str, limited: bool) -> None:
         if limited:
-            self.active -= 1
+            self.places.active -= 1
             self._metrics.rpc_active.add(-1, {RPC_METHOD: method})
-
-    def _busy(self, caller: Caller) -> str:
-        """Why a call was shed: the server is full, for this caller's priority."""
-        priority = caller.limits.priority
-        if self._places[priority] < self._max_active:
-            return (
-                f"server busy: {self.active} calls in progress, all that "
-                f"{priority.value}-priority callers may take of {self._max_active}"
-            )
-        return f"server busy: {self._max_active} calls in progress"
 
     def _over_limit(self, refusal: Refusal) -> None:
         """A token over one of its limits: counted, and its `rpc` line says which."""
@@ -269,7 +257,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     limits.current.set(admission)  # the handler charges its pairs
             if not self._admit(method, limited, caller):
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                busy = self._busy(caller)
+                busy = self.places.busy(caller.limits.priority, "calls")
                 log.info("rpc", rpc=method, status="RESOURCE_EXHAUSTED", error=busy)
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

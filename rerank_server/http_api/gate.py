@@ -62,13 +62,11 @@ class Gate:
         self._app = app
         self._rules = rules
         self._tokens = tokens
-        self._max_active = max_active
-        self._places = tokens.places(max_active)
+        self.places = tokens.places(max_active)
         self._metrics = metrics or Metrics.noop()
         self._inflight = inflight
         self._max_body = max_body_bytes
         self._tracer = tracer  # None: tracing off
-        self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -197,12 +195,12 @@ class Gate:
             # Counted with the gRPC calls in `rerank.server.active_rpcs`, what an
             # autoscaler scales on (docs/deploy.md, "Scaling out"), by route.
             method = {RPC_METHOD: f"POST {route_path(scope)}"}
-            self.active += 1
+            self.places.active += 1
             self._metrics.rpc_active.add(1, method)
             try:
                 await self._app(scope, _replay(body, receive), send)
             finally:
-                self.active -= 1
+                self.places.active -= 1
                 self._metrics.rpc_active.add(-1, method)
         finally:
             self._inflight.give_back(len(body))
@@ -215,19 +213,14 @@ class Gate:
 
     async def _busy(self, scope: Scope, send: Send, caller: Caller) -> bool:
         priority = caller.limits.priority
-        if self.active < self._places[priority]:
+        if self.places.free(priority):
             return False
-        share = (
-            f", all that {priority.value}-priority callers may take of {self._max_active}"
-            if self._places[priority] < self._max_active
-            else ""
-        )
+        busy = self.places.busy(priority, "rerank requests")
         await self._refuse(
             scope,
             send,
             429,
-            f"server busy: {self.active} rerank requests "
-            f"in progress{share} (max_concurrent_rpcs); retry with backoff",
+            f"{busy} (max_concurrent_rpcs); retry with backoff",
             {"Retry-After": "1"},
         )
         return True

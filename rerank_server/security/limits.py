@@ -53,6 +53,29 @@ def places(cap: int, high_reserved: bool) -> Mapping[Priority, int]:
     }
 
 
+class Places:
+    """One edge's cap on rerank calls in progress, shared out by priority (`places`):
+    whether a caller may take one now, and why one was shed."""
+
+    def __init__(self, cap: int, high_reserved: bool) -> None:
+        self.cap = cap
+        self.below = places(cap, high_reserved)
+        self.active = 0
+
+    def free(self, priority: Priority) -> bool:
+        return self.active < self.below[priority]
+
+    def busy(self, priority: Priority, calls: str) -> str:
+        """Why a call was shed: `calls` (as the edge names them) in progress, all there
+        are, or all that this priority may take."""
+        share = (
+            f", all that {priority.value}-priority callers may take of {self.cap}"
+            if self.below[priority] < self.cap
+            else ""
+        )
+        return f"server busy: {self.active} {calls} in progress{share}"
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """One token's limits; None: not limited."""

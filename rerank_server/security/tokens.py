@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +23,8 @@ from .limits import (
     LimitCounter,
     Limiter,
     Limits,
+    Places,
     Priority,
-    places,
 )
 
 SCHEME = "bearer"
@@ -86,10 +86,10 @@ class TokenSet:
     def enabled(self) -> bool:
         return bool(self._tokens)
 
-    def places(self, cap: int) -> Mapping[Priority, int]:
-        """How many of `cap` calls in progress each priority is admitted below
-        (`limits.places`); `normal` keeps room for `high` only when a token is high."""
-        return places(cap, self._high)
+    def places(self, cap: int) -> Places:
+        """`cap` calls in progress, shared out by priority (`limits.places`); `normal`
+        keeps room for `high` only when a token is high."""
+        return Places(cap, self._high)
 
     def identify(self, authorization: str | None) -> Caller | None:
         """The caller whose token an `authorization` value carries; None when it carries

@@ -205,7 +205,7 @@ def test_tokens_file_lines_carry_names_limits_and_priorities(tmp_path: Path) -> 
     assert tokens.identify("Bearer wrong-token-0123456789") is None
     assert tokens.identify(None) is None
     assert tokens.accepts(f"Bearer {TOKEN_A}")
-    assert tokens.places(10)[Priority.NORMAL] == 8  # a high token: room kept for it
+    assert tokens.places(10).below[Priority.NORMAL] == 8  # a high token: room kept for it
 
 
 def test_without_tokens_everyone_is_the_anonymous_normal_caller() -> None:
@@ -213,7 +213,7 @@ def test_without_tokens_everyone_is_the_anonymous_normal_caller() -> None:
     assert not tokens.enabled
     assert tokens.identify(None) is ANONYMOUS
     assert not ANONYMOUS.limits.counted and ANONYMOUS.limits.priority is Priority.NORMAL
-    assert tokens.places(10)[Priority.NORMAL] == 10
+    assert tokens.places(10).below[Priority.NORMAL] == 10
 
 
 @pytest.mark.parametrize(
