@@ -15,8 +15,9 @@ HF_ENDPOINT and HF_HUB_OFFLINE once, at import), the choice of a file when a sou
 only the repository, the sha256 check (the library checks only the size), progress lines
 when stderr is not a terminal, and errors that say what to do.
 
-huggingface_hub is imported by the functions that use it: only `hf:` sources pay for
-its import.
+The resumed download and the checks are in `hub_cache.py`, the progress in
+`hub_progress.py`. huggingface_hub is imported by the functions that use it: only `hf:`
+sources pay for its import.
 """
 
 from __future__ import annotations
@@ -25,31 +26,19 @@ import errno
 import os
 import re
 import sys
-import time
-import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
-
-import structlog
 
 from ..errors import ConfigError
-from .downloads import AssetError, say, sha256_of
-
-log = structlog.get_logger(__name__)
-
-if TYPE_CHECKING:
-    from tqdm import tqdm as base_tqdm
+from .downloads import AssetError, say
+from .hub_cache import COMMIT, resumable, verify
+from .hub_progress import Transfer, bar_class, lines_class
 
 _FORM = "hf:ORG/REPO[/FILE.gguf][@REVISION]"
 _DEFAULT_ENDPOINT = "https://huggingface.co"
 # Parts of one model written as several files; llama-server loads them from the first
 # part, but fetching a set is not supported.
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf\Z", re.IGNORECASE)
-_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-_COMMIT = re.compile(r"[0-9a-f]{40}\Z")
 # The listing is one small request; model_info waits forever without a timeout.
 _LIST_TIMEOUT_S = 30.0
 
@@ -122,18 +111,18 @@ def fetch(source: HubSource, cache: Path, *, progress: bool | None = None) -> Pa
     another process has begun is waited for. Raises AssetError naming the source and saying
     what to do.
     """
-    hub = _Hub.from_environ(cache)
+    hub = Hub.from_environ(cache)
     filename = source.filename or _choose(source, hub)
     if progress is None:
         progress = sys.stderr.isatty()
     marks = cache / "hub-verified"
     path = _download(source, filename, hub, progress, marks)
-    _verify(path, source, filename, marks)
+    verify(path, source, filename, marks)
     return path
 
 
 @dataclass(frozen=True)
-class _Hub:
+class Hub:
     """The hub settings of one fetch, read from the environment when it starts."""
 
     endpoint: str
@@ -142,7 +131,7 @@ class _Hub:
     cache_dir: Path
 
     @classmethod
-    def from_environ(cls, cache: Path) -> _Hub:
+    def from_environ(cls, cache: Path) -> Hub:
         env = os.environ
         if env.get("HF_HUB_CACHE"):
             cache_dir = Path(os.path.expandvars(env["HF_HUB_CACHE"])).expanduser()
@@ -159,7 +148,7 @@ class _Hub:
         )
 
 
-def _choose(source: HubSource, hub: _Hub) -> str:
+def _choose(source: HubSource, hub: Hub) -> str:
     """The GGUF to fetch for a source that names only the repository."""
     names = _cached_files(source, hub) if hub.offline else _listed_files(source, hub)
     # Only names that stay inside the repository's folder: the listing is the
@@ -203,7 +192,7 @@ def _inside(name: str) -> bool:
     return not name.startswith("/") and "" not in steps and "." not in steps and ".." not in steps
 
 
-def _listed_files(source: HubSource, hub: _Hub) -> list[str]:
+def _listed_files(source: HubSource, hub: Hub) -> list[str]:
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=hub.endpoint, token=hub.token)
@@ -214,13 +203,13 @@ def _listed_files(source: HubSource, hub: _Hub) -> list[str]:
     return [sibling.rfilename for sibling in info.siblings or []]
 
 
-def _cached_files(source: HubSource, hub: _Hub) -> list[str]:
+def _cached_files(source: HubSource, hub: Hub) -> list[str]:
     """The files of the source's revision in the hub cache (its snapshot folder)."""
     from huggingface_hub.file_download import repo_folder_name
 
     storage = hub.cache_dir / repo_folder_name(repo_id=source.repo, repo_type="model")
     commit: str | None = source.revision
-    if not _COMMIT.match(source.revision):
+    if not COMMIT.match(source.revision):
         try:
             commit = (storage / "refs" / source.revision).read_text().strip()
         except OSError:
@@ -232,20 +221,20 @@ def _cached_files(source: HubSource, hub: _Hub) -> list[str]:
     return [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
 
 
-def _offline(source: HubSource, hub: _Hub, what: str) -> str:
+def _offline(source: HubSource, hub: Hub, what: str) -> str:
     return (
         f"{source}: HF_HUB_OFFLINE is set and the cache at {hub.cache_dir} has no {what}: "
         "run once online or copy it there"
     )
 
 
-def _download(source: HubSource, filename: str, hub: _Hub, progress: bool, marks: Path) -> Path:
+def _download(source: HubSource, filename: str, hub: Hub, progress: bool, marks: Path) -> Path:
     from huggingface_hub import hf_hub_download
 
-    transfer = _Transfer(f"{source.repo}/{filename}", hub.endpoint, lines=not progress)
-    bar = _bar_class(transfer) if progress else _lines_class(transfer)
+    transfer = Transfer(f"{source.repo}/{filename}", hub.endpoint, lines=not progress)
+    bar = bar_class(transfer) if progress else lines_class(transfer)
     try:
-        path = None if hub.offline else _resumable(source, filename, hub, bar, marks)
+        path = None if hub.offline else resumable(source, filename, hub, bar, marks)
         if path is None:
             path = Path(
                 hf_hub_download(
@@ -266,337 +255,7 @@ def _download(source: HubSource, filename: str, hub: _Hub, progress: bool, marks
     return path
 
 
-# Library internals used here, all for the cache layout, which is the library's to define
-# and which every hub tool reads: `_create_symlink` (the snapshot's link, relative, or a
-# move or copy where symlinks are not supported), `_cache_commit_hash_for_specific_revision`
-# (`refs/`, written atomically) and `_create_cachedir_tag`. Copied here they would drift
-# from the library unseen; imported, a release that changes them fails at the import or in
-# tests/service/test_hub.py.
-def _resumable(
-    source: HubSource, filename: str, hub: _Hub, bar: type[base_tqdm[Any]], marks: Path
-) -> Path | None:
-    """The file in the hub cache, downloaded when missing by a download that a later fetch
-    resumes (`blobs/<sha256>.rerank-partial`) and checked before it is placed; None leaves
-    the fetch to `hf_hub_download`, which falls back on the cache or raises what
-    `_explain` words when the hub cannot be asked, and serves a file without a sha256.
-
-    Always plain HTTP, never Xet (docs/decisions.md, "Models from the hub through
-    huggingface_hub"): hf_xet keeps nothing of an interrupted download for the next start.
-    """
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub._local_folder import _create_cachedir_tag
-    from huggingface_hub.file_download import repo_folder_name
-
-    # Public (the library's docs import it from here), but not re-exported for mypy.
-    from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]
-
-    # Resolved as hf_hub_download resolves it, so that both name a file alike.
-    cache_dir = hub.cache_dir.expanduser().resolve()
-    storage = cache_dir / repo_folder_name(repo_id=source.repo, repo_type="model")
-    parts = PurePosixPath(filename).parts
-    if _COMMIT.match(source.revision):
-        pinned = storage.joinpath("snapshots", source.revision, *parts)
-        if pinned.exists():
-            return pinned  # as hf_hub_download does: a commit's file never changes
-    # The header hf_hub_download's requests carry, by which the hub counts downloads.
-    headers = build_hf_headers(token=hub.token, headers={constants.X_HF_DOWNLOAD_COUNTER: "1"})
-    try:
-        meta = get_hf_file_metadata(
-            hf_hub_url(source.repo, filename, revision=source.revision, endpoint=hub.endpoint),
-            token=hub.token,
-            headers=headers,
-            endpoint=hub.endpoint,
-        )
-    except Exception:
-        return None  # hf_hub_download asks again and does what it does today
-    etag, commit, size = meta.etag or "", meta.commit_hash or "", meta.size
-    if not (_SHA256.match(etag) and _COMMIT.match(commit)) or ".." in parts or size is None:
-        return None
-    if size > constants.MAX_HTTP_DOWNLOAD_SIZE:
-        return None  # the hub serves a file this large through Xet alone
-    blob = storage / "blobs" / etag
-    pointer = storage.joinpath("snapshots", commit, *parts)
-    if pointer.exists():
-        _cache_ref(storage, source.revision, commit, best_effort=True)
-        return pointer
-    label = f"{source.repo}/{filename}"
-    # The lock hf_hub_download takes for this blob, so that its downloads and ours wait
-    # for each other too.
-    with _exclusive(cache_dir / ".locks" / storage.name / f"{etag}.lock", label):
-        new_blob = not blob.exists()
-        if new_blob:
-            # Pinned to the commit: every attempt gets the bytes this answer described, and
-            # a redirect to the CDN is signed anew for each.
-            url = hf_hub_url(source.repo, filename, revision=commit, endpoint=hub.endpoint)
-            _create_cachedir_tag(cache_dir)  # as hf_hub_download does: backups skip the cache
-            _receive(url, blob, size, headers, bar, source, filename)
-            _mark(blob, marks)
-        if not pointer.exists():
-            _link(blob, pointer, new_blob)
-    _cache_ref(storage, source.revision, commit, best_effort=False)
-    return pointer
-
-
-# Long enough for an idle lock to be taken at once; past it, the wait is said.
-_LOCK_TRY_S = 0.2
-
-
-@contextmanager
-def _exclusive(lock: Path, label: str) -> Iterator[None]:
-    """Hold one blob's lock: a second process downloading the same file (a replica sharing
-    the cache volume) waits for the first, then finds the blob."""
-    from filelock import Timeout  # huggingface_hub's lock library, which WeakFileLock raises
-
-    # The library's own lock (flock, or a lock file where a file system has none); not
-    # re-exported for mypy, as build_hf_headers.
-    from huggingface_hub.utils import WeakFileLock  # type: ignore[attr-defined]
-
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as stack:
-        try:
-            stack.enter_context(WeakFileLock(lock, timeout=_LOCK_TRY_S))
-        except Timeout:
-            say(f"{label}: waiting for another process that is downloading it")
-            stack.enter_context(WeakFileLock(lock))
-        yield
-
-
-def _receive(
-    url: str,
-    blob: Path,
-    size: int,
-    headers: dict[str, str],
-    bar: type[base_tqdm[Any]],
-    source: HubSource,
-    filename: str,
-) -> None:
-    """Download into `<blob>.rerank-partial` from its current size on, check it against the
-    sha256 the blob is named after, and move it into place. Called under the blob's lock.
-
-    The partial keeps a stable name beside the blobs: the next start finds it, and the move
-    into place is a rename within one directory. A partial that fails the check is deleted.
-    """
-    from huggingface_hub.file_download import http_get
-
-    blob.parent.mkdir(parents=True, exist_ok=True)
-    _remove_library_temp_files(blob)
-    partial = blob.with_name(f"{blob.name}.rerank-partial")
-    with partial.open("ab") as file:
-        if file.tell() > size:  # not the start of this file
-            file.seek(0)
-            file.truncate()
-        # Sends `Range: bytes=N-` and starts over if the answer is the whole file (200);
-        # returns at once when the partial is already whole.
-        http_get(
-            url, file, resume_size=file.tell(), headers=headers, expected_size=size, tqdm_class=bar
-        )
-    _check_sha256(partial, source, filename)
-    os.replace(partial, blob)
-
-
-def _remove_library_temp_files(blob: Path) -> None:
-    """Delete hf_hub_download's temporary files of this blob (`<sha256>.<8 hex>.incomplete`),
-    which a killed process leaves behind: it never reuses them, so they only fill the disk.
-    A live download of the library holds the blob's lock, which the caller holds."""
-    mine = re.compile(rf"{blob.name}(\.[0-9a-f]{{8}})?\.incomplete\Z")
-    for path in blob.parent.glob(f"{blob.name}*.incomplete"):
-        if mine.match(path.name):
-            path.unlink(missing_ok=True)
-
-
-def _link(blob: Path, pointer: Path, new_blob: bool) -> None:
-    """The snapshot's entry for the file, made under a temporary name then renamed over
-    `pointer`, so that no reader sees it missing or half made. `_create_symlink` makes the
-    link relative (a moved cache keeps working) and, where symlinks are not supported,
-    moves a new blob there or copies a shared one, as the library does."""
-    from huggingface_hub.file_download import _create_symlink
-
-    pointer.parent.mkdir(parents=True, exist_ok=True)
-    temp = pointer.with_name(f".{pointer.name}.{uuid.uuid4().hex[:8]}.link")
-    try:
-        _create_symlink(str(blob), str(temp), new_blob=new_blob)
-        os.replace(temp, pointer)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
-def _cache_ref(storage: Path, revision: str, commit: str, *, best_effort: bool) -> None:
-    """`refs/<revision>` naming the commit when the revision is a branch or tag: where an
-    offline start looks the revision up. `best_effort`: a cache mounted read-only, whose file
-    is already there, is served without it, as hf_hub_download does."""
-    from huggingface_hub.file_download import _cache_commit_hash_for_specific_revision
-
-    try:
-        _cache_commit_hash_for_specific_revision(str(storage), revision, commit)
-    except OSError:
-        if not best_effort:
-            raise
-
-
-@dataclass
-class _Transfer:
-    """One download as its progress bar sees it: huggingface_hub makes the bar only when it
-    downloads, so a fetch from the cache says nothing. Without a bar (`lines`), each step
-    is also a `model_download` log event whose fields a log shipper reads: `phase` (start,
-    resume, progress, done), `file`, `done_bytes`, `total_bytes`, `percent`, `seconds`."""
-
-    label: str
-    endpoint: str
-    lines: bool = False
-    size: float | None = None
-    started: float | None = None
-    tenths: int = 0  # the last tenth said
-
-    def begin(self, size: float | None, initial: float = 0) -> None:
-        """`initial`: the bytes an earlier start left, which this download resumes from."""
-        # A retried download keeps its bar, but a Xet one makes two.
-        if self.started is not None:
-            return
-        self.started, self.size = time.monotonic(), size
-        self._event("resume" if initial and size else "start", initial, endpoint=self.endpoint)
-        if initial and size:
-            self.tenths = int(10 * initial / size)
-            say(
-                f"resuming {self.label} at {_amount(initial)} of {_amount(size)} "
-                f"from {self.endpoint}"
-            )
-            return
-        of = f" ({_amount(size)})" if size else ""
-        say(f"downloading {self.label}{of} from {self.endpoint}")
-
-    def report(self, done: float, size: float | None) -> None:
-        tenths = int(10 * done / size) if size else 0
-        if self.tenths < tenths < 10 and size:
-            self.tenths = tenths
-            self._event("progress", done)
-            say(f"downloading {self.label}: {10 * tenths}% ({_amount(done)} of {_amount(size)})")
-
-    def finish(self) -> None:
-        if self.started is None:
-            return
-        took = time.monotonic() - self.started
-        self._event("done", self.size, seconds=round(took, 3))
-        of = f": {_amount(self.size)}" if self.size else ""
-        say(f"downloaded {self.label}{of} in {took:.1f} s")
-
-    def _event(self, phase: str, done: float | None, **fields: Any) -> None:
-        if not self.lines:
-            return  # a log line would break into the bar's redraws
-        total = int(self.size) if self.size else None
-        log.info(
-            "model_download",
-            phase=phase,
-            file=self.label,
-            done_bytes=int(done or 0),
-            total_bytes=total,
-            percent=round(100 * (done or 0) / total, 1) if total else None,
-            **fields,
-        )
-
-
-def _amount(size: float) -> str:
-    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
-
-
-def _lines_class(transfer: _Transfer) -> type[base_tqdm[Any]]:
-    from huggingface_hub.utils.tqdm import tqdm
-
-    class Lines(tqdm):
-        """No bar: a `say` line at each tenth, for logs that a bar's redraws would garble."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            transfer.begin(kwargs.get("total"), kwargs.get("initial") or 0)
-            kwargs["disable"] = True  # tqdm draws nothing; `update` counts
-            super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
-
-        def update(self, n: float | None = 1) -> bool | None:
-            self.n += n or 0
-            transfer.report(self.n, self.total)
-            return None
-
-        def update_transfer(self, n: float) -> None:
-            """Bytes off the network, which a Xet download counts apart from bytes written:
-            with this method it reports both to one bar, and only the written are said."""
-
-        def set_transfer_postfix_str(self, s: str = "", refresh: bool = True) -> None:
-            """The network rate of a Xet download, which the lines leave out."""
-
-    return Lines
-
-
-def _bar_class(transfer: _Transfer) -> type[base_tqdm[Any]]:
-    from huggingface_hub.utils.tqdm import tqdm
-
-    class Bar(tqdm):
-        """huggingface_hub's bar, which also tells `transfer` that a download began."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            transfer.begin(kwargs.get("total"), kwargs.get("initial") or 0)
-            # A plain HTTP download is labelled with its URL, cut to its last 40 characters.
-            if kwargs.get("name") == "huggingface_hub.http_get":
-                kwargs["desc"] = transfer.label
-            if kwargs.get("disable") is None:
-                kwargs["disable"] = False  # a bar was asked for, terminal or not
-            super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
-
-    return Bar
-
-
-def _verify(path: Path, source: HubSource, filename: str, marks: Path) -> None:
-    """Check the file against the sha256 the hub gave for it, which the cache names its
-    blob after, the first time this blob is used; delete it when it does not match.
-
-    A mark in `marks` (the blob's size and mtime) records a blob that matched, so the hash
-    is computed once, not at each start; a blob that lost its mark (the process ended
-    between the download and the check) is checked again. A file kept in git, whose blob
-    is named after its git hash, and a cache without symlinks give no sha256 to check.
-    """
-    blob = path.resolve()
-    if not _SHA256.match(blob.name):
-        return
-    try:
-        if (marks / blob.name).read_text() == _stamp(blob):
-            return
-    except OSError:
-        pass
-    try:
-        _check_sha256(blob, source, filename)
-    except AssetError:
-        path.unlink(missing_ok=True)
-        raise
-    _mark(blob, marks)
-
-
-def _check_sha256(file: Path, source: HubSource, filename: str) -> None:
-    """Raise AssetError, having deleted `file`, unless its sha256 is the one its blob is
-    named after (the name before the first dot)."""
-    expected = file.name.split(".")[0]
-    say(f"checking the sha256 of {source.repo}/{filename} ({_amount(file.stat().st_size)})")
-    actual = sha256_of(file)
-    if actual != expected:
-        file.unlink(missing_ok=True)
-        raise AssetError(
-            f"{source}: {filename} does not match the sha256 the hub gives for it "
-            f"({actual}, not {expected}), so it was deleted from {file.parent.parent}: "
-            "run again to download it anew"
-        )
-
-
-def _stamp(blob: Path) -> str:
-    stat = blob.stat()
-    return f"{stat.st_size} {stat.st_mtime_ns}"
-
-
-def _mark(blob: Path, marks: Path) -> None:
-    """Record that `blob` matched its sha256."""
-    try:
-        marks.mkdir(parents=True, exist_ok=True)
-        (marks / blob.name).write_text(_stamp(blob))
-    except OSError:
-        pass  # unmarked, it is checked again next time
-
-
-def _explain(error: Exception, source: HubSource, filename: str | None, hub: _Hub) -> AssetError:
+def _explain(error: Exception, source: HubSource, filename: str | None, hub: Hub) -> AssetError:
     """An AssetError for what huggingface_hub raised, naming the source and what to do."""
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -658,7 +317,7 @@ def _explain(error: Exception, source: HubSource, filename: str | None, hub: _Hu
     )
 
 
-def _ggufs_of(source: HubSource, hub: _Hub) -> str:
+def _ggufs_of(source: HubSource, hub: Hub) -> str:
     """The repository's GGUF files, for an error that names a file it does not have."""
     try:
         names = _listed_files(source, hub)
