@@ -257,7 +257,7 @@ async def build_server(
                     BlendResolver(profiles[own.blend_profile]),
                     lambda: lag.recent_s,
                     scorer if i == 0 else None,
-                    started_estimate(stacks),
+                    _started_estimate(stacks),
                 )
             )
         _say_models(stacks)
@@ -375,9 +375,7 @@ def _say_models(stacks: list[ServedStack]) -> None:
     """One line per served model (when they are named), and what the managed
     llama-servers hold in memory: estimated before they started, and measured now."""
     named = len(stacks) > 1 or bool(stacks[0].name)
-    for s in stacks:
-        if not named:
-            break
+    for s in stacks if named else []:
         file = s.managed.model if s.managed else None
         log.info(
             "model_served",
@@ -405,7 +403,7 @@ def _say_models(stacks: list[ServedStack]) -> None:
         )
 
 
-def started_estimate(stacks: list[ServedStack]) -> int:
+def _started_estimate(stacks: list[ServedStack]) -> int:
     """The memory estimated for the llama-servers already started (their files where
     the metadata did not say more)."""
     m = [s.managed.memory for s in stacks if s.managed is not None and s.managed.memory]
