@@ -3,13 +3,13 @@ measured once it is ready, and the container's limit they are held against."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .gguf_meta import Gguf
-from .scoring_path import ENCODERS
 
 # Bytes an element of the KV cache takes, by llama-server's `--cache-type-k/-v` names
 # (ggml block sizes: 32 elements with their scales).
@@ -24,10 +24,33 @@ CACHE_TYPE_BYTES = {
     "q4_0": 18 / 32,
     "iq4_nl": 18 / 32,
 }
-_CACHE_TYPE_FLAGS = {
-    "k": ("-ctk", "--cache-type-k"),
-    "v": ("-ctv", "--cache-type-v"),
-}
+# llama-server's flags and the variables it reads for them (its `--help`); an argument
+# wins over a variable, and the last of an argument given twice wins.
+CACHE_TYPE_K = (("-ctk", "--cache-type-k"), "LLAMA_ARG_CACHE_TYPE_K")
+CACHE_TYPE_V = (("-ctv", "--cache-type-v"), "LLAMA_ARG_CACHE_TYPE_V")
+CTX_SIZE = (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE")
+GPU_LAYERS = (("-ngl", "--gpu-layers", "--n-gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS")
+# Architectures llama.cpp gives no KV cache (`llama_model::create_memory`): encoders and
+# diffusion models, which read each sequence whole.
+NO_KV_CACHE = frozenset(
+    {
+        "bert",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "neo-bert",
+        "eurobert",
+        "wavtokenizer-dec",
+        "modern-bert",
+        "gemma-embedding",
+        "dream",
+        "llada",
+        "llada-moe",
+        "rnd1",
+        "clef",
+    }
+)
 # A cgroup v1 "no limit" is the largest page-aligned signed 64-bit number.
 _UNLIMITED = 1 << 60
 
@@ -35,69 +58,98 @@ _UNLIMITED = 1 << 60
 @dataclass(frozen=True)
 class MemoryEstimate:
     """A llama-server's resident memory before compute buffers and its own runtime (tens
-    of MB): the model file, mapped and read whole, and the KV cache of every slot.
+    of MB): the model file, mapped and read whole, and the KV cache for `kv_cache_tokens`.
     `kv_cache_bytes` is None where the metadata does not say (then so is `total_bytes`)."""
 
     file_bytes: int
     kv_cache_bytes: int | None
+    kv_cache_tokens: int
 
     @property
     def total_bytes(self) -> int | None:
         return None if self.kv_cache_bytes is None else self.file_bytes + self.kv_cache_bytes
 
 
-def estimate(gguf: Gguf, tokens: int, llama_args: Sequence[str]) -> MemoryEstimate:
-    """For `tokens` of context in all (slots x ctx-per-slot) and llama-server's arguments."""
-    return MemoryEstimate(gguf.path.stat().st_size, kv_cache_bytes(gguf, tokens, llama_args))
+def estimate(
+    gguf: Gguf, tokens: int, llama_args: Sequence[str], environ: Mapping[str, str] = os.environ
+) -> MemoryEstimate:
+    """For `tokens` of context in all (slots x ctx-per-slot), unless llama-server's
+    arguments or variables set its context otherwise."""
+    ctx = setting(llama_args, CTX_SIZE, environ)
+    if ctx is not None and ctx.isdigit():
+        trained = gguf.meta.get(f"{gguf.architecture}.context_length")
+        tokens = int(ctx) if int(ctx) else int(trained) if isinstance(trained, int) else tokens
+    return MemoryEstimate(
+        gguf.path.stat().st_size, kv_cache_bytes(gguf, tokens, llama_args, environ), tokens
+    )
 
 
-def kv_cache_bytes(gguf: Gguf, tokens: int, llama_args: Sequence[str] = ()) -> int | None:
+def kv_cache_bytes(
+    gguf: Gguf,
+    tokens: int,
+    llama_args: Sequence[str] = (),
+    environ: Mapping[str, str] = os.environ,
+) -> int | None:
     """The KV cache llama.cpp allocates for `tokens`: per layer, K and V rows of
-    `head_count_kv` heads. An encoder has none (it reads each sequence in one batch).
-    Sliding-window layers hold less than this; None when a key it needs is missing."""
+    `head_count_kv` heads, each head `key_length`/`value_length` wide (by default the
+    width over the first layer's heads, as llama.cpp takes it). Sliding-window layers
+    hold less than this; None when a key it needs is missing."""
     arch, meta = gguf.architecture, gguf.meta
-    if meta.get(f"{arch}.attention.causal", arch not in ENCODERS) is False:
+    if arch in NO_KV_CACHE:
         return 0
     try:
         layers = int(meta[f"{arch}.block_count"])
         heads = _per_layer(meta[f"{arch}.attention.head_count"], layers)
         kv_heads = _per_layer(meta.get(f"{arch}.attention.head_count_kv", heads), layers)
         width = int(meta[f"{arch}.embedding_length"])
-        head_k = meta.get(f"{arch}.attention.key_length")
-        head_v = meta.get(f"{arch}.attention.value_length")
-    except (KeyError, TypeError, ValueError):
+        head_k = int(meta.get(f"{arch}.attention.key_length") or width // heads[0])
+        head_v = int(meta.get(f"{arch}.attention.value_length") or width // heads[0])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, IndexError):
         return None
-    k_bytes = CACHE_TYPE_BYTES.get(_cache_type(llama_args, "k"), 2.0)
-    v_bytes = CACHE_TYPE_BYTES.get(_cache_type(llama_args, "v"), 2.0)
-    row = 0.0
-    for h, h_kv in zip(heads, kv_heads, strict=True):
-        if not h_kv:
-            continue  # a layer without attention (a hybrid model's recurrent one)
-        k = int(head_k) if head_k else width // h
-        v = int(head_v) if head_v else width // h
-        row += h_kv * (k * k_bytes + v * v_bytes)
+    k_bytes = CACHE_TYPE_BYTES.get(_cache_type(llama_args, CACHE_TYPE_K, environ), 2.0)
+    v_bytes = CACHE_TYPE_BYTES.get(_cache_type(llama_args, CACHE_TYPE_V, environ), 2.0)
+    # A layer with no KV heads has no attention (a hybrid model's recurrent one).
+    row = sum(h_kv * (head_k * k_bytes + head_v * v_bytes) for h_kv in kv_heads)
     return int(tokens * row)
 
 
 def _per_layer(value: Any, layers: int) -> list[int]:
     """A count given once for all layers, or per layer (an array)."""
     if isinstance(value, list):
-        if len(value) != layers:
+        if len(value) != layers or not value:
             raise ValueError("per-layer array of the wrong length")
         return [int(v) for v in value]
     return [int(value)] * layers
 
 
-def _cache_type(args: Sequence[str], which: str) -> str:
-    """The operator's cache type for K or V in llama-server's arguments; f16 otherwise."""
-    found = "f16"
-    flags = _CACHE_TYPE_FLAGS[which]
+def _cache_type(
+    args: Sequence[str], option: tuple[tuple[str, ...], str], environ: Mapping[str, str]
+) -> str:
+    return (setting(args, option, environ) or "f16").lower()
+
+
+def setting(
+    args: Sequence[str],
+    option: tuple[tuple[str, ...], str],
+    environ: Mapping[str, str] = os.environ,
+) -> str | None:
+    """The value llama-server takes for `option` (its flags, its variable) from these
+    arguments, else from its variable; None when neither sets it."""
+    flags, variable = option
+    found = None
     for i, arg in enumerate(args):
         if arg in flags and i + 1 < len(args):
             found = args[i + 1]
         elif arg.startswith(tuple(f"{f}=" for f in flags)):
             found = arg.split("=", 1)[1]
-    return found.lower()
+    return found if found is not None else environ.get(variable)
+
+
+def offloaded(args: Sequence[str], environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the operator asked llama-server to put layers on a GPU: then the weights
+    and the KV cache are in its memory, not the container's."""
+    layers = setting(args, GPU_LAYERS, environ)
+    return layers is not None and layers.strip() not in ("0", "")
 
 
 def container_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:

@@ -51,7 +51,11 @@ async def start_managed(
     binary, model = await asyncio.to_thread(
         _resolve_assets, cache, settings.llama_server, settings.model_path, settings.llama_amx
     )
-    path = _scoring_path(settings, model, name)
+    try:
+        header: gguf_meta.Gguf | None = await asyncio.to_thread(gguf_meta.read_header, model)
+    except (OSError, GgufError):
+        header = None  # `_scoring_path` reads it again to say why
+    path = _scoring_path(settings, model, name, header)
     ctx_per_slot = settings.llama_ctx_per_slot
     if path.context_length is not None and path.context_length < ctx_per_slot:
         # An encoder's position table ends at its context length: a longer slot would
@@ -74,7 +78,7 @@ async def start_managed(
         amx_mode=settings.llama_amx,
         amx_free_build=llama_build.is_amx_free_build(binary, cache),
     )
-    managed.memory = _say_memory(managed, name, started_bytes, memory.container_limit())
+    managed.memory = _say_memory(managed, name, started_bytes, memory.container_limit(), header)
     # Hashed while llama-server loads (a new file of gigabytes: seconds, once).
     identity = asyncio.create_task(asyncio.to_thread(model_identity, model, cache))
     try:
@@ -96,13 +100,16 @@ async def start_managed(
     return dataclasses.replace(settings, **changes), managed  # type: ignore[arg-type]
 
 
-def _scoring_path(settings: Settings, model: Path, name: str = "") -> ScoringPath:
-    """The backend managed mode scores `model` by, and what llama-server needs for it;
-    said in one `managed_backend` line. The operator's `--managed-backend` (or
-    `--backend`) wins; else the file's metadata decides; else `--backend`."""
+def _scoring_path(
+    settings: Settings, model: Path, name: str = "", header: gguf_meta.Gguf | None = None
+) -> ScoringPath:
+    """The backend managed mode scores `model` by (its `header`, read when not given),
+    and what llama-server needs for it; said in one `managed_backend` line. The
+    operator's `--managed-backend` (or `--backend`) wins; else the file's metadata
+    decides; else `--backend`."""
     chosen = settings.managed_backend
     try:
-        found = scoring_path.read_path(model)
+        found = scoring_path.choose(header) if header else scoring_path.read_path(model)
     except (OSError, GgufError) as exc:
         found, unread = None, f"its metadata could not be read ({exc})"
     else:
@@ -130,32 +137,40 @@ def _scoring_path(settings: Settings, model: Path, name: str = "") -> ScoringPat
 
 
 def _say_memory(
-    managed: ManagedLlamaServer, name: str, started_bytes: int, limit: int | None
-) -> memory.MemoryEstimate | None:
-    """What this llama-server will hold, said before it starts (one `llama_server_memory`
-    line), and a warning when with those started before it passes the container's
-    limit: an OOM kill in a minute would otherwise be the first word of it."""
-    try:
-        header = gguf_meta.read_header(managed.model)
-    except (OSError, GgufError):
-        return None  # said by the managed_backend line
+    managed: ManagedLlamaServer,
+    name: str,
+    started_bytes: int,
+    limit: int | None,
+    header: gguf_meta.Gguf | None,
+) -> memory.MemoryEstimate:
+    """What this llama-server will hold (its file alone when the header was not read),
+    said before it starts in one `llama_server_memory` line, and a warning when with
+    those started before it passes the container's limit: an OOM kill in a minute would
+    otherwise be the first word of it. Layers put on a GPU are in the device's memory."""
     tokens = managed.slots * managed.ctx_per_slot
-    estimate = memory.estimate(header, tokens, managed.extra_args)
+    if header is None:
+        estimate = memory.MemoryEstimate(managed.model.stat().st_size, None, tokens)
+    else:
+        estimate = memory.estimate(header, tokens, managed.extra_args)
+    gpu = memory.offloaded(managed.extra_args)
     log.info(
         "llama_server_memory",
         model=managed.model.name,
         served_as=name or None,
         file_bytes=estimate.file_bytes,
         kv_cache_bytes=estimate.kv_cache_bytes,
-        kv_cache_tokens=tokens,
+        kv_cache_tokens=estimate.kv_cache_tokens,
         estimate_bytes=estimate.total_bytes,
         container_limit_bytes=limit,
+        gpu_layers=memory.setting(managed.extra_args, memory.GPU_LAYERS) if gpu else None,
     )
     total = started_bytes + (estimate.total_bytes or estimate.file_bytes)
-    if limit is not None and total > limit:
+    if limit is not None and total > limit and not gpu:
         log.warning(
             "managed_memory_over_limit",
-            estimate_bytes=total,
+            model=managed.model.name,
+            served_as=name or None,
+            total_estimate_bytes=total,
             container_limit_bytes=limit,
             advice="fewer slots (--llama-slots), a shorter --llama-ctx-per-slot, "
             "a smaller quantization, or a higher memory limit",

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import structlog
 
-from rerank_server.managed import llama_server, memory, start
+from rerank_server.managed import llama_server, memory
 from rerank_server.managed.gguf_meta import read_header
 from rerank_server.managed.llama_server import ManagedLlamaServer, knows_flag
 from rerank_server.scoring.backends import prompt
@@ -112,25 +111,6 @@ async def test_the_memory_said_before_start_is_what_llama_server_holds(tmp_path:
     whole = memory.estimate(header, 4 * 4096, []).total_bytes
     resident = await _resident_when_ready(tmp_path, *large)
     assert whole is not None and whole <= resident <= whole + 128e6
-
-
-def test_a_start_past_the_container_limit_is_warned_of_before_it_begins(tmp_path: Path) -> None:
-    binary, model = assets_or_fail()
-    managed = ManagedLlamaServer(
-        binary, model, slots=4, ctx_per_slot=4096, log_path=tmp_path / "llama-server.log"
-    )
-    with structlog.testing.capture_logs() as logged:
-        estimate = start._say_memory(managed, "chat", 0, limit=1 << 30)
-        assert estimate is not None and estimate.total_bytes is not None
-        start._say_memory(managed, "chat", (1 << 30) - estimate.total_bytes + 1, limit=1 << 30)
-    said, warned = (
-        [e for e in logged if e["event"] == "llama_server_memory"],
-        [e for e in logged if e["event"] == "managed_memory_over_limit"],
-    )
-    assert said[0]["estimate_bytes"] == estimate.total_bytes
-    assert said[0]["kv_cache_tokens"] == 4 * 4096 and said[0]["container_limit_bytes"] == 1 << 30
-    assert len(warned) == 1  # the second: with what was started before, one byte over
-    assert warned[0]["estimate_bytes"] == (1 << 30) + 1 and "--llama-slots" in warned[0]["advice"]
 
 
 async def _command_run(tmp_path: Path, extra_args: list[str]) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import grpc
@@ -275,6 +276,11 @@ async def test_a_low_priority_flood_leaves_room_for_high_priority_callers(
         for e in shed
     )
     assert sorted(a.status_code for a in answers) == [200] * 2 + [429] * 4
+    busy = re.compile(
+        r"server busy: \d rerank requests in progress, all that low-priority callers may "
+        r"take of 4 \(max_concurrent_rpcs\)"
+    )
+    assert all(busy.search(a.text) for a in answers if a.status_code == 429)
 
 
 async def test_health_and_metrics_are_never_limited_and_refusals_are_counted(
