@@ -373,7 +373,7 @@ def _monitor(
 
 def _say_models(stacks: list[ServedStack]) -> None:
     """One line per served model (when they are named), and what the managed
-    llama-servers hold in memory: estimated before they started, and measured now."""
+    llama-servers hold in memory: each one's estimate, and what they hold once all are up."""
     named = len(stacks) > 1 or bool(stacks[0].name)
     for s in stacks if named else []:
         file = s.managed.model if s.managed else None

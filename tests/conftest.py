@@ -15,6 +15,7 @@ from rerank_server.observability import logs
 from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import LogFormat, Settings
 from tests.fakes.llama import FakeLlamaServer
+from tests.fakes.redis_server import RedisServer
 
 logs.configure("debug", LogFormat.JSON)
 
@@ -95,3 +96,11 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server on loopback (tests/fakes/redis_server.py), stopped after."""
+    server = RedisServer().start()
+    yield server
+    server.stop()

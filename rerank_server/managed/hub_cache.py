@@ -66,7 +66,7 @@ def resumable(
             endpoint=hub.endpoint,
         )
     except Exception:
-        return None  # hf_hub_download asks again and does what it does today
+        return None  # hf_hub_download asks again and answers as it would alone
     etag, commit, size = meta.etag or "", meta.commit_hash or "", meta.size
     if not (SHA256.match(etag) and COMMIT.match(commit)) or ".." in parts or size is None:
         return None

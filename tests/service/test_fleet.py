@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
-import pytest
 
 from rerank_server.managed.child_process import free_port
 from tests.fakes.llama import FakeLlamaServer
@@ -18,13 +17,6 @@ from tests.fakes.redis_server import RedisServer
 from tests.server_process import server_process
 
 DOCS = [f"passage {i} on what cats eat" for i in range(40)]
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 @contextlib.asynccontextmanager

@@ -24,7 +24,6 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from prometheus_client.parser import text_string_to_metric_families
 from rerank_client import AsyncRerankClient, RerankError, ServerBusyError, Threshold
 
 from rerank_server.managed.child_process import free_port
@@ -33,34 +32,11 @@ from rerank_server.server import RunningServer, build_server
 from rerank_server.settings import Settings
 from tests.conftest import StartServer, client_of
 from tests.fakes.llama import HTTP_500, FakeLlamaServer
+from tests.scraped import moved, scrape, total
 from tests.waiting import eventually
 
 CANARY = "CANARY-91c2"
 RERANK = "rerank.v1.Reranker/Rerank"
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-async def scrape(server: RunningServer) -> Samples:
-    """Every sample on /metrics, keyed by (sample name, labels)."""
-    async with httpx.AsyncClient() as http:
-        response = await http.get(f"http://127.0.0.1:{server.telemetry.metrics_port}/metrics")
-    assert response.status_code == 200
-    samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for s in family.samples:
-            samples[(s.name, frozenset(s.labels.items()))] = s.value
-    return samples
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum of the samples named `name` whose labels include `labels`."""
-    wanted = set(labels.items())
-    return sum(v for (n, lbls), v in samples.items() if n == name and wanted <= lbls)
-
-
-def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
-    return total(after, name, **labels) - total(before, name, **labels)
 
 
 async def test_prometheus_counters_and_histograms_move(

@@ -9,15 +9,13 @@ import asyncio
 import dataclasses
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import structlog.testing
 import trustme
-from prometheus_client.parser import text_string_to_metric_families
 from rerank_client import AsyncRerankClient, RerankAnswer
 
 from rerank_server.errors import ConfigError
@@ -30,6 +28,7 @@ from rerank_server.settings import Settings
 from tests.conftest import StartServer, client_of
 from tests.fakes.llama import FakeLlamaServer
 from tests.fakes.redis_server import RedisServer, TlsTerminator
+from tests.scraped import scrape, total
 from tests.waiting import eventually
 
 DOCS = ["apples are red", "bananas are yellow", "cherries are dark"]
@@ -37,13 +36,7 @@ CANARY = "CANARY-5e1f"
 # Loopback on a 2-core machine that may run other tests meanwhile: a request's own work
 # is milliseconds, this is what it may add on a bad moment.
 MARGIN_S = 0.5
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.stop()
+READS = "rerank_cache_shared_duration_seconds_count"
 
 
 async def replica(start_server: StartServer, **overrides: Any) -> RunningServer:
@@ -72,22 +65,6 @@ async def timed(client: AsyncRerankClient, query: str) -> tuple[float, RerankAns
     return time.perf_counter() - started, answer
 
 
-async def samples(server: RunningServer, name: str) -> dict[frozenset[tuple[str, str]], float]:
-    """The samples on /metrics named `name`, by their labels."""
-    async with httpx.AsyncClient() as http:
-        response = await http.get(f"http://127.0.0.1:{server.telemetry.metrics_port}/metrics")
-    return {
-        frozenset(s.labels.items()): s.value
-        for family in text_string_to_metric_families(response.text)
-        for s in family.samples
-        if s.name == name
-    }
-
-
-def total(found: Mapping[frozenset[tuple[str, str]], float], **labels: str) -> float:
-    return sum(v for lbls, v in found.items() if set(labels.items()) <= lbls)
-
-
 async def test_a_replica_answers_what_another_scored_without_the_backend(
     start_server: StartServer, fake_llama: FakeLlamaServer, redis_server: RedisServer
 ) -> None:
@@ -108,11 +85,11 @@ async def test_a_replica_answers_what_another_scored_without_the_backend(
     assert (await rerank(second, "fruit", DOCS)).summary.cached == 3
     assert tier_of(second).asked == asked
 
-    lookups = await samples(second, "rerank_cache_lookups_total")
-    assert total(lookups, rerank_cache_result="hit", rerank_cache_tier="shared") == 3
-    assert total(lookups, rerank_cache_result="hit", rerank_cache_tier="memory") == 3
-    reads = await samples(second, "rerank_cache_shared_duration_seconds_count")
-    assert total(reads, error_type="") == 1
+    found = await scrape(second)
+    lookups = "rerank_cache_lookups_total"
+    assert total(found, lookups, rerank_cache_result="hit", rerank_cache_tier="shared") == 3
+    assert total(found, lookups, rerank_cache_result="hit", rerank_cache_tier="memory") == 3
+    assert total(found, READS, error_type="") == 1
 
 
 async def test_keys_are_digests_under_the_prefix_values_scores_each_with_the_ttl(
@@ -239,8 +216,8 @@ async def test_redis_killed_under_load_fails_no_request_and_is_asked_no_more(
     assert all(a.reranked and a.summary.failed == 0 for _, a in answers)
     # Twenty requests of three pairs share four backend slots: 15 calls deep.
     assert max(s for s, _ in answers) < 60 / 4 * fake_llama.latency_s + MARGIN_S
-    reads = await samples(server, "rerank_cache_shared_duration_seconds_bucket")
-    assert total(reads, le="+Inf") - total(reads, le="0.25") == 0  # none waited longer
+    found, buckets = await scrape(server), "rerank_cache_shared_duration_seconds_bucket"
+    assert total(found, buckets, le="+Inf") == total(found, buckets, le="0.25")  # none longer
     downs = [e for e in logged if e["event"] == "score_cache_shared_down"]
     # Logged once, however the first failure showed: a read in flight at the kill may
     # reach its bound before the loop sees the reset on a loaded machine.
@@ -263,8 +240,7 @@ async def test_a_hung_redis_delays_a_request_no_more_than_the_timeout_then_comes
         assert not tier.link.breaker.up and tier.asked == 1 + 3
     finally:
         redis_server.resume()
-    reads = await samples(server, "rerank_cache_shared_duration_seconds_count")
-    assert total(reads, error_type="timeout") == 3
+    assert total(await scrape(server), READS, error_type="timeout") == 3
 
     # Back: a lookup after the back-off starts a probe, and the next reads are answered.
     await asyncio.sleep(redis_client.FIRST_BACKOFF_S)
@@ -293,8 +269,7 @@ async def test_a_slow_redis_delays_a_request_no_more_than_the_timeout(
             took = [await timed(client, f"slow {i}") for i in range(6)]
         assert all(s < 0.02 + MARGIN_S and a.reranked for s, a in took)
         assert not tier.link.breaker.up and tier.asked == 3
-        reads = await samples(server, "rerank_cache_shared_duration_seconds_count")
-        assert total(reads, error_type="timeout") == 3
+        assert total(await scrape(server), READS, error_type="timeout") == 3
     finally:
         await slow.stop()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ import grpc
 import httpx
 import pytest
 import structlog.testing
-from prometheus_client.parser import text_string_to_metric_families
 
 from rerank_server.fleet.limit_counter import RedisLimitCounter
 from rerank_server.managed.child_process import free_port
@@ -26,6 +25,7 @@ from rerank_server.settings import Settings
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
 from tests.fakes.redis_server import RedisServer
+from tests.scraped import scrape, total
 from tests.service.test_token_limits import (
     TOKEN_A,
     TOKEN_B,
@@ -38,13 +38,6 @@ from tests.waiting import eventually
 
 # Loopback on a 2-core machine that may run other tests meanwhile.
 MARGIN_S = 0.5
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 async def replicas(
@@ -90,17 +83,6 @@ async def refused_on_grpc(
         await call(channel, token, docs)
     assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
     return info.value
-
-
-async def counter_errors(server: RunningServer) -> float:
-    async with httpx.AsyncClient() as http:
-        response = await http.get(f"http://127.0.0.1:{server.telemetry.metrics_port}/metrics")
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(response.text)
-        for s in family.samples
-        if s.name == "rerank_limit_counter_errors_total"
-    )
 
 
 async def test_a_tokens_rate_is_shared_by_replicas_and_both_edges(
@@ -302,7 +284,7 @@ async def test_redis_killed_lets_requests_through_unslowed_with_one_log_line(
         (e["event"], e.get("error")) for e in logged if e["event"].startswith("limit_counter")
     ]
     assert events == [("limit_counter_down", "connection")]
-    assert await counter_errors(first) >= 8
+    assert total(await scrape(first), "rerank_limit_counter_errors_total") >= 8
 
 
 # --- the counter alone, against the real Redis
