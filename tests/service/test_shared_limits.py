@@ -29,6 +29,7 @@ from tests.scraped import scrape, total
 from tests.service.test_token_limits import (
     TOKEN_A,
     TOKEN_B,
+    admitted,
     assert_429,
     call,
     post,
@@ -206,15 +207,7 @@ async def test_concurrency_is_shared_and_places_come_back_after_answers_and_canc
         slow.cancel()
         fake_llama.latency_s = 0.0
 
-        async def admitted() -> bool:
-            try:
-                await call(on_second, TOKEN_B, ["fresh"], timeout=5)
-            except grpc.aio.AioRpcError as exc:
-                assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                return False
-            return True
-
-        assert await eventually(admitted, 4, poll_s=0.1)
+        assert await eventually(lambda: admitted(on_second, TOKEN_B), 4, poll_s=0.1)
 
 
 async def test_keys_carry_the_prefix_and_expire(

@@ -79,6 +79,16 @@ def retry_seconds(error: grpc.aio.AioRpcError) -> tuple[int, str]:
     return info.retry_delay.seconds, plain
 
 
+async def admitted(channel: grpc.aio.Channel, token: str) -> bool:
+    """Whether a call of `token` is admitted now (False: refused as over a limit)."""
+    try:
+        await call(channel, token, ["fresh"], timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        return False
+    return True
+
+
 def assert_429(answer: httpx.Response, names: str) -> None:
     assert answer.status_code == 429, answer.text
     assert int(answer.headers["Retry-After"]) >= 1
@@ -215,15 +225,7 @@ async def test_a_cancelled_call_gives_its_tokens_place_back(
         slow.cancel()
         fake_llama.latency_s = 0.0
 
-        async def admitted() -> bool:
-            try:
-                await call(channel, TOKEN_A, ["fresh"], timeout=5)
-            except grpc.aio.AioRpcError as exc:
-                assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                return False
-            return True
-
-        assert await eventually(admitted, 4, poll_s=0.1)
+        assert await eventually(lambda: admitted(channel, TOKEN_A), 4, poll_s=0.1)
     fake_llama.latency_s = 1.5
     async with httpx.AsyncClient(timeout=10) as http:
         gone = asyncio.ensure_future(post(http, server, TOKEN_A, ["slow"]))
