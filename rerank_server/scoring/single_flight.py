@@ -97,6 +97,8 @@ class SingleFlight:
             if own:
                 sent = _subset(request, positions) if waiting else request
                 await self.inner.score(sent, own_outcome)
+                for _, flight in own:  # a pair the scorer left unreported lands unscored
+                    flight.land(None)  # now: this request may be waiting on it too
             if pending:
                 await asyncio.wait(pending)
             if unscored:
@@ -152,7 +154,9 @@ class _Flight:
             return None
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter.add_done_callback(settle)
-        self.waiters = [*(self.waiters or ()), waiter]
+        if self.waiters is None:
+            self.waiters = []
+        self.waiters.append(waiter)
         return waiter
 
 

@@ -25,6 +25,8 @@ def hashed_score(document: str) -> float:
 class FunctionScorer:
     score_of: Callable[[str], float] = hashed_score
     fails: Callable[[str], bool] = lambda _doc: False
+    # Left out of the answer, as a malformed backend answer leaves a pair.
+    omits: Callable[[str], bool] = lambda _doc: False
     kind: str = "function"
     model: str = "hash"
     variant: str = ""
@@ -36,6 +38,8 @@ class FunctionScorer:
     async def score(self, request: ScoreRequest, emit: Emit) -> None:
         for i, document in enumerate(request.documents):
             self.seen.append(document)
+            if self.omits(document):
+                continue
             if self.fails(document):
                 emit(PairOutcome.failed(i, Failure.HTTP_ERROR, "HTTP 500"))
             else:
