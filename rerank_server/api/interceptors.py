@@ -169,16 +169,15 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _admit(self, method: str, limited: bool, caller: Caller) -> bool:
         if not limited:
             return True
-        if not self.places.free(caller.limits.priority):
+        if not self.places.take(caller.limits.priority):
             self._metrics.rpc_rejected.add(1, {RPC_METHOD: method})
             return False
-        self.places.active += 1
         self._metrics.rpc_active.add(1, {RPC_METHOD: method})
         return True
 
     def _release(self, method: str, limited: bool) -> None:
         if limited:
-            self.places.active -= 1
+            self.places.leave()
             self._metrics.rpc_active.add(-1, {RPC_METHOD: method})
 
     def _over_limit(self, refusal: Refusal) -> None:

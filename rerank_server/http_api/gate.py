@@ -179,31 +179,42 @@ class Gate:
         if body is None:
             return  # answered already
         try:
-            if await self._busy(scope, send, caller):  # others came in while this body arrived
+            # Others came in while this body arrived. The place is taken now, before the
+            # pairs are charged (a round trip to a shared counter), so that no request
+            # arriving meanwhile finds it free.
+            if not self.places.take(caller.limits.priority):
+                await self._busy(scope, send, caller)
                 return
-            if scope["method"] == "POST":
-                try:
-                    scope[DECODED] = decoded = wire.decoded(route_path(scope), body, self._rules)
-                except wire.ShapeError as exc:
-                    await self._refuse(scope, send, 422, str(exc), {})
-                    return
-                if admission is not None:
-                    refusal = await admission.charge_pairs(self._pairs(decoded))
-                    if refusal is not None:
-                        await self._over_limit(scope, send, refusal)
-                        return
-            # Counted with the gRPC calls in `rerank.server.active_rpcs`, what an
-            # autoscaler scales on (docs/deploy.md, "Scaling out"), by route.
-            method = {RPC_METHOD: f"POST {route_path(scope)}"}
-            self.places.active += 1
-            self._metrics.rpc_active.add(1, method)
             try:
-                await self._app(scope, _replay(body, receive), send)
+                await self._charged(scope, body, receive, send, admission)
             finally:
-                self.places.active -= 1
-                self._metrics.rpc_active.add(-1, method)
+                self.places.leave()
         finally:
             self._inflight.give_back(len(body))
+
+    async def _charged(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, admission: Admission | None
+    ) -> None:
+        """The body decoded and its pairs charged to the token, then the app."""
+        if scope["method"] == "POST":
+            try:
+                scope[DECODED] = decoded = wire.decoded(route_path(scope), body, self._rules)
+            except wire.ShapeError as exc:
+                await self._refuse(scope, send, 422, str(exc), {})
+                return
+            if admission is not None:
+                refusal = await admission.charge_pairs(self._pairs(decoded))
+                if refusal is not None:
+                    await self._over_limit(scope, send, refusal)
+                    return
+        # Counted with the gRPC calls in `rerank.server.active_rpcs`, what an autoscaler
+        # scales on (docs/deploy.md, "Scaling out"), by route.
+        method = {RPC_METHOD: f"{scope['method']} {route_path(scope)}"}
+        self._metrics.rpc_active.add(1, method)
+        try:
+            await self._app(scope, _replay(body, receive), send)
+        finally:
+            self._metrics.rpc_active.add(-1, method)
 
     def _pairs(self, decoded: dict[str, Any]) -> int:
         """What a request counts against its token's pairs per minute: its documents as
@@ -215,6 +226,7 @@ class Gate:
         priority = caller.limits.priority
         if self.places.free(priority):
             return False
+        self._metrics.rpc_rejected.add(1, {RPC_METHOD: f"{scope['method']} {route_path(scope)}"})
         busy = self.places.busy(priority, "rerank requests")
         await self._refuse(
             scope,

@@ -144,8 +144,8 @@ class Metrics:
         self.rpc_rejected = make.counter(
             "rerank.server.rejected_rpcs",
             "{rpc}",
-            "Reranker RPCs refused with RESOURCE_EXHAUSTED because max_concurrent_rpcs "
-            "were already in progress.",
+            "Reranker RPCs and JSON rerank requests refused (RESOURCE_EXHAUSTED, 429) "
+            "because max_concurrent_rpcs were already in progress.",
             keys=(RPC_METHOD,),
         )
         self.limit_refusals = make.counter(

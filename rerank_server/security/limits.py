@@ -65,6 +65,16 @@ class Places:
     def free(self, priority: Priority) -> bool:
         return self.active < self.below[priority]
 
+    def take(self, priority: Priority) -> bool:
+        """Take a place if this priority may: checked and taken with no await between."""
+        if not self.free(priority):
+            return False
+        self.active += 1
+        return True
+
+    def leave(self) -> None:
+        self.active -= 1
+
     def busy(self, priority: Priority, calls: str) -> str:
         """Why a call was shed: `calls` (as the edge names them) in progress, all there
         are, or all that this priority may take."""

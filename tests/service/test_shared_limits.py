@@ -24,7 +24,7 @@ from rerank_server.server import RunningServer
 from rerank_server.settings import Settings
 from tests.conftest import StartServer
 from tests.fakes.llama import FakeLlamaServer
-from tests.fakes.redis_server import RedisServer
+from tests.fakes.redis_server import RedisServer, TlsTerminator
 from tests.scraped import scrape, total
 from tests.service.test_token_limits import (
     TOKEN_A,
@@ -396,3 +396,34 @@ async def test_a_cancelled_enter_gives_back_the_place_redis_gave_it(
         assert inspect.get("rerank:limit:svc:concurrent") is None
     finally:
         await counter.aclose()
+
+
+async def test_the_json_cap_holds_while_pairs_are_charged_in_a_slow_redis(
+    start_server: StartServer,
+    fake_llama: FakeLlamaServer,
+    tmp_path: Path,
+    redis_server: RedisServer,
+) -> None:
+    """--max-concurrent-rpcs 1 and four JSON requests at once, whose pairs are charged in
+    a Redis that answers 0.1 s late: one is served, three are shed as busy (a place
+    free when the body was in is taken before the charge, not after it)."""
+    slow = await TlsTerminator(redis_server.port, None, delay_s=0.1).start()
+    try:
+        path = tmp_path / "tokens"
+        path.write_text(f"{TOKEN_A} name=svc-a pairs_per_minute=100000\n")
+        server = await start_server(
+            http_port=free_port(),
+            auth_tokens_file=str(path),
+            cache_url=f"redis://127.0.0.1:{slow.port}/0",
+            cache_timeout_ms=2000,
+            max_concurrent_rpcs=1,
+        )
+        fake_llama.latency_s = 0.5
+        async with httpx.AsyncClient(timeout=10) as http:
+            answers = await asyncio.gather(
+                *(post(http, server, TOKEN_A, [f"passage {i}"]) for i in range(4))
+            )
+    finally:
+        await slow.stop()
+    assert sorted(a.status_code for a in answers) == [200, 429, 429, 429]
+    assert all("server busy" in a.text for a in answers if a.status_code == 429)
