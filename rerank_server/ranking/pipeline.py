@@ -273,6 +273,7 @@ class Reranker:
             request.query,
             request.max_tokens_per_doc,
             self.scorer.variant,
+            self.identity,
         )
 
     def _budget(
@@ -311,13 +312,10 @@ class Reranker:
         )
 
     def _cache_model(self) -> str:
-        """The model a cached score belongs to: the served name and the file's sha256
-        too, so that two served models whose backends report one name (two files called
-        model.gguf), or replicas serving different files under one name, share none."""
-        if not (self.name or self.identity):
-            return self.scorer.model
-        # NUL: in no served name (NAME) and no sha256, so no two triples join alike.
-        return "\0".join((self.name, self.scorer.model, self.identity))
+        """The model a cached score belongs to: the served name too, so that two served
+        models whose backends report one name (two files called model.gguf) share none
+        (the file's sha256, where known, is a key part of its own: `Scope.identity`)."""
+        return f"{self.name}/{self.scorer.model}" if self.name else self.scorer.model
 
     @property
     def model(self) -> str:

@@ -83,17 +83,29 @@ def cache_key(
     document: str,
     max_tokens: int | None = None,
     variant: str = "",
+    identity: str = "",
 ) -> bytes:
     return _hashing(
-        (backend, model, instruction, query, *_optional(max_tokens, variant), document)
+        (
+            backend,
+            model,
+            instruction,
+            query,
+            *_optional(max_tokens, variant, identity),
+            document,
+        )
     ).digest()
 
 
-def _optional(max_tokens: int | None, variant: str) -> tuple[str, ...]:
-    """The token limit and the scorer's variant as key parts, each only when set: keys
-    without them are what they were before they were keyed."""
-    limit = (f"max_tokens_per_doc={max_tokens}",) if max_tokens else ()
-    return (*limit, f"variant={variant}") if variant else limit
+def _optional(max_tokens: int | None, variant: str, identity: str) -> tuple[str, ...]:
+    """The token limit, the scorer's variant and the model file's identity as key parts,
+    each only when set: a key without them is the one made without these parts."""
+    parts = (
+        f"max_tokens_per_doc={max_tokens}" if max_tokens else "",
+        f"variant={variant}" if variant else "",
+        f"identity={identity}" if identity else "",
+    )
+    return tuple(p for p in parts if p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,7 @@ class Scope:
     query: str
     max_tokens: int | None = None  # the request's max_tokens_per_doc
     variant: str = ""  # the scorer's (`Scorer.variant`)
+    identity: str = ""  # the model file's sha256, where the server knows it
 
     def key(self, document: str) -> bytes:
         return cache_key(
@@ -116,6 +129,7 @@ class Scope:
             document,
             self.max_tokens,
             self.variant,
+            self.identity,
         )
 
     def keys(self, documents: Iterable[str]) -> list[bytes]:
@@ -127,7 +141,7 @@ class Scope:
                 self.model,
                 self.instruction,
                 self.query,
-                *_optional(self.max_tokens, self.variant),
+                *_optional(self.max_tokens, self.variant, self.identity),
             )
         )
         keys = []
