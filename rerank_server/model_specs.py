@@ -12,7 +12,14 @@ from typing import Any
 
 from .errors import ConfigError
 from .ranking.served_models import NAME
-from .settings import Settings, env_name, managed_path_of, read_value, setting_type
+from .settings import (
+    FLAG_ENTRY_END,
+    Settings,
+    env_name,
+    managed_path_of,
+    read_value,
+    setting_type,
+)
 
 HUB_PREFIX = "hf:"
 # What a model may set for itself in the models file; everything else is the server's
@@ -131,10 +138,10 @@ def plan(settings: Settings) -> ModelPlan:
 
 def parse_entries(raw: str) -> list[tuple[str, str]]:
     """`NAME=SOURCE` entries, separated by whitespace (`--models`, `RERANK_MODELS`), or
-    by newlines when there is one (every `--model NAME=SOURCE` lands here, one per line:
-    a path may hold spaces)."""
+    each ended by `FLAG_ENTRY_END` (every `--model NAME=SOURCE` lands here so: a path
+    given as a flag may hold spaces)."""
     out: list[tuple[str, str]] = []
-    entries = raw.splitlines() if "\n" in raw else raw.split()
+    entries = raw.split(FLAG_ENTRY_END) if FLAG_ENTRY_END in raw else raw.split()
     for entry in (e.strip() for e in entries):
         if not entry:
             continue

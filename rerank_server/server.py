@@ -353,7 +353,7 @@ def _monitor(
             await edge.report_backend(component, up)
         if served.name:
             # A name's "/" escaped, so that model "en" and model "en/x" never share one.
-            name = served.name.replace("%", "%25").replace("/", "%2F")
+            name = served.name.replace("/", "%2F")  # NAME holds no "%" to escape
             own = f"model/{name}" + (f"/{component}" if component else "")
             await edge.report_backend(own, up)
 
@@ -374,6 +374,9 @@ def _monitor(
 def _say_models(stacks: list[ServedStack]) -> None:
     """One line per served model (when they are named), and what the managed
     llama-servers hold in memory: each one's estimate, and what they hold once all are up."""
+    resident = {
+        id(s): memory.resident_bytes(s.managed.pid) for s in stacks if s.managed is not None
+    }
     named = len(stacks) > 1 or bool(stacks[0].name)
     for s in stacks if named else []:
         file = s.managed.model if s.managed else None
@@ -388,17 +391,17 @@ def _say_models(stacks: list[ServedStack]) -> None:
             slots=s.managed.slots if s.managed else None,
             ctx_per_slot=s.managed.ctx_per_slot if s.managed else None,
             concurrency=s.settings.concurrency,
-            resident_bytes=memory.resident_bytes(s.managed.pid) if s.managed else None,
+            resident_bytes=resident.get(id(s)),
         )
     managed = [s.managed for s in stacks if s.managed is not None]
     if managed:
         estimates = [m.memory.total_bytes if m.memory else None for m in managed]
-        resident = [memory.resident_bytes(m.pid) for m in managed]
+        held = list(resident.values())
         log.info(
             "managed_memory",
             llama_servers=len(managed),
             estimate_bytes=None if None in estimates else sum(filter(None, estimates)),
-            resident_bytes=None if None in resident else sum(filter(None, resident)),
+            resident_bytes=None if None in held else sum(filter(None, held)),
             container_limit_bytes=memory.container_limit(),
         )
 
@@ -407,7 +410,7 @@ def _started_estimate(stacks: list[ServedStack]) -> int:
     """The memory estimated for the llama-servers already started (their files where
     the metadata did not say more)."""
     m = [s.managed.memory for s in stacks if s.managed is not None and s.managed.memory]
-    return sum(e.total_bytes or e.file_bytes for e in m)
+    return sum(e.at_least_bytes for e in m)
 
 
 async def serve(

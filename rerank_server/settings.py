@@ -21,6 +21,8 @@ from .domain import BackendKind, BlendStrategy
 from .errors import ConfigError
 
 ENV_PREFIX = "RERANK_"
+# Ends each `--model NAME=SOURCE` in `Settings.models` (`model_specs.parse_entries`).
+FLAG_ENTRY_END = "\0"
 DEFAULT_INSTRUCTION = "Given a query, retrieve relevant passages that answer the query"
 
 
@@ -959,7 +961,8 @@ def _sort_model_flags(values: dict[str, Any], environ: Mapping[str, str]) -> Non
         )
     values["model"] = names[0] if names else environ.get(env_name("model"), "")
     if entries := [g for g in given if "=" in g]:
-        values["models"] = "".join(f"{e}\n" for e in entries)  # one per line: see model_specs
+        # Each ended by NUL, which no environment variable can hold: see model_specs.
+        values["models"] = "".join(f"{e}{FLAG_ENTRY_END}" for e in entries)
 
 
 def _backend_chooses_managed_path(

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 from .downloads import sha256_of
-
-# A file in the hub's cache is stored under its sha256 (`blobs/<sha256>`).
-_BLOB = re.compile(r"[0-9a-f]{64}")
+from .hub_cache import SHA256
 
 
 def model_identity(model: Path, cache: Path) -> str:
@@ -20,7 +17,8 @@ def model_identity(model: Path, cache: Path) -> str:
     and modification time (a multi-gigabyte file takes seconds to hash; it is hashed
     while its llama-server loads)."""
     real = model.resolve()
-    if _BLOB.fullmatch(real.name) and real.parent.name == "blobs":
+    # A file in the hub's cache is stored under its sha256 (`blobs/<sha256>`).
+    if SHA256.match(real.name) and real.parent.name == "blobs":
         return f"sha256:{real.name}"
     stat = real.stat()
     key = f"{real}|{stat.st_size}|{stat.st_mtime_ns}"

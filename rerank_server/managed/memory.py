@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .gguf_meta import Gguf
+from .scoring_path import ENCODERS
 
 # Bytes an element of the KV cache takes, by llama-server's `--cache-type-k/-v` names
 # (ggml block sizes: 32 elements with their scales).
@@ -30,27 +31,16 @@ CACHE_TYPE_K = (("-ctk", "--cache-type-k"), "LLAMA_ARG_CACHE_TYPE_K")
 CACHE_TYPE_V = (("-ctv", "--cache-type-v"), "LLAMA_ARG_CACHE_TYPE_V")
 CTX_SIZE = (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE")
 GPU_LAYERS = (("-ngl", "--gpu-layers", "--n-gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS")
-# Architectures llama.cpp gives no KV cache (`llama_model::create_memory`): encoders and
-# diffusion models, which read each sequence whole.
-NO_KV_CACHE = frozenset(
-    {
-        "bert",
-        "jina-bert-v2",
-        "jina-bert-v3",
-        "nomic-bert",
-        "nomic-bert-moe",
-        "neo-bert",
-        "eurobert",
-        "wavtokenizer-dec",
-        "modern-bert",
-        "gemma-embedding",
-        "dream",
-        "llada",
-        "llada-moe",
-        "rnd1",
-        "clef",
-    }
-)
+# Architectures llama.cpp gives no KV cache (`llama_model::create_memory`): the encoders
+# but T5's, and the diffusion models, which read each sequence whole.
+NO_KV_CACHE = (ENCODERS - {"t5encoder"}) | {
+    "wavtokenizer-dec",
+    "dream",
+    "llada",
+    "llada-moe",
+    "rnd1",
+    "clef",
+}
 # A cgroup v1 "no limit" is the largest page-aligned signed 64-bit number.
 _UNLIMITED = 1 << 60
 
@@ -68,6 +58,11 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int | None:
         return None if self.kv_cache_bytes is None else self.file_bytes + self.kv_cache_bytes
+
+    @property
+    def at_least_bytes(self) -> int:
+        """What it is known to hold: the total, or the file where the KV is unknown."""
+        return self.total_bytes or self.file_bytes
 
 
 def estimate(

@@ -17,7 +17,18 @@ from .gguf_meta import RANK_POOLING, Gguf, GgufError, read_header, reranker_kind
 POOLING_NAMES = {1: "mean", 2: "cls", 3: "last"}
 # Encoders, for files without the `attention.causal` key (llama.cpp's names).
 ENCODERS = frozenset(
-    {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "modern-bert", "neo-bert", "t5encoder"}
+    {
+        "bert",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "modern-bert",
+        "neo-bert",
+        "eurobert",
+        "gemma-embedding",
+        "t5encoder",
+    }
 )
 # ggml types whose rows this module can read to compare two heads.
 F32, F16, Q8_0, BF16 = 0, 1, 8, 30

@@ -84,7 +84,7 @@ async def start_managed(
     try:
         await managed.start()
     except BaseException:
-        identity.cancel()  # the thread hashes on; nobody waits for it
+        identity.cancel()  # the thread hashes on (the loop's executor ends with it)
         raise
     try:
         managed.identity = await identity
@@ -148,11 +148,14 @@ def _say_memory(
     those started before it passes the container's limit: an OOM kill in a minute would
     otherwise be the first word of it. Layers put on a GPU are in the device's memory."""
     tokens = managed.slots * managed.ctx_per_slot
+    # Its whole command line: the `-c` managed mode passes, then the operator's, and an
+    # argument beats llama-server's variable for it.
+    args = managed.command()
     if header is None:
         estimate = memory.MemoryEstimate(managed.model.stat().st_size, None, tokens)
     else:
-        estimate = memory.estimate(header, tokens, managed.extra_args)
-    gpu = memory.offloaded(managed.extra_args)
+        estimate = memory.estimate(header, tokens, args)
+    gpu = memory.offloaded(args)
     log.info(
         "llama_server_memory",
         model=managed.model.name,
@@ -162,9 +165,9 @@ def _say_memory(
         kv_cache_tokens=estimate.kv_cache_tokens,
         estimate_bytes=estimate.total_bytes,
         container_limit_bytes=limit,
-        gpu_layers=memory.setting(managed.extra_args, memory.GPU_LAYERS) if gpu else None,
+        gpu_layers=memory.setting(args, memory.GPU_LAYERS) if gpu else None,
     )
-    total = started_bytes + (estimate.total_bytes or estimate.file_bytes)
+    total = started_bytes + estimate.at_least_bytes
     if limit is not None and total > limit and not gpu:
         log.warning(
             "managed_memory_over_limit",

@@ -26,6 +26,11 @@ def test_model_flags_and_the_variable() -> None:
     assert not ce.managed and ce.backend_urls == ["http://a:1", "http://b:2"]
     from_env = plan(load(RERANK_MODELS="a=/m/a.gguf  b=/m/b.gguf"))
     assert [m.name for m in from_env.models] == ["a", "b"]
+    # A YAML block scalar (`|` or `>`) ends the variable with a newline, or puts one
+    # between entries: whitespace all the same.
+    for block in ("a=/m/a.gguf b=/m/b.gguf\n", "a=/m/a.gguf\nb=/m/b.gguf\n"):
+        specs = plan(load(RERANK_MODELS=block)).models
+        assert [(m.name, m.source) for m in specs] == [("a", "/m/a.gguf"), ("b", "/m/b.gguf")]
     flags_win = plan(load("--model", "c=/m/c.gguf", RERANK_MODELS="a=/m/a.gguf"))
     assert [m.name for m in flags_win.models] == ["c"]
 
