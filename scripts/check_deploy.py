@@ -490,8 +490,8 @@ _NAMESPACE_MATCHER = re.compile(r'\bnamespace\s*=\s*"([^"]*)"')
 _POD_MATCHER = re.compile(r'\bpod\s*=~\s*"([^"]*)"')
 # A redis:// or rediss:// URL with a password (`:PASSWORD@`, with or without a user).
 URL_WITH_PASSWORD = re.compile(r"rediss?://[^/@\s]*:[^/@\s]+@")
-# The cache's memory limit over its --maxmemory: the allocator's fragmentation was 1.11-1.21
-# with a million scores written (docs/deploy.md, "Scaling out"), plus client buffers.
+# The cache's memory limit over its --maxmemory: the allocator's fragmentation with a
+# million scores written (docs/deploy.md, "Scaling out"), plus client buffers.
 CACHE_HEADROOM = 1.25
 CACHE_IMAGES = frozenset({"valkey", "redis"})  # the image's name, without registry or tag
 _REDIS_UNITS = {"gb": 2**30, "mb": 2**20, "kb": 2**10, "g": 10**9, "m": 10**6, "k": 10**3}
@@ -510,8 +510,8 @@ def check_scaling_metrics(problems: Problems) -> None:
     exported = exported_metrics()
     for name in sorted(SCALING_METRICS - exported):
         problems.append(
-            f"scripts/check_deploy.py: SCALING_METRICS names {name}, which the server no "
-            "longer exports (rerank_server/observability/metrics.py)"
+            f"scripts/check_deploy.py: SCALING_METRICS names {name}, which the server does "
+            "not export (rerank_server/observability/metrics.py)"
         )
 
 

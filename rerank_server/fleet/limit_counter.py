@@ -7,11 +7,13 @@ taken from Redis's `TIME` inside the script (replicas' clocks may differ), named
 `{prefix}limit:{NAME}:{LIMIT}:{window}` and expiring just after its window. A request
 is counted or refused in one script call, so replicas never both take the last unit;
 a burst at a window's end and another at the next window's start may reach twice the
-limit in one window's time. Calls in progress (`enter`) are one counter per key,
-`{prefix}limit:{NAME}:concurrent`, whose lease (`lease_s`) each admitted call renews:
-the places of a replica that died without giving them back expire once the token goes a
-lease without a new call. `leave` never waits: places to give back are queued for one
-writer task, as the score cache's stores are.
+limit in one window's time. Calls in progress (`enter`) are a sorted set per key,
+`{prefix}limit:{NAME}:concurrent`: one member per place, named by the replica and a
+sequence number and scored by when its lease (`lease_s`) ends on Redis's clock. Places
+whose lease ended are dropped before counting, so those of a replica that died without
+giving them back are free again a lease later, however busy the token. `leave` never
+waits: places to give back are queued for one writer task, as the score cache's stores
+are.
 
 Fail open: a call that does not answer within `--cache-timeout-ms`, fails, or is not
 sent (the breaker open: `limit_counter_down` / `limit_counter_up`, one line each) lets
@@ -24,7 +26,9 @@ Scripts are required (atomic read-and-count); a Redis that refuses them fails op
 
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
 from collections.abc import Callable
 from functools import partial
 
@@ -61,22 +65,24 @@ elseif counted > limit then
 end
 return 0
 """
-# KEYS: the key; ARGV: limit, lease ms. Returns 1 when entered, else 0.
+# KEYS: the key; ARGV: limit, lease ms, the place's member. Returns 1 when entered, else
+# 0. The set lives as long as its newest lease.
 ENTER_SCRIPT = """
-if redis.call('INCR', KEYS[1]) > tonumber(ARGV[1]) then
-  redis.call('DECR', KEYS[1])
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
   return 0
 end
+redis.call('ZADD', KEYS[1], ms + tonumber(ARGV[2]), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
-# KEYS: keys; ARGV: the places each gives back. Never below 0: a key at 0 is deleted
-# (a Redis restarted meanwhile, a lease that ran out).
+# KEYS: a key per place; ARGV: the places' members. A member already gone (its lease
+# ended, a Redis restarted meanwhile) is nothing to give back.
 LEAVE_SCRIPT = """
 for i, key in ipairs(KEYS) do
-  if redis.call('DECRBY', key, ARGV[i]) <= 0 then
-    redis.call('DEL', key)
-  end
+  redis.call('ZREM', key, ARGV[i])
 end
 return #KEYS
 """
@@ -111,7 +117,10 @@ class RedisLimitCounter(WritingClient):
         # Places entered without Redis (failing open), by the limiter's key: their
         # `leave` is local.
         self._uncounted: dict[str, int] = {}
-        self._leaving: dict[str, int] = {}  # Redis key: places to give back
+        self._held: dict[str, list[str]] = {}  # Redis key: this replica's members
+        self._places = itertools.count()
+        self._replica = uuid.uuid4().hex[:12]
+        self._leaving: list[tuple[str, str]] = []  # (Redis key, member) to give back
         self._writes = BackgroundWriter(
             self._take_leaving,
             self._give_back,
@@ -161,17 +170,18 @@ class RedisLimitCounter(WritingClient):
         only) when Redis does not answer in time. A place Redis gives after its caller
         stopped waiting (the bound passed, the call cancelled) is given back at once."""
         name = self._prefix + key
-        args = [limit, self._lease_ms]
+        member = f"{self._replica}:{next(self._places)}"
+        args: list[str | int] = [limit, self._lease_ms, member]
         abandoned = False
 
         async def call(redis: Redis) -> bool:
             entered = bool(await self._enter(keys=[name], args=args, client=redis))
             if entered and abandoned:  # nobody holds this place
-                await self._leave(keys=[name], args=[1], client=redis)
+                await self._leave(keys=[name], args=[member], client=redis)
             return entered
 
         try:
-            return await self.link.read(call, self._wait_s)
+            entered = await self.link.read(call, self._wait_s)
         except Unavailable as exc:
             abandoned = True
             self._fell_back(CONCURRENT, exc.kind)
@@ -180,6 +190,9 @@ class RedisLimitCounter(WritingClient):
         except BaseException:
             abandoned = True
             raise
+        if entered:
+            self._held.setdefault(name, []).append(member)
+        return entered
 
     def leave(self, key: str) -> None:
         """`LimitCounter.leave`: the place queued to be given back in Redis by the
@@ -193,27 +206,33 @@ class RedisLimitCounter(WritingClient):
                     del self._uncounted[key]
                 return
             name = self._prefix + key
-            self._leaving[name] = self._leaving.get(name, 0) + 1
+            held = self._held.get(name)
+            if not held:
+                return  # more leaves than places entered: nothing to give back
+            self._leaving.append((name, held.pop()))
+            if not held:
+                del self._held[name]
             self._writes.wake()
         except Exception as exc:  # it runs however a call ends: never raise
             log.warning("limit_counter_error", op="leave", error_type=type(exc).__name__)
 
-    def _take_leaving(self) -> dict[str, int]:
+    def _take_leaving(self) -> list[tuple[str, str]]:
         """The writer's next batch: every place queued (empty: none)."""
-        batch, self._leaving = self._leaving, {}
+        batch, self._leaving = self._leaving, []
         return batch
 
-    async def _give_back(self, batch: dict[str, int]) -> None:
+    async def _give_back(self, batch: list[tuple[str, str]]) -> None:
         """One script call for `batch`; a batch not sent is counted (its places held in
         Redis until their lease runs out)."""
         try:
             await self.link.write(partial(self._send_leaves, batch=batch))
         except Unavailable as exc:
-            self._fell_back(CONCURRENT, exc.kind, sum(batch.values()))
+            self._fell_back(CONCURRENT, exc.kind, len(batch))
             raise
 
-    async def _send_leaves(self, redis: Redis, *, batch: dict[str, int]) -> None:
-        await self._leave(keys=list(batch), args=list(batch.values()), client=redis)
+    async def _send_leaves(self, redis: Redis, *, batch: list[tuple[str, str]]) -> None:
+        keys, members = zip(*batch, strict=True)
+        await self._leave(keys=list(keys), args=list(members), client=redis)
 
     def _fell_back(self, limit: str, kind: str, calls: int = 1) -> None:
         """Counted, not logged: the breaker logs when Redis goes down and comes back."""

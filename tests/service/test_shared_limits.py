@@ -192,7 +192,7 @@ async def test_concurrency_is_shared_and_places_come_back_after_answers_and_canc
             assert_429(one, "token 'svc-a' is over its limit of 2 concurrent requests")
         else:
             assert one.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert await eventually(lambda: inspect.get("rerank:limit:svc-a:concurrent") is None, 5)
+        assert await eventually(lambda: not inspect.exists("rerank:limit:svc-a:concurrent"), 5)
         fake_llama.latency_s = 0.0
         both = await asyncio.gather(
             post(http, first, TOKEN_A, ["j2"]), call(on_second, TOKEN_A, ["g1"])
@@ -243,7 +243,7 @@ async def test_keys_carry_the_prefix_and_expire(
     assert pairs_key.startswith("team-a:limit:svc-a:pairs_per_minute:")
     assert 0 < pairs_ttl <= 61_000
     assert all(TOKEN_A not in key for key in keys)
-    assert await eventually(lambda: inspect.get("team-a:limit:svc-a:concurrent") is None, 5)
+    assert await eventually(lambda: not inspect.exists("team-a:limit:svc-a:concurrent"), 5)
 
 
 async def test_redis_killed_lets_requests_through_unslowed_with_one_log_line(
@@ -331,16 +331,40 @@ async def test_places_are_leased_given_back_and_never_below_zero(
     assert await counter.enter("svc:concurrent", 2)
     assert await counter.enter("svc:concurrent", 2)
     assert not await counter.enter("svc:concurrent", 2)
-    assert inspect.get(key) == b"2" and 0 < inspect.pttl(key) <= 60_000
+    assert inspect.zcard(key) == 2 and 0 < inspect.pttl(key) <= 60_000
     counter.leave("svc:concurrent")
     await counter.flush()
-    assert inspect.get(key) == b"1"
-    for _ in range(3):  # one more than was entered (a Redis restarted meanwhile)
+    assert inspect.zcard(key) == 1
+    for _ in range(3):  # two more than are held
         counter.leave("svc:concurrent")
     await counter.flush()
-    assert inspect.get(key) is None
+    assert not inspect.exists(key)
     assert await counter.enter("svc:concurrent", 1)
-    assert inspect.get(key) == b"1"
+    assert inspect.zcard(key) == 1
+
+
+async def test_a_dead_replicas_places_free_up_a_lease_later_however_busy_the_token(
+    redis_server: RedisServer,
+) -> None:
+    """concurrent=3, two places held by a replica that died: another, whose calls take
+    the third place and give it back without pause, has all three a lease later."""
+    settings = Settings(cache_url=redis_server.url(), cache_timeout_ms=1000)
+    dead, alive = (RedisLimitCounter.from_settings(settings) for _ in range(2))
+    lease_s = 0.5
+    dead._lease_ms = alive._lease_ms = round(lease_s * 1000)  # a minute, in production
+    try:
+        assert await dead.enter("svc:concurrent", 3)
+        assert await dead.enter("svc:concurrent", 3)
+        started = time.monotonic()
+        while time.monotonic() - started < 3 * lease_s:
+            assert await alive.enter("svc:concurrent", 3)
+            alive.leave("svc:concurrent")
+            await alive.flush()
+            await asyncio.sleep(0.02)
+        assert all([await alive.enter("svc:concurrent", 3) for _ in range(3)])
+    finally:
+        await dead.aclose()
+        await alive.aclose()
 
 
 async def test_a_hung_redis_fails_open_within_the_bound_and_late_places_come_back(
@@ -366,10 +390,10 @@ async def test_a_hung_redis_fails_open_within_the_bound_and_late_places_come_bac
             redis_server.resume()
         # The late calls ended (they run on past the bound, within the socket timeout).
         assert await eventually(lambda: not counter.link._running, 3)
-        assert inspect.get(key) == b"1"  # entered late, given back at once
+        assert inspect.zcard(key) == 1  # entered late, given back at once
         counter.leave("svc:concurrent")  # the one entered without Redis
         await counter.flush()
-        assert inspect.get(key) == b"1"
+        assert inspect.zcard(key) == 1
         assert counter.link.breaker.up  # two slow calls do not open it
     finally:
         await counter.aclose()
@@ -393,7 +417,7 @@ async def test_a_cancelled_enter_gives_back_the_place_redis_gave_it(
         finally:
             redis_server.resume()
         assert await eventually(lambda: not counter.link._running, 3)
-        assert inspect.get("rerank:limit:svc:concurrent") is None
+        assert not inspect.exists("rerank:limit:svc:concurrent")
     finally:
         await counter.aclose()
 
