@@ -232,7 +232,7 @@ class ScoreCache:
         if bypass:
             self._lookups.add(len(documents), _BYPASSES)
             return Lookup(scope, documents, keys, {})
-        found = await self._find(keys)
+        found = await self.get_many(keys)
         self._lookups.add(len(keys) - len(found), _MISSES)
         return Lookup(
             scope, documents, keys, {i: found[key] for i, key in enumerate(keys) if key in found}
@@ -255,11 +255,8 @@ class ScoreCache:
             )
 
     async def get_many(self, keys: Iterable[bytes]) -> dict[bytes, float]:
-        """The cached scores among `keys` that have not expired, from any tier."""
-        return await self._find(keys)
-
-    async def _find(self, keys: Iterable[bytes]) -> dict[bytes, float]:
-        """`get_many`, the hits counted by the tier they came from."""
+        """The cached scores among `keys` that have not expired, from any tier; the hits
+        counted by the tier they came from (`lookup` counts the misses)."""
         now = self._clock()
         found: dict[bytes, float] = {}
         missing: list[bytes] = []
